@@ -1,0 +1,76 @@
+"""MoELayer: router -> dispatch -> experts -> combine, a drop-in for a dense FFN.
+
+Shape legend: B batch, T sequence, N = B*T tokens, D model width, F expert width, E experts.
+
+Aux losses are returned as values, never kept in global lists. A training loop gets them
+in one of two ways:
+
+* through the model: ``moe.model.MoETransformer`` sums every layer's ``Routing.aux_loss``
+  into ``out.aux_loss`` and returns the routings in ``out.routings``;
+* by hand: ``y, routing = layer(x, return_routing=True)`` and add ``routing.aux_loss``.
+
+After each optimiser step call :func:`update_routers` so routers that learn from past
+batches (aux-loss-free balancing, expert-choice thresholds) fold in what they saw.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from moe.experts import BACKENDS, SwiGLUExperts
+from moe.routing import Router, Routing, build_router, check_input
+
+
+class MoELayer(nn.Module):
+    """``y = MoELayer(d_model, d_ff, num_experts, router="topk", top_k=2)(x)`` with x [B, T, D].
+
+    ``router`` is a registered name (see ``moe.list_routers()``) or a built ``Router``;
+    ``router_options`` go to ``moe.build_router``. ``backend`` chooses the data path:
+    "torch" (reference, any device), "triton" (GPU kernels) or "auto". Results do not
+    depend on the backend beyond floating-point rounding.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        num_experts: int,
+        router: str | Router = "topk",
+        backend: str = "torch",
+        **router_options,
+    ) -> None:
+        super().__init__()
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(sorted(BACKENDS))} and 'auto'")
+        if isinstance(router, Router):
+            if router_options:
+                raise ValueError("router_options are only accepted with a router name")
+            if (router.d_model, router.num_experts) != (d_model, num_experts):
+                raise ValueError(
+                    f"router built for d_model={router.d_model}, num_experts={router.num_experts}; "
+                    f"layer has d_model={d_model}, num_experts={num_experts}"
+                )
+            self.router = router
+        else:
+            self.router = build_router(router, d_model=d_model, num_experts=num_experts, **router_options)
+        self.experts = SwiGLUExperts(num_experts, d_model, d_ff)
+        self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
+        self.backend = backend
+
+    def forward(self, x_BTD: Tensor, return_routing: bool = False) -> Tensor | tuple[Tensor, Routing]:
+        check_input(x_BTD, self.d_model)
+        b, t, d = x_BTD.shape
+        routing = self.router(x_BTD)
+        y_ND = self.experts(x_BTD.reshape(b * t, d), routing.token, routing.expert, routing.weight, self.backend)
+        y_BTD = y_ND.view(b, t, d).to(x_BTD.dtype)
+        return (y_BTD, routing) if return_routing else y_BTD
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}"
+
+
+def update_routers(model: nn.Module) -> None:
+    """Call ``update_after_step()`` on every router in ``model`` (after the optimiser step)."""
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.update_after_step()

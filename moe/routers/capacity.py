@@ -1,0 +1,109 @@
+"""Capacity-limited token choice: top-k per token, then each expert keeps at most C
+assignments per group and drops the rest.
+
+Shape legend: B batch, T sequence, N = B*T tokens, E experts, K top-k, C capacity, A assignments.
+
+Who keeps a slot is set by ``priority``:
+
+* ``"position"``: slots are granted in position order, each token's k choices interleaved
+  (token t's second choice ranks before token t+1's first). Whether token t keeps a slot then
+  depends only on tokens <= t: causal. With ``group="batch"`` the order is time-major over
+  the batch ((t, b) lexicographic), still causal in time but a sample's drops depend on the
+  other samples.
+* ``"score"``: batch-prioritised routing (BPR): the highest router scores keep their slots.
+  A later token with a high score evicts an earlier one: *not causal*.
+* ``"choice"``: GShard-style: every token's first choice is queued before any second choice
+  (position order within a choice rank). A later token's first choice evicts an earlier
+  token's second choice: *not causal*. Kept because several libraries ship it.
+
+C = ceil(capacity_factor * group_size * K / E); ``capacity_factor=float("inf")`` never drops
+and equals ``topk``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe.routers.token_choice import TokenChoiceBase
+from moe.routing import Claims, Routing, capacity_per_group, rank_within_segments, register_router
+
+
+@register_router("capacity")
+class CapacityRouter(TokenChoiceBase):
+    """Token choice with capacity and token dropping.
+
+    Options: everything of ``topk`` plus ``capacity_factor`` (> 0, default 1.25),
+    ``priority`` ("position" | "score" | "choice"), ``group`` ("sequence" | "batch").
+    Claims: causal in both modes iff ``priority="position"``; batch-invariant iff
+    ``group="sequence"``. Combine weights are normalised over the k choices *before*
+    dropping, so a dropped choice simply loses its share.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        *,
+        capacity_factor: float = 1.25,
+        priority: str = "position",
+        group: str = "sequence",
+        **options,
+    ) -> None:
+        super().__init__(d_model, num_experts, **options)
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        if priority not in ("position", "score", "choice"):
+            raise ValueError(f"priority must be 'position', 'score' or 'choice', got {priority!r}")
+        if group not in ("sequence", "batch"):
+            raise ValueError(f"group must be 'sequence' or 'batch', got {group!r}")
+        self.capacity_factor = float(capacity_factor)
+        self.priority = priority
+        self.group = group
+
+    @property
+    def claims(self) -> Claims:
+        causal = self.priority == "position"
+        return Claims(causal_train=causal, causal_eval=causal, batch_invariant=self.group == "sequence")
+
+    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        b, t = batch_shape
+        n, e, k = logits_NE.shape[0], self.num_experts, self.top_k
+        dev = logits_NE.device
+        probs_NE, expert_NK, weight_NK = self.select(logits_NE)
+
+        # Candidate assignments in token-major order: a = n*K + j.
+        expert_A = expert_NK.reshape(-1)
+        token_A = torch.arange(n, device=dev).repeat_interleave(k)
+        choice_A = torch.arange(k, device=dev).repeat(n)
+        b_A, t_A = token_A // t, token_A % t
+        if self.group == "sequence":
+            segment_A, group_size = b_A * e + expert_A, t
+        else:
+            segment_A, group_size = expert_A, n
+        if self.priority == "position":
+            if self.group == "sequence":
+                priority_A = (t_A * k + choice_A).double()
+            else:
+                priority_A = ((t_A * b + b_A) * k + choice_A).double()
+        elif self.priority == "choice":
+            priority_A = (choice_A * n + t_A * b + b_A).double()
+        else:
+            priority_A = -probs_NE.detach().gather(1, expert_NK).reshape(-1).double()
+
+        capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
+        keep_A = rank_within_segments(segment_A, priority_A) < capacity
+        kept_expert_A = expert_A[keep_A]
+        self.record_load(kept_expert_A)
+        stats = self._stats(kept_expert_A, n * k)
+        stats["capacity"] = torch.tensor(capacity, device=dev)
+        return Routing(
+            token=token_A[keep_A],
+            expert=kept_expert_A,
+            weight=weight_NK.reshape(-1)[keep_A],
+            num_tokens=n,
+            num_experts=e,
+            aux_loss=self._aux_loss(logits_NE, probs_NE, expert_A),
+            stats=stats,
+            batch_shape=batch_shape,
+        )

@@ -1,0 +1,94 @@
+"""Expert-choice routing (Zhou et al., 2022): each expert takes its top-C tokens of a group.
+
+Shape legend: G groups, S tokens per group, N = G*S, E experts, C capacity, A = G*E*C.
+
+Perfect balance by construction, and a token may get zero or several experts. Not causal in
+a decoder: whether token t is among an expert's top-C depends on the scores of later tokens
+of the group. That leak is the reason this package exists; see ``ec_threshold`` and
+``ec_predictor`` for causal variants.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe.routing import Claims, Router, Routing, capacity_per_group, register_router
+
+
+@register_router("expert_choice")
+class ExpertChoiceRouter(Router):
+    """Each expert picks its top-C tokens per group by softmax score; weight = that score.
+
+    Options: ``capacity_factor`` (> 0, default 1.0; C = ceil(cf * S / E)), ``group``
+    ("sequence": S = T; "batch": S = B*T), ``aux_loss_coef`` (unused: balanced by
+    construction), ``z_loss_coef``.
+    Claims: not causal in either mode; batch-invariant iff ``group="sequence"``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        *,
+        capacity_factor: float = 1.0,
+        group: str = "sequence",
+        **base,
+    ) -> None:
+        super().__init__(d_model, num_experts, **base)
+        if not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        if group not in ("sequence", "batch"):
+            raise ValueError(f"group must be 'sequence' or 'batch', got {group!r}")
+        self.capacity_factor = float(capacity_factor)
+        self.group = group
+
+    @property
+    def claims(self) -> Claims:
+        return Claims(causal_train=False, causal_eval=False, batch_invariant=self.group == "sequence")
+
+    def expert_choice(self, probs_NE: Tensor, batch_shape: tuple[int, int]) -> tuple[Tensor, Tensor, int]:
+        """(token_A, expert_A, C): each expert's top-C tokens per group, expert-major per group."""
+        b, t = batch_shape
+        n, e = probs_NE.shape
+        g, s = (b, t) if self.group == "sequence" else (1, n)
+        c = capacity_per_group(self.capacity_factor, s, 1, e)
+        scores_GES = probs_NE.detach().view(g, s, e).transpose(1, 2)
+        idx_GEC = torch.topk(scores_GES, c, dim=-1).indices
+        offset_G = torch.arange(g, device=probs_NE.device).view(g, 1, 1) * s
+        token_A = (idx_GEC + offset_G).reshape(-1)
+        expert_A = torch.arange(e, device=probs_NE.device).view(1, e, 1).expand(g, e, c).reshape(-1)
+        return token_A, expert_A, c
+
+    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        n, e = logits_NE.shape
+        probs_NE = F.softmax(logits_NE, dim=-1)
+        token_A, expert_A, c = self.expert_choice(probs_NE, batch_shape)
+        return self.make_routing(logits_NE, probs_NE, token_A, expert_A, batch_shape, aux=self._z_loss(logits_NE))
+
+    def make_routing(
+        self,
+        logits_NE: Tensor,
+        probs_NE: Tensor,
+        token_A: Tensor,
+        expert_A: Tensor,
+        batch_shape: tuple[int, int],
+        aux: Tensor,
+    ) -> Routing:
+        n, e = probs_NE.shape
+        served = torch.bincount(token_A, minlength=n) > 0
+        stats = {
+            "tokens_per_expert": torch.bincount(expert_A, minlength=e),
+            "dropped_fraction": 1.0 - served.float().mean(),
+        }
+        return Routing(
+            token=token_A,
+            expert=expert_A,
+            weight=probs_NE[token_A, expert_A],
+            num_tokens=n,
+            num_experts=e,
+            aux_loss=aux,
+            stats=stats,
+            batch_shape=batch_shape,
+        )

@@ -1,0 +1,275 @@
+"""The routing contract shared by every router, the MoE layer, the kernels and the audit.
+
+Shape legend (used in names as suffixes, e.g. ``logits_NE``):
+    B batch, T sequence length, N = B*T flattened tokens (row-major: n = b*T + t),
+    D model width, E experts, K top-k, C capacity per expert and group,
+    G number of routing groups, A kept (token, expert) assignments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class Routing:
+    """The kept (token, expert, weight) assignments of one forward pass.
+
+    ``token``, ``expert`` and ``weight`` are parallel 1-D tensors of length A. A token may
+    appear zero times (dropped) or several times; an expert may receive no token.
+    """
+
+    token: Tensor
+    """int64 [A]: flat token index n = b*T + t of each kept assignment."""
+    expert: Tensor
+    """int64 [A]: expert index in [0, E)."""
+    weight: Tensor
+    """float [A]: combine weight, differentiable w.r.t. the router parameters."""
+    num_tokens: int
+    """N = B*T."""
+    num_experts: int
+    """E."""
+    aux_loss: Tensor
+    """Scalar: the router's training losses, already weighted by their coefficients."""
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    """At least ``tokens_per_expert`` (int64 [E]) and ``dropped_fraction`` (scalar)."""
+    batch_shape: tuple[int, int] | None = None
+    """(B, T) of the routed input, so that :meth:`dense` can restore it."""
+
+    def __post_init__(self) -> None:
+        a = self.token.shape
+        if self.token.dim() != 1 or self.expert.shape != a or self.weight.shape != a:
+            raise ValueError(
+                f"Routing fields must be 1-D of equal length, got token {tuple(self.token.shape)}, "
+                f"expert {tuple(self.expert.shape)}, weight {tuple(self.weight.shape)}"
+            )
+        if self.batch_shape is None:
+            self.batch_shape = (1, self.num_tokens)
+        elif self.batch_shape[0] * self.batch_shape[1] != self.num_tokens:
+            raise ValueError(f"batch_shape {self.batch_shape} does not multiply to num_tokens {self.num_tokens}")
+
+    @property
+    def num_assignments(self) -> int:
+        return self.token.numel()
+
+    def dense(self) -> Tensor:
+        """The [B, T, E] combine-weight matrix, zero where a token was not routed to an expert."""
+        w_NE = self.weight.new_zeros(self.num_tokens, self.num_experts)
+        w_NE = w_NE.index_put((self.token, self.expert), self.weight, accumulate=True)
+        b, t = self.batch_shape
+        return w_NE.view(b, t, self.num_experts)
+
+    def mask(self) -> Tensor:
+        """Boolean [B, T, E]: which (token, expert) pairs were kept. Exact, unlike thresholds on dense()."""
+        m_NE = torch.zeros(self.num_tokens, self.num_experts, dtype=torch.bool, device=self.token.device)
+        m_NE[self.token, self.expert] = True
+        b, t = self.batch_shape
+        return m_NE.view(b, t, self.num_experts)
+
+    def experts_per_token(self) -> Tensor:
+        """int64 [N]: how many experts each token was routed to (0 = dropped)."""
+        return torch.bincount(self.token, minlength=self.num_tokens)
+
+
+@dataclass(frozen=True)
+class Claims:
+    """What a router promises; the audit verifies every claim."""
+
+    causal_train: bool
+    """In training mode, the routing of position t depends only on positions <= t."""
+    causal_eval: bool
+    """The same in eval mode."""
+    batch_invariant: bool
+    """A sample's routing does not depend on the other samples of the batch (in both modes)."""
+
+
+class Router(nn.Module):
+    """Base class: a bias-free linear gate, input checks, aux losses and stats.
+
+    Subclasses implement :meth:`route` on fp32 logits and return a :class:`Routing`.
+    Aux-loss coefficients: ``aux_loss_coef`` weights the Switch load-balancing loss
+    ``E * sum_e f_e * P_e`` (f_e: fraction of assignments to e, P_e: mean router probability),
+    ``z_loss_coef`` the router z-loss ``mean(logsumexp(logits)^2)``.
+    """
+
+    name: str = ""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        *,
+        aux_loss_coef: float = 0.01,
+        z_loss_coef: float = 1e-3,
+        check_finite: bool = True,
+    ) -> None:
+        super().__init__()
+        _require_positive_int("d_model", d_model)
+        _require_positive_int("num_experts", num_experts)
+        if aux_loss_coef < 0 or z_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {aux_loss_coef}, {z_loss_coef}")
+        self.d_model = d_model
+        self.num_experts = num_experts
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        self.check_finite = check_finite
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        nn.init.normal_(self.gate.weight, std=d_model**-0.5)
+
+    # -- claims -------------------------------------------------------------------------
+    @property
+    def claims(self) -> Claims:
+        raise NotImplementedError
+
+    @property
+    def causal(self) -> bool:
+        """The causality claim for the current mode (``self.training``)."""
+        c = self.claims
+        return c.causal_train if self.training else c.causal_eval
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(self, x_BTD: Tensor) -> Routing:
+        check_input(x_BTD, self.d_model)
+        b, t, _ = x_BTD.shape
+        logits_NE = self.gate(x_BTD.reshape(b * t, -1)).float()
+        if self.check_finite and not torch.isfinite(logits_NE).all():
+            raise ValueError(
+                f"{type(self).__name__}: router logits contain NaN or inf "
+                f"(input has {int((~torch.isfinite(x_BTD)).sum())} non-finite values)"
+            )
+        routing = self.route(logits_NE, x_BTD, (b, t))
+        return routing
+
+    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        raise NotImplementedError
+
+    def update_after_step(self) -> None:
+        """Apply state learned from past batches (balancing bias, thresholds). Call after each
+        optimiser step; see :func:`moe.layer.update_routers`. Default: nothing to do."""
+
+    # -- shared pieces ------------------------------------------------------------------
+    def _aux_loss(self, logits_NE: Tensor, probs_NE: Tensor, expert_A: Tensor) -> Tensor:
+        loss = logits_NE.new_zeros(())
+        if self.aux_loss_coef > 0 and expert_A.numel() > 0:
+            frac_E = torch.bincount(expert_A, minlength=self.num_experts).float() / expert_A.numel()
+            loss = loss + self.aux_loss_coef * self.num_experts * (frac_E * probs_NE.mean(0)).sum()
+        return loss + self._z_loss(logits_NE)
+
+    def _z_loss(self, logits_NE: Tensor) -> Tensor:
+        if self.z_loss_coef == 0:
+            return logits_NE.new_zeros(())
+        return self.z_loss_coef * torch.logsumexp(logits_NE, dim=-1).square().mean()
+
+    def _stats(self, expert_A: Tensor, num_slots: int) -> dict[str, Tensor]:
+        tokens_per_expert_E = torch.bincount(expert_A, minlength=self.num_experts)
+        kept = expert_A.numel()
+        dropped = 1.0 - kept / num_slots if num_slots > 0 else 0.0
+        return {
+            "tokens_per_expert": tokens_per_expert_E,
+            "dropped_fraction": torch.tensor(max(dropped, 0.0), device=expert_A.device),
+        }
+
+    def extra_repr(self) -> str:
+        c = self.claims
+        return (
+            f"d_model={self.d_model}, num_experts={self.num_experts}, causal_train={c.causal_train}, "
+            f"causal_eval={c.causal_eval}, batch_invariant={c.batch_invariant}"
+        )
+
+
+def check_input(x_BTD: Tensor, d_model: int) -> None:
+    """Raise ValueError unless x is a floating [B, T, d_model] tensor."""
+    if not isinstance(x_BTD, Tensor):
+        raise ValueError(f"expected a torch.Tensor of shape [B, T, {d_model}], got {type(x_BTD).__name__}")
+    if not x_BTD.is_floating_point():
+        raise ValueError(
+            f"expected floating-point features of shape [B, T, {d_model}], got dtype {x_BTD.dtype} "
+            "(token ids go through an embedding first)"
+        )
+    if x_BTD.dim() != 3:
+        raise ValueError(f"expected input of shape [B, T, D={d_model}], got {tuple(x_BTD.shape)}")
+    if x_BTD.shape[-1] != d_model:
+        raise ValueError(f"expected last dimension D={d_model}, got input of shape {tuple(x_BTD.shape)}")
+
+
+def _require_positive_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def capacity_per_group(capacity_factor: float, group_size: int, top_k: int, num_experts: int) -> int:
+    """C = ceil(capacity_factor * group_size * top_k / E), at least 1 and at most group_size
+    (a token picks an expert at most once). ``capacity_factor=inf`` gives group_size."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if math.isinf(capacity_factor):
+        return group_size
+    return max(1, min(group_size, math.ceil(capacity_factor * group_size * top_k / num_experts)))
+
+
+def rank_within_segments(segment_A: Tensor, priority_A: Tensor) -> Tensor:
+    """int64 [A]: the 0-based rank of each element among those with the same segment id,
+    ordered by ascending priority (ties keep index order). Deterministic: two stable sorts."""
+    by_priority = torch.argsort(priority_A, stable=True)
+    order = by_priority[torch.argsort(segment_A[by_priority], stable=True)]
+    seg_sorted = segment_A[order]
+    pos = torch.arange(order.numel(), device=order.device)
+    is_start = torch.ones_like(seg_sorted, dtype=torch.bool)
+    is_start[1:] = seg_sorted[1:] != seg_sorted[:-1]
+    start_pos = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=0).values
+    rank = torch.empty_like(pos)
+    rank[order] = pos - start_pos
+    return rank
+
+
+# -- registry ---------------------------------------------------------------------------
+_REGISTRY: dict[str, type[Router]] = {}
+
+
+def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
+    """Class decorator: make a Router buildable by ``build_router(name, ...)``."""
+
+    def wrap(cls: type[Router]) -> type[Router]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"router name {name!r} is already registered to {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def list_routers() -> list[str]:
+    """Names accepted by :func:`build_router`."""
+    _load_builtin_routers()
+    return sorted(_REGISTRY)
+
+
+def build_router(name: str, *, d_model: int, num_experts: int, **options) -> Router:
+    """Build a registered router: ``build_router("topk", d_model=512, num_experts=8, top_k=2)``."""
+    _load_builtin_routers()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown router {name!r}; known routers: {', '.join(sorted(_REGISTRY))}")
+    cls = _REGISTRY[name]
+    try:
+        return cls(d_model, num_experts, **options)
+    except TypeError as e:
+        raise ValueError(f"bad options for router {name!r}: {e}") from None
+
+
+def _load_builtin_routers() -> None:
+    import moe.routers  # noqa: F401  (registers the built-in routers)
+
+
+def softmax_or_sigmoid(logits_NE: Tensor, gate: str) -> Tensor:
+    if gate == "softmax":
+        return F.softmax(logits_NE, dim=-1)
+    if gate == "sigmoid":
+        return torch.sigmoid(logits_NE)
+    raise ValueError(f"gate must be 'softmax' or 'sigmoid', got {gate!r}")
