@@ -51,6 +51,8 @@ FLOOD_SCALE = 3.0
 """Flooding inputs have this many times the mean norm of an input position."""
 GRADIENT_STEPS = 3
 """Signed-gradient steps of the search for opaque targets."""
+GRADIENT_CUTS = 3
+"""Cut positions (of the adversarial ones) where opaque targets get the gradient search."""
 
 
 def audit(
@@ -302,22 +304,31 @@ class _ModeAudit:
     # -- probe 2 ----------------------------------------------------------------------------
     def _adversarial_variants(self) -> list[_Variant]:
         variants = []
-        for c in _spread(self.cuts, ADVERSARIAL_CUTS):
-            r = self.t - c - 1
-            for future in self._floods(self.x[:, : c + 1], r):
-                variants.append(self._with_future(c, future))
+        cuts = _spread(self.cuts, ADVERSARIAL_CUTS)
+        search = self._differentiable() and not self.sampler.tokens and not self._gates()
+        for c in cuts:
+            futures = self._floods(self.x[:, : c + 1], self.t - c - 1)
+            if search and c in _spread(cuts, GRADIENT_CUTS):
+                futures += self._gradient_floods(c)
+            variants += [self._with_future(c, f) for f in futures]
         return variants
 
+    def _gates(self) -> list[Tensor]:
+        return self.at.gate_vectors(self.x.shape[-1]) if self.x.dim() == 3 and not self.sampler.tokens else []
+
     def _floods(self, past: Tensor, r: int) -> list[Tensor]:
-        """Blocks of r future positions [B', R, ...] competing with / leaving the experts of `past`."""
+        """Blocks of r future positions [B', R, ...] competing with / leaving the experts of `past`:
+        scaled copies of the past in turn, every future position a scaled copy of one earlier
+        position (for a few of them), and floods along the gate vectors of input-reading routers."""
         if self.sampler.tokens:
             return self._token_floods(past, r)
+        b = past.shape[0]
         out = [self._copies(past, r, s) for s in (FLOOD_SCALE, -FLOOD_SCALE)]
-        gates = self.at.gate_vectors(past.shape[-1]) if past.dim() == 3 else []
-        for gate_ED in gates:
+        for p in _spread(list(range(past.shape[1])), MAX_EXPERTS_FLOODED):
+            one = past[:, p : p + 1].expand(b, r, *past.shape[2:])
+            out += [FLOOD_SCALE * one, -FLOOD_SCALE * one]
+        for gate_ED in self._gates():
             out += self._gate_floods(past, r, gate_ED)
-        if not gates and self._differentiable():
-            out += self._gradient_floods(past.shape[1] - 1)
         return out
 
     @staticmethod
@@ -354,21 +365,28 @@ class _ModeAudit:
         return self._is_differentiable
 
     def _gradient_floods(self, cut: int) -> list[Tensor]:
-        """Signed-gradient search on the future positions that makes their outputs align with
-        (flood) or oppose (drain) the mean output of positions <= cut, for opaque targets."""
+        """Signed-gradient search over the future positions, for opaque differentiable targets:
+        push their outputs along (flood) or against (drain) the mean output of positions <= cut,
+        and along each of the output features those positions use most (for a router's dense
+        weights: each expert the earlier tokens chose)."""
+        u_BF = self.base.value_BTF[:, : cut + 1].mean(1)
+        directions = [u_BF]
+        for f in u_BF.abs().sum(0).topk(min(MAX_EXPERTS_FLOODED // 2, u_BF.shape[1])).indices.tolist():
+            d_BF = torch.zeros_like(u_BF)
+            d_BF[:, f] = u_BF[:, f].sign()
+            directions.append(d_BF)
         out = []
-        for sign in (1.0, -1.0):
-            x = self.x.detach().clone()
-            for _ in range(GRADIENT_STEPS):
-                value_BTF, wrt = self.at.forward_with_grad(x)
-                u_BF = value_BTF[:, : cut + 1].detach().mean(1)
-                objective = sign * (value_BTF[:, cut + 1 :] * u_BF[:, None]).sum()
-                (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
-                if grad is None:
-                    break
-                step = self.sampler.std * grad[:, cut + 1 :].sign()
-                x[:, cut + 1 :] = (x[:, cut + 1 :] + step).detach()
-            out.append(x[:, cut + 1 :])
+        for d_BF in directions:
+            for sign in (1.0, -1.0):
+                x = self.x.detach().clone()
+                for _ in range(GRADIENT_STEPS):
+                    value_BTF, wrt = self.at.forward_with_grad(x)
+                    objective = sign * (value_BTF[:, cut + 1 :] * d_BF[:, None].to(value_BTF)).sum()
+                    (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
+                    if grad is None:
+                        break
+                    x[:, cut + 1 :] = (x[:, cut + 1 :] + self.sampler.std * grad[:, cut + 1 :].sign()).detach()
+                out.append(x[:, cut + 1 :])
         return out
 
     def _token_floods(self, past: Tensor, r: int) -> list[Tensor]:
@@ -442,9 +460,8 @@ class _ModeAudit:
             blocks += [torch.full(shape, i, dtype=x0.dtype, device=x0.device) for i in self._flood_ids()]
         else:
             blocks += [(x0 * s).expand(shape) for s in (1.0, FLOOD_SCALE, -FLOOD_SCALE)]
-            if x0.dim() == 3:
-                for gate_ED in self.at.gate_vectors(x0.shape[-1]):
-                    blocks += [f[:1].expand(shape) for f in self._gate_floods(x0, self.t, gate_ED)]
+            for gate_ED in self._gates():
+                blocks += [f[:1].expand(shape) for f in self._gate_floods(x0, self.t, gate_ED)]
         variants = [_Variant(torch.cat([x0, blk]), self.t) for blk in blocks]
         if self.b > 1:
             variants.append(_Variant(x0, self.t))
