@@ -86,6 +86,8 @@ def audit(
         raise AuditUsageError("at least one mode is needed")
     if not isinstance(trials, int) or trials < 1:
         raise AuditUsageError(f"trials must be a positive integer, got {trials!r}")
+    if not isinstance(example, Tensor):
+        raise AuditUsageError(f"the example input must be a torch.Tensor, got {type(example).__name__}")
     at = AuditTarget(target)
     sampler = _Sampler(example, vocab_size if vocab_size is not None else _vocab_size(at, example))
     report = AuditReport(name=name or _name_of(target), modes=modes, claims=at.claims)
@@ -102,8 +104,6 @@ class _Sampler:
     """Fresh input positions: N(mean, std) of the example for floats, uniform ids for tokens."""
 
     def __init__(self, example: Tensor, vocab_size: int | None) -> None:
-        if not isinstance(example, Tensor):
-            raise AuditUsageError(f"the example input must be a torch.Tensor, got {type(example).__name__}")
         if example.dim() < 2 or example.shape[0] < 1 or example.shape[1] < 2:
             raise AuditUsageError(f"the example input must be [B >= 1, T >= 2, ...], got shape {tuple(example.shape)}")
         self.tokens = not example.is_floating_point()
@@ -430,7 +430,9 @@ class _ModeAudit:
         value_BTF, wrt = res
         future, own = [], []
         for s in self.cuts:
-            w = torch.randn(value_BTF[:, s].shape, generator=self.gen, dtype=torch.float64).to(value_BTF)
+            # Random signs: sum_f w_f d out[s, f] / d in[r] cannot cancel for every draw, and equals
+            # the Jacobian entry itself where each input feature moves a single output feature.
+            w = torch.randint(0, 2, value_BTF[:, s].shape, generator=self.gen).to(value_BTF) * 2 - 1
             (g,) = torch.autograd.grad((value_BTF[:, s] * w).sum(), wrt, retain_graph=True, allow_unused=True)
             g = torch.zeros_like(wrt) if g is None else g.detach().double().abs().nan_to_num(nan=math.inf)
             future.append(g[:, s + 1 :].amax() if g[:, s + 1 :].numel() else g.new_zeros(()))

@@ -27,8 +27,9 @@ class ProbeResult:
     leaks: bool
     """The probe saw a change beyond the tolerance, or a routing flip."""
     max_abs_delta: float
-    """Largest change of a float output where none is allowed (for ``jacobian``: the largest
-    |d output[<= t] / d input[> t]|); 0.0 for targets without float outputs."""
+    """Largest change of a float output where none is allowed; 0.0 for targets without float
+    outputs. For ``jacobian``: the largest |sum_f w_f d output[s, f] / d input[r]| over r > s,
+    for random signs w (the Jacobian entry itself when features map one to one)."""
     first_leaking_position: int | None
     """Earliest output position that moved (for ``batch_interference``: of the probed sample)."""
     fraction_affected: float
