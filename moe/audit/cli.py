@@ -30,7 +30,7 @@ from tqdm import tqdm
 from moe.audit.probes import MODES, audit
 from moe.audit.report import AuditReport, reports_to_json, summary_table
 from moe.audit.suite import builtin_targets
-from moe.audit.target import AuditUsageError
+from moe.audit.target import AuditTarget, AuditUsageError
 from moe.layer import MoELayer
 from moe.routing import Router
 
@@ -155,7 +155,7 @@ def _audit_user_target(args: argparse.Namespace, modes: tuple[str, ...]) -> Audi
         parse_input(args.input, args.seed) if args.input else _default_input(module, args.seed, args.target)
     )
     try:
-        with torch.no_grad():
+        with torch.no_grad(), AuditTarget(module).preserved():
             module(example)
     except Exception as e:  # any failure of the user's forward is a usage problem here
         shape = f"{'tokens' if vocab else 'float'} of shape {tuple(example.shape)}"
