@@ -190,11 +190,11 @@ def _changes(base: Outputs, other: Outputs, upto: int, exact_ok: bool, sample: s
     flips = torch.zeros(upto, dtype=torch.long)
     if base.value_BTF is not None and other.value_BTF is not None:
         diff = (base.value_BTF[sample, :upto] - other.value_BTF[sample, :upto]).abs()
-        delta = diff.nan_to_num(nan=math.inf).amax(dim=(0, 2)) if diff.numel() else delta
+        delta = diff.nan_to_num(nan=math.inf).amax(dim=(0, 2)).cpu() if diff.numel() else delta
     if exact_ok and base.exact_BTX is not None and other.exact_BTX is not None:
         a, b = base.exact_BTX[sample, :upto], other.exact_BTX[sample, :upto]
         if a.shape[-1] == b.shape[-1]:
-            flips = (a != b).sum(dim=(0, 2))
+            flips = (a != b).sum(dim=(0, 2)).cpu()
     return delta, flips
 
 
@@ -217,10 +217,18 @@ class _ModeAudit:
         self._is_differentiable: bool | None = None
 
     def forward(self, x: Tensor) -> Outputs:
+        self._reseed(x)
+        return self.at(x)
+
+    def forward_with_grad(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        self._reseed(x)
+        return self.at.forward_with_grad(x)
+
+    def _reseed(self, x: Tensor) -> None:
+        """The same global RNG state before every forward: stochastic layers repeat themselves."""
         torch.default_generator.manual_seed(self.seed)
         if x.is_cuda:
             torch.cuda.manual_seed(self.seed)
-        return self.at(x)
 
     def run(self) -> list[ProbeResult]:
         self.base = self.forward(self.x)
@@ -305,7 +313,7 @@ class _ModeAudit:
     def _adversarial_variants(self) -> list[_Variant]:
         variants = []
         cuts = _spread(self.cuts, ADVERSARIAL_CUTS)
-        search = self._differentiable() and not self.sampler.tokens and not self._gates()
+        search = not self.sampler.tokens and not self._gates() and self._differentiable()
         for c in cuts:
             futures = self._floods(self.x[:, : c + 1], self.t - c - 1)
             if search and c in _spread(cuts, GRADIENT_CUTS):
@@ -361,7 +369,7 @@ class _ModeAudit:
 
     def _differentiable(self) -> bool:
         if self._is_differentiable is None:
-            self._is_differentiable = self.at.forward_with_grad(self.x) is not None
+            self._is_differentiable = self.forward_with_grad(self.x) is not None
         return self._is_differentiable
 
     def _gradient_floods(self, cut: int) -> list[Tensor]:
@@ -380,7 +388,7 @@ class _ModeAudit:
             for sign in (1.0, -1.0):
                 x = self.x.detach().clone()
                 for _ in range(GRADIENT_STEPS):
-                    value_BTF, wrt = self.at.forward_with_grad(x)
+                    value_BTF, wrt = self.forward_with_grad(x)
                     objective = sign * (value_BTF[:, cut + 1 :] * d_BF[:, None].to(value_BTF)).sum()
                     (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
                     if grad is None:
@@ -424,7 +432,7 @@ class _ModeAudit:
 
     # -- probe 3 ----------------------------------------------------------------------------
     def _jacobian_probe(self) -> ProbeResult | None:
-        res = self.at.forward_with_grad(self.x)
+        res = self.forward_with_grad(self.x)
         if res is None:
             return None
         value_BTF, wrt = res
@@ -435,14 +443,14 @@ class _ModeAudit:
             w = torch.randint(0, 2, value_BTF[:, s].shape, generator=self.gen).to(value_BTF) * 2 - 1
             (g,) = torch.autograd.grad((value_BTF[:, s] * w).sum(), wrt, retain_graph=True, allow_unused=True)
             g = torch.zeros_like(wrt) if g is None else g.detach().double().abs().nan_to_num(nan=math.inf)
-            future.append(g[:, s + 1 :].amax() if g[:, s + 1 :].numel() else g.new_zeros(()))
-            own.append(g[:, : s + 1].amax())
-        ref = float(torch.stack(own).max())
+            future.append(float(g[:, s + 1 :].amax()) if g[:, s + 1 :].numel() else 0.0)
+            own.append(float(g[:, : s + 1].amax()))
+        ref = max(own)
         tol = torch.finfo(value_BTF.dtype).eps * ref
         tally = _Tally("jacobian", self.mode, self.t)
         for s, f in zip(self.cuts, future):
             tally.delta_T[s] = f
-            tally.moved_T[s] = bool(f > tol)
+            tally.moved_T[s] = f > tol
             tally.probed_T[s] = True
             tally.comparisons += 1
         return tally.result(tol)
