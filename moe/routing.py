@@ -87,6 +87,10 @@ class Claims:
     """The same in eval mode."""
     batch_invariant: bool
     """A sample's routing does not depend on the other samples of the batch (in both modes)."""
+    decode_consistent: bool = False
+    """In every mode where it is causal, routing the prefix 0..t alone gives position t the
+    same experts and weights as routing the whole sequence (what decoding sees). Causal is not
+    enough: a capacity sized from the sequence length T changes with the prefix length."""
 
 
 class Router(nn.Module):
@@ -205,13 +209,17 @@ def _require_positive_int(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def capacity_per_group(capacity_factor: float, group_size: int, top_k: int, num_experts: int) -> int:
+def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_experts: int):
     """C = ceil(capacity_factor * group_size * top_k / E), at least 1 and at most group_size
-    (a token picks an expert at most once). ``capacity_factor=inf`` gives group_size."""
+    (a token picks an expert at most once). ``capacity_factor=inf`` gives group_size.
+    ``group_size`` is an int, or an int64 tensor of sizes (then elementwise)."""
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     if math.isinf(capacity_factor):
         return group_size
+    if isinstance(group_size, Tensor):
+        c = torch.ceil(capacity_factor * group_size.double() * top_k / num_experts).long()
+        return torch.minimum(c.clamp_min(1), group_size)
     return max(1, min(group_size, math.ceil(capacity_factor * group_size * top_k / num_experts)))
 
 

@@ -16,7 +16,7 @@ from moe.audit import AuditReport, AuditUsageError, audit, builtin_targets, summ
 from moe.audit.report import FUTURE_PROBES
 from moe.layer import MoELayer
 from moe.model import MoETransformer, preset
-from moe.routers import ExpertChoiceRouter
+from moe.routers import CapacityRouter, ExpertChoiceRouter
 from moe.routing import Claims, build_router
 
 B, T, D = 4, 16, 8
@@ -225,12 +225,30 @@ def test_false_claims_are_violations():
     assert not report.claims_hold
 
 
+class _DecodeLiar(CapacityRouter):
+    """Capacity sized from the whole sequence that claims decode consistency."""
+
+    @property
+    def claims(self) -> Claims:
+        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+
+
+def test_false_decode_consistency_claim_is_a_violation():
+    torch.manual_seed(0)
+    report = audit(_DecodeLiar(32, 4, capacity_factor=1.0), example(0, 32))
+    assert not report.leaks and report.decode_differs_in == ["train", "eval"]
+    assert report.violations == [
+        "claims decode-consistent in train mode but prefix-only forwards differ",
+        "claims decode-consistent in eval mode but prefix-only forwards differ",
+    ]
+
+
 def test_model_claims_combine_its_routers():
     torch.manual_seed(0)
     model = MoETransformer(preset("tiny", router="ec_predictor", moe_every=1))
     report = audit(model, token_model("topk", 0)[1], modes=("eval",), trials=1)
     assert report.claimed_causal == {"eval": True}
-    assert report.claims == Claims(causal_train=False, causal_eval=True, batch_invariant=True)
+    assert report.claims == Claims(causal_train=False, causal_eval=True, batch_invariant=True, decode_consistent=True)
     dense = MoETransformer(preset("tiny", moe_every=0))
     assert audit(dense, token_model("topk", 0)[1], modes=("eval",), trials=1).claims.causal_train
 

@@ -79,6 +79,37 @@ def test_capacity_batch_group_is_time_major():
     assert assignments(seq) == [(0, 1), (1, 0), (2, 0)]
 
 
+def test_capacity_prefix_scope_grows_slots_with_position():
+    # E=2, k=1, every token wants e0, capacity_factor 1: C_t = ceil((t+1)/2) -> 1, 1, 2, 2, 3, 3
+    x = logits(*([[1, 0]] * 6))
+    out = identity_router("capacity", 2, top_k=1, capacity_factor=1.0, capacity_scope="prefix")(x)
+    # token t is kept iff its rank in e0's queue (= t) is below C_t: only t = 0
+    assert assignments(out) == [(0, 0)]
+    x = logits([1, 0], [0, 1], [1, 0], [1, 0], [0, 1], [1, 0])
+    out = identity_router("capacity", 2, top_k=1, capacity_factor=1.0, capacity_scope="prefix")(x)
+    # e0 queue: t0 (rank 0 < C_0=1), t2 (rank 1 < C_2=2), t3 (rank 2 >= C_3=2: dropped),
+    # t5 (rank 3 >= C_5=3: dropped; a queue position counts every earlier request, kept or not)
+    assert assignments(out) == [(0, 0), (1, 1), (2, 0), (4, 1)]
+    # the "group" scope uses C = ceil(6/2) = 3 for everyone: t3 is kept, t5 dropped
+    group = identity_router("capacity", 2, top_k=1, capacity_factor=1.0)(x)
+    assert assignments(group) == [(0, 0), (1, 1), (2, 0), (3, 0), (4, 1)]
+
+
+@pytest.mark.parametrize("group", ["sequence", "batch"])
+def test_capacity_prefix_scope_is_decode_consistent(group):
+    torch.manual_seed(3)
+    r = moe.build_router("capacity", d_model=8, num_experts=4, top_k=2, capacity_factor=0.5, group=group,
+                         capacity_scope="prefix")
+    x = torch.randn(3, 12, 8)
+    full = r(x).dense()
+    for t in range(12):
+        assert torch.equal(r(x[:, : t + 1]).dense()[:, t], full[:, t]), t
+    grouped = moe.build_router("capacity", d_model=8, num_experts=4, top_k=2, capacity_factor=0.5, group=group)
+    grouped.load_state_dict(r.state_dict())
+    full = grouped(x).dense()
+    assert any(not torch.equal(grouped(x[:, : t + 1]).dense()[:, t], full[:, t]) for t in range(12))
+
+
 def test_capacity_unbounded_equals_topk():
     torch.manual_seed(1)
     for opts in ({"top_k": 2}, {"top_k": 3, "gate": "sigmoid", "normalize": False}):
@@ -208,12 +239,13 @@ def test_expert_choice_lets_future_tokens_change_the_past():
 
 def test_claims():
     c = lambda name, **o: moe.build_router(name, d_model=4, num_experts=2, **o).claims  # noqa: E731
-    assert c("topk") == moe.Claims(True, True, True)
+    assert c("topk") == moe.Claims(True, True, True, decode_consistent=True)
     assert c("capacity", group="batch") == moe.Claims(True, True, False)
+    assert c("capacity", capacity_scope="prefix") == moe.Claims(True, True, True, decode_consistent=True)
     assert c("capacity", priority="score") == moe.Claims(False, False, True)
     assert c("expert_choice", group="batch") == moe.Claims(False, False, False)
-    assert c("ec_threshold") == moe.Claims(True, True, True)
-    assert c("ec_predictor") == moe.Claims(False, True, True)
+    assert c("ec_threshold") == moe.Claims(True, True, True, decode_consistent=True)
+    assert c("ec_predictor") == moe.Claims(False, True, True, decode_consistent=True)
     r = moe.build_router("ec_predictor", d_model=4, num_experts=2)
     assert r.causal is False and r.eval().causal is True
 
@@ -227,6 +259,8 @@ def test_claims():
         (dict(name="capacity", capacity_factor=0), "capacity_factor must be > 0"),
         (dict(name="expert_choice", capacity_factor=-1.0), "capacity_factor must be > 0"),
         (dict(name="capacity", priority="random"), "priority must be"),
+        (dict(name="capacity", capacity_scope="prefix", priority="score"), "capacity_scope='prefix' needs priority"),
+        (dict(name="capacity", capacity_scope="global"), "capacity_scope must be"),
         (dict(name="topk", gate="relu"), "gate must be"),
         (dict(name="topk", d_model=0), "d_model must be a positive integer"),
         (dict(name="topk", num_experts=-2), "num_experts must be a positive integer"),

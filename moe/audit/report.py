@@ -87,7 +87,12 @@ class AuditReport:
         """Prefix-only forwards reproduced the full-sequence outputs in every mode. A router whose
         capacity is a function of T is decode-inconsistent without reading future *content*, so
         this is reported beside ``leaks``, not inside it."""
-        return not any(p.leaks for p in self.probes if p.name == DECODE_PROBE)
+        return not self.decode_differs_in
+
+    @property
+    def decode_differs_in(self) -> list[str]:
+        """Modes in which a prefix-only forward changed the output at its last position."""
+        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.name == DECODE_PROBE)]
 
     @property
     def claimed_causal(self) -> dict[str, bool] | None:
@@ -106,6 +111,10 @@ class AuditReport:
                 out.append(f"claims causal in {mode} mode but leaks")
         if self.claims is not None and self.claims.batch_invariant and not self.batch_invariant:
             out.append("claims batch-invariant but other samples change its outputs")
+        if self.claims is not None and self.claims.decode_consistent:
+            for mode in self.decode_differs_in:
+                if claimed.get(mode):
+                    out.append(f"claims decode-consistent in {mode} mode but prefix-only forwards differ")
         return out
 
     @property
@@ -119,6 +128,8 @@ class AuditReport:
                 out.append(f"claims a leak in {mode} mode; none found")
         if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant:
             out.append("claims batch interference; none found")
+        if self.claims is not None and not self.claims.decode_consistent and self.decode_consistent:
+            out.append("claims decode inconsistency; none found")
         return out
 
     @property
@@ -145,6 +156,7 @@ class AuditReport:
             "claimed_causal": None if claimed is None else all(claimed.values()),
             "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],
             "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,
+            "claimed_decode_consistent": None if self.claims is None else self.claims.decode_consistent,
             "leaks": self.leaks,
             "leaks_in": self.leaks_in,
             "batch_invariant": self.batch_invariant,
@@ -195,7 +207,10 @@ def reports_to_json(reports: list[AuditReport], indent: int | None = 2) -> str:
 
 def summary_table(reports: list[AuditReport]) -> str:
     """One row per target: what it claims, what the audit found, and the verdict."""
-    head = ("target", "claims causal", "leaks in", "batch-inv claim/found", "decode", "worst delta", "flips", "verdict", "time")
+    head = (
+        "target", "claims causal", "leaks in", "batch-inv claim/found", "decode claim/found", "worst delta", "flips",
+        "verdict", "time",
+    )
     rows = []
     for r in reports:
         if r.violations:
@@ -210,7 +225,8 @@ def summary_table(reports: list[AuditReport]) -> str:
                 _claimed(r.claimed_causal),
                 ",".join(r.leaks_in) or "-",
                 f"{'?' if r.claims is None else _yes(r.claims.batch_invariant)}/{_yes(r.batch_invariant)}",
-                "same" if r.decode_consistent else "differs",
+                f"{'?' if r.claims is None else _yes(r.claims.decode_consistent)}/"
+                f"{'same' if r.decode_consistent else 'differs:' + ','.join(r.decode_differs_in)}",
                 f"{r.max_abs_delta:.1e}",
                 str(r.routing_flips),
                 verdict,

@@ -20,6 +20,7 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("topk", {"top_k": 2}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "sequence"}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "batch"}),
+    ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "sequence", "capacity_scope": "prefix"}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score", "group": "sequence"}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score", "group": "batch"}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "choice", "group": "sequence"}),
@@ -41,7 +42,7 @@ class BuiltinTarget:
 
 
 def config_label(router: str, options: dict) -> str:
-    keys = [k for k in ("priority", "group") if k in options]
+    keys = [k for k in ("priority", "group", "capacity_scope") if k in options]
     return f"{router}({','.join(str(options[k]) for k in keys)})" if keys else router
 
 

@@ -67,6 +67,7 @@ def combine_claims(claims: list[Claims]) -> Claims:
         causal_train=all(c.causal_train for c in claims),
         causal_eval=all(c.causal_eval for c in claims),
         batch_invariant=all(c.batch_invariant for c in claims),
+        decode_consistent=all(c.decode_consistent for c in claims),
     )
 
 
@@ -98,7 +99,7 @@ class AuditTarget:
         if self.routers:
             return combine_claims([r.claims for r in self.routers])
         if isinstance(self.module, (MoELayer, MoETransformer)):
-            return Claims(causal_train=True, causal_eval=True, batch_invariant=True)
+            return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
         return None
 
     def gate_vectors(self, d: int) -> list[Tensor]:

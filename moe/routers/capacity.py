@@ -18,6 +18,15 @@ Who keeps a slot is set by ``priority``:
 
 C = ceil(capacity_factor * group_size * K / E); ``capacity_factor=float("inf")`` never drops
 and equals ``topk``.
+
+``capacity_scope`` says which group size sets C. ``"group"`` (the usual choice) uses the
+whole group, so C depends on T: routing the prefix 0..t alone (as decoding does) grants fewer
+slots than the full sequence did, and a causal router still behaves differently at
+inference. ``"prefix"`` (position priority only) gives the assignment at position t the
+capacity of the prefix 0..t, ``C_t = ceil(capacity_factor * (t+1) * K / E)`` per sequence
+(``(t+1) * B`` tokens with ``group="batch"``): the same decisions whether the sequence is
+routed whole or prefix by prefix, so training sees exactly what decoding sees. (A token's
+place in an expert's queue counts every earlier request, kept or dropped.)
 """
 
 from __future__ import annotations
@@ -29,14 +38,16 @@ from moe.routers.token_choice import TokenChoiceBase
 from moe.routing import Claims, Routing, capacity_per_group, rank_within_segments, register_router
 
 
+
 @register_router("capacity")
 class CapacityRouter(TokenChoiceBase):
     """Token choice with capacity and token dropping.
 
     Options: everything of ``topk`` plus ``capacity_factor`` (> 0, default 1.25),
-    ``priority`` ("position" | "score" | "choice"), ``group`` ("sequence" | "batch").
+    ``priority`` ("position" | "score" | "choice"), ``group`` ("sequence" | "batch"),
+    ``capacity_scope`` ("group" | "prefix").
     Claims: causal in both modes iff ``priority="position"``; batch-invariant iff
-    ``group="sequence"``. Combine weights are normalised over the k choices *before*
+    ``group="sequence"``; decode-consistent iff ``capacity_scope="prefix"``. Combine weights are normalised over the k choices *before*
     dropping, so a dropped choice simply loses its share.
     """
 
@@ -48,6 +59,7 @@ class CapacityRouter(TokenChoiceBase):
         capacity_factor: float = 1.25,
         priority: str = "position",
         group: str = "sequence",
+        capacity_scope: str = "group",
         **options,
     ) -> None:
         super().__init__(d_model, num_experts, **options)
@@ -57,14 +69,24 @@ class CapacityRouter(TokenChoiceBase):
             raise ValueError(f"priority must be 'position', 'score' or 'choice', got {priority!r}")
         if group not in ("sequence", "batch"):
             raise ValueError(f"group must be 'sequence' or 'batch', got {group!r}")
+        if capacity_scope not in ("group", "prefix"):
+            raise ValueError(f"capacity_scope must be 'group' or 'prefix', got {capacity_scope!r}")
+        if capacity_scope == "prefix" and priority != "position":
+            raise ValueError("capacity_scope='prefix' needs priority='position' (other priorities read the future anyway)")
         self.capacity_factor = float(capacity_factor)
+        self.capacity_scope = capacity_scope
         self.priority = priority
         self.group = group
 
     @property
     def claims(self) -> Claims:
         causal = self.priority == "position"
-        return Claims(causal_train=causal, causal_eval=causal, batch_invariant=self.group == "sequence")
+        return Claims(
+            causal_train=causal,
+            causal_eval=causal,
+            batch_invariant=self.group == "sequence",
+            decode_consistent=self.capacity_scope == "prefix",
+        )
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         b, t = batch_shape
@@ -91,8 +113,15 @@ class CapacityRouter(TokenChoiceBase):
         else:
             priority_A = -probs_NE.detach().gather(1, expert_NK).reshape(-1).double()
 
-        capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
-        keep_A = rank_within_segments(segment_A, priority_A) < capacity
+        if self.capacity_scope == "group":
+            capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
+            capacity_A = torch.full_like(t_A, capacity)
+        else:
+            # the capacity of the prefix 0..t: tokens that precede (or share) position t
+            prefix_A = (t_A + 1) * (1 if self.group == "sequence" else b)
+            capacity_A = capacity_per_group(self.capacity_factor, prefix_A, k, e)
+            capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
+        keep_A = rank_within_segments(segment_A, priority_A) < capacity_A
         kept_expert_A = expert_A[keep_A]
         self.record_load(kept_expert_A)
         stats = self._stats(kept_expert_A, n * k)

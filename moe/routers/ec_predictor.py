@@ -55,7 +55,9 @@ class ExpertChoicePredictorRouter(ExpertChoiceRouter):
 
     @property
     def claims(self) -> Claims:
-        return Claims(causal_train=False, causal_eval=True, batch_invariant=self.group == "sequence")
+        return Claims(
+            causal_train=False, causal_eval=True, batch_invariant=self.group == "sequence", decode_consistent=True
+        )
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n, e = logits_NE.shape

@@ -45,7 +45,7 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
 
     @property
     def claims(self) -> Claims:
-        return Claims(causal_train=True, causal_eval=True, batch_invariant=True)
+        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
 
     @property
     def threshold(self) -> Tensor:

@@ -80,7 +80,7 @@ class TopKRouter(TokenChoiceBase):
 
     @property
     def claims(self) -> Claims:
-        return Claims(causal_train=True, causal_eval=True, batch_invariant=True)
+        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n = logits_NE.shape[0]
