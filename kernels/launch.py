@@ -70,24 +70,33 @@ _INTERPRETED_HELPERS: dict[int, object] = {}
 
 @contextlib.contextmanager
 def _nested_jit_interpreted():
-    """Let compiled-form ``@triton.jit`` helpers (``tl.sum``...) be called from interpreted code."""
-    from triton.runtime.interpreter import InterpretedFunction
+    """Let compiled-form ``@triton.jit`` helpers (``tl.sum``...) be called from interpreted code.
+
+    ``triton.language.core`` is patched for the interpreter once, around the whole launch
+    (the launch itself patches ``triton.language`` inside, and undoes it first), and each
+    helper runs its cached rewritten Python body, as ``InterpretedFunction`` would.
+    """
+    import types
+
+    import triton.language as tl
+    from triton.runtime import interpreter
     from triton.runtime.jit import JITFunction
 
     def call_interpreted(self, *args, **kwargs):
         key = id(self.fn)
         if key not in _INTERPRETED_HELPERS:
-            _INTERPRETED_HELPERS[key] = InterpretedFunction(self.fn)
+            _INTERPRETED_HELPERS[key] = interpreter.InterpretedFunction(self.fn).rewrite()
         return _INTERPRETED_HELPERS[key](*args, **kwargs)
 
+    scope = interpreter._patch_lang(types.SimpleNamespace(__globals__={"core": tl.core}))
     original = JITFunction.__call__
     JITFunction.__call__ = call_interpreted
     try:
         yield
     finally:
         JITFunction.__call__ = original
-
-
+        if hasattr(scope, "restore"):
+            scope.restore()
 def interpreting(device: torch.device) -> bool:
     """True when kernels on ``device`` run in the Triton interpreter (everything but CUDA)."""
     return device.type != "cuda"
