@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.launch import Kernel, check_same_device, interpreting, matmul_blocks, next_pow2
+from kernels.dispatch_combine import combine_kernel
 from kernels.metadata import RoutingMeta
 
 LINEAR, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
@@ -264,3 +265,51 @@ def wgrad(
         DOT_FP32=interpreting(dev), PRECISION=_precision(x.dtype), BM=blk.bm, BN=blk.bn, BK=blk.bk, **extra,
     )
     return tuple(outs)
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w_EKM: Tensor, meta: RoutingMeta, gather_tokens: bool, scatter_assignments: bool) -> Tensor:
+        ctx.save_for_backward(x, w_EKM)
+        ctx.meta, ctx.gather_tokens, ctx.scatter_assignments = meta, gather_tokens, scatter_assignments
+        return gmm(
+            x, w_EKM, meta,
+            gather=meta.token_P if gather_tokens else None, scatter=meta.perm_P if scatter_assignments else None,
+        )[0]
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w_EKM = ctx.saved_tensors
+        meta = ctx.meta
+        dy = dy.contiguous()
+        dy_gather = meta.perm_P if ctx.scatter_assignments else None
+        x_gather = meta.token_P if ctx.gather_tokens else None
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            (dx,) = gmm(dy, w_EKM.transpose(1, 2), meta, gather=dy_gather)
+            if ctx.gather_tokens:
+                dx = combine_kernel(dx, None, meta.pos_NE, x.dtype)
+        if ctx.needs_input_grad[1]:
+            (dw,) = wgrad(x, dy, meta, gather=x_gather, dy_gather=dy_gather, out_dtype=w_EKM.dtype)
+        return dx, dw, None, None, None
+
+
+def grouped_mm(
+    x: Tensor, w_EKM: Tensor, meta: RoutingMeta, gather_tokens: bool = False, scatter_assignments: bool = False
+) -> Tensor:
+    """Expert-sorted rows times their expert's matrix: y[p] = x[p] @ w[expert of p], with autograd.
+
+    ``gather_tokens``: x is [N, K] token rows, read through ``meta.token_P`` (fused dispatch;
+    the input gradient sums each token's rows in a fixed order). ``scatter_assignments``: the
+    output is in the caller's assignment order instead of expert order (row p stored at
+    ``meta.perm_P[p]``). fp32 accumulation; weight gradients without atomics.
+    """
+    if w_EKM.dim() != 3 or w_EKM.shape[0] != meta.num_experts:
+        raise ValueError(f"w_EKM must be [E={meta.num_experts}, K, M], got {tuple(w_EKM.shape)}")
+    return _GroupedMM.apply(x, w_EKM, meta, gather_tokens, scatter_assignments)
+
+
+def grouped_mm_reference(x_PK: Tensor, w_EKM: Tensor, counts_E: list[int]) -> Tensor:
+    """Rows already in expert order: expert e's contiguous slice times w[e]."""
+    outs = [x_e @ w_EKM[e] for e, x_e in enumerate(x_PK.split(counts_E))]
+    return torch.cat(outs) if outs else x_PK.new_zeros(0, w_EKM.shape[-1])
