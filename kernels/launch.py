@@ -121,11 +121,12 @@ def matmul_blocks(device: torch.device, dtype: torch.dtype, n_out: int, k_red: i
     """Heuristic tile sizes (autotuning needs a GPU and is not used, so CPU and GPU agree).
 
     16-bit inputs on CUDA take 128x128x64 tiles (Hopper tensor cores, 3 stages); fp32 on CUDA
-    halves every side to fit shared memory; the interpreter takes large tiles (its cost grows
-    with the number of programs and loop steps, hardly with their size).
+    halves every side to fit shared memory; the interpreter takes 64-row, <= 64-column, <= 32-deep
+    tiles (its cost grows with the number of programs and loop steps, hardly with tile size;
+    32-deep keeps several reduction steps in play at test widths).
     """
     if interpreting(device):
-        return MatmulBlocks(64, min(128, max(16, next_pow2(n_out))), min(128, max(16, next_pow2(k_red))), 4, 1)
+        return MatmulBlocks(64, min(64, max(16, next_pow2(n_out))), min(32, max(16, next_pow2(k_red))), 4, 1)
     if dtype == torch.float32:
         return MatmulBlocks(64, 64, 32, 4, 3)
     bn = 128 if n_out >= 128 else 64

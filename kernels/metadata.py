@@ -126,16 +126,22 @@ def check_assignments(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_ex
         raise ValueError(f"N*E = {num_tokens}*{num_experts} does not fit int32 positions")
 
 
-def routing_metadata(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_experts: int) -> RoutingMeta:
+def routing_metadata(
+    token_A: Tensor, expert_A: Tensor, num_tokens: int, num_experts: int, block: int | None = None
+) -> RoutingMeta:
     """Stable counting sort of the assignments by expert (three Triton kernels, see module doc).
 
-    Out-of-range indices and repeated (token, expert) pairs raise ValueError on CPU; on CUDA
-    they trip an asynchronous device assertion instead of a host synchronisation.
+    ``block``: assignments per program (a power of two; default about 16K / E). Out-of-range
+    indices and repeated (token, expert) pairs raise ValueError on CPU; on CUDA they trip an
+    asynchronous device assertion instead of a host synchronisation.
     """
     check_assignments(token_A, expert_A, num_tokens, num_experts)
     dev = token_A.device
     a = token_A.numel()
-    block, block_e = _sort_block(num_experts)
+    default_block, block_e = _sort_block(num_experts)
+    if block is not None and (block < 1 or block & (block - 1)):
+        raise ValueError(f"block must be a power of two, got {block}")
+    block = block or default_block
     nb = max(1, triton.cdiv(a, block))
     i32 = dict(dtype=torch.int32, device=dev)
     hist = torch.empty(nb, block_e, **i32)
