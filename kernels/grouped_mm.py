@@ -211,7 +211,7 @@ def gmm(
         outs[0].zero_()
     if p == 0 or m == 0:
         return tuple(o.zero_() for o in outs)
-    blk = matmul_blocks(dev, x.dtype, m, k)
+    blk = matmul_blocks(dev, x.dtype, m, k, p / e, two_acc=mode == SWIGLU, two_operands=mode == DUAL)
     grid = (triton.cdiv(p, blk.bm) + e, triton.cdiv(m, blk.bn))
     y = outs[0]
     if mode == SWIGLU_BWD:
@@ -253,7 +253,7 @@ def wgrad(
     outs = [torch.empty(e, k, m, dtype=out_dtype or x.dtype, device=dev) for _ in range(1 if dy2_PM is None else 2)]
     if k == 0 or m == 0:
         return tuple(outs)
-    blk = matmul_blocks(dev, x.dtype, m, k)
+    blk = matmul_blocks(dev, x.dtype, m, k, two_acc=dy2_PM is not None)
     dw = outs[0]
     extra = {} if interpreting(dev) else {"num_warps": blk.num_warps, "num_stages": blk.num_stages}
     _wgrad[(e, triton.cdiv(k, blk.bm) * triton.cdiv(m, blk.bn)), dev](

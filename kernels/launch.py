@@ -117,21 +117,37 @@ class MatmulBlocks:
     num_stages: int
 
 
-def matmul_blocks(device: torch.device, dtype: torch.dtype, n_out: int, k_red: int) -> MatmulBlocks:
+def matmul_blocks(
+    device: torch.device,
+    dtype: torch.dtype,
+    n_out: int,
+    k_red: int,
+    rows_per_expert: float = 1e9,
+    two_acc: bool = False,
+    two_operands: bool = False,
+) -> MatmulBlocks:
     """Heuristic tile sizes (autotuning needs a GPU and is not used, so CPU and GPU agree).
 
-    16-bit inputs on CUDA take 128x128x64 tiles (Hopper tensor cores, 3 stages); fp32 on CUDA
-    halves every side to fit shared memory; the interpreter takes 64-row, <= 64-column, <= 32-deep
-    tiles (its cost grows with the number of programs and loop steps, hardly with tile size;
-    32-deep keeps several reduction steps in play at test widths).
+    16-bit on CUDA: 128x128x64 tiles, 8 warps, 3 stages (Hopper wgmma, cp.async pipelining,
+    96 KiB of shared memory); 64-row tiles when experts average under 128 rows (decode);
+    half-width tiles with two accumulators (gate and up together) and half-depth with two
+    operand pairs (the DUAL input gradient), so registers and shared memory stay the same.
+    fp32 on CUDA: 64x64x32. The interpreter takes 64-row, <= 64-column, <= 32-deep tiles (its
+    cost grows with the number of programs and loop steps, hardly with tile size; 32-deep
+    keeps several reduction steps in play at test widths).
     """
     if interpreting(device):
         return MatmulBlocks(64, min(64, max(16, next_pow2(n_out))), min(32, max(16, next_pow2(k_red))), 4, 1)
     if dtype == torch.float32:
         return MatmulBlocks(64, 64, 32, 4, 3)
+    bm = 128 if rows_per_expert >= 128 else 64
     bn = 128 if n_out >= 128 else 64
     bk = 64 if k_red >= 64 else 32
-    return MatmulBlocks(128, bn, bk, 8, 3)
+    if two_acc:
+        bn = 64
+    if two_operands:
+        bk = 32
+    return MatmulBlocks(bm, bn, bk, 8 if bm * bn >= 128 * 128 else 4, 3)
 
 
 def check_same_device(*tensors: Tensor) -> torch.device:
