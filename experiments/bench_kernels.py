@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import re
 import sys
 import time
@@ -317,6 +316,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"unknown shapes {bad}; known: {', '.join(table)}")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu-dry-run"
     bench = timer(device)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    path = out_dir / f"bench_kernels-{stamp}-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-').lower()}.json"
 
     results: dict = {
         "gpu": gpu,
@@ -328,8 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(f"[bench_kernels] {gpu}, torch {results['torch']}, triton {results['triton']}, {dtype}")
     results["correctness"] = check_correctness(device, dtype, args.dry_run)
-    for path, entry in results["correctness"]["paths"].items():
-        print(f"  check {path:>17}: {json.dumps(entry)[:200]}")
+    for path_name, entry in results["correctness"]["paths"].items():
+        print(f"  check {path_name:>17}: {json.dumps(entry)[:200]}")
     if not results["correctness"]["ok"]:
         print("  WARNING: the triton path failed its correctness check; timings below are of wrong kernels")
     results["floors"] = measure_floors(device, bench, args.dry_run)
@@ -337,15 +340,10 @@ def main(argv: list[str] | None = None) -> dict:
     results["shapes"] = {}
     for name in tqdm(names, desc="shapes", file=sys.stdout):
         results["shapes"][name] = bench_shape(table[name], device, dtype, bench, results["floors"], args.sets)
-    for key in ("dispatch_combine_fraction_of_bandwidth", "layer_fwd_bwd_over_gemm_floor", "speedup_vs_torch_eager"):
-        results[key] = {name: r[key] for name, r in results["shapes"].items()}
+        for key in ("dispatch_combine_fraction_of_bandwidth", "layer_fwd_bwd_over_gemm_floor", "speedup_vs_torch_eager"):
+            results[key] = {n: r[key] for n, r in results["shapes"].items()}
+        path.write_text(json.dumps(results, indent=2))  # after every shape: a timeout keeps what was done
     print_table(results)
-
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    path = out_dir / f"bench_kernels-{stamp}-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-').lower()}.json"
-    path.write_text(json.dumps(results, indent=2, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v)))
     print(f"wrote {path}")
     results["path"] = str(path)
     if not results["correctness"]["ok"]:

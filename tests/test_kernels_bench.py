@@ -39,3 +39,19 @@ def test_bench_kernels_rejects_unknown_shape(tmp_path):
     bench = load_script("bench_kernels")
     with pytest.raises(SystemExit):
         bench.main(["--dry-run", "--shapes", "Z", "--out-dir", str(tmp_path)])
+
+
+def test_bench_model_step_dry_run_every_router(tmp_path):
+    step = load_script("bench_model_step")
+    results = step.main(["--dry-run", "--matmul-tflops", "1.0", "--out-dir", str(tmp_path)])
+    saved = json.loads(Path(results["path"]).read_text())
+    assert set(saved["routers"]) == set(step.ROUTERS)
+    for router, r in saved["routers"].items():
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, router
+        assert 0 < r["assignments_per_token"] <= 4, router  # about top-2 compute by construction
+
+
+def test_gpu_check_script_names_every_step():
+    script = (ROOT / "experiments" / "gpu_check.sh").read_text()
+    for needle in ("-m gpu", "bench_kernels.py", "bench_model_step.py", "--bench-json", "OUT="):
+        assert needle in script, needle
