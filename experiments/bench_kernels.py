@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["floors"] = measure_floors(device, bench, args.dry_run)
     print(f"  floors: {results['floors']}")
     results["shapes"] = {}
+    path.write_text(json.dumps(results, indent=2))
     for name in tqdm(names, desc="shapes", file=sys.stdout):
         results["shapes"][name] = bench_shape(table[name], device, dtype, bench, results["floors"], args.sets)
         for key in ("dispatch_combine_fraction_of_bandwidth", "layer_fwd_bwd_over_gemm_floor", "speedup_vs_torch_eager"):

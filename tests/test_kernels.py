@@ -78,6 +78,9 @@ def ffn_inputs(n, d, f, e, a, gen):
     return x, w, ws
 
 
+NAMES = ["y", "dx", "dweight", "dw_gate", "dw_up", "dw_down"]
+
+
 def run_ffn(fn, x, token_A, expert_A, w, ws, dtype, gy):
     """Forward + backward; returns [y, dx, dweight, dw_gate, dw_up, dw_down]."""
     leaves = [leaf(t, dtype) for t in (x, *ws)]
@@ -87,7 +90,22 @@ def run_ffn(fn, x, token_A, expert_A, w, ws, dtype, gy):
     return [y.detach(), leaves[0].grad, weight.grad, *(l.grad for l in leaves[1:])]
 
 
-NAMES = ["y", "dx", "dweight", "dw_gate", "dw_up", "dw_down"]
+def check_moe_ffn(kind, n, d, f, e, k, dtype, seed, device="cpu", rerun=False):
+    """moe_ffn_triton vs the float64 reference (and the same-dtype torch path): y and all grads."""
+    gen = torch.Generator().manual_seed(seed)
+    token_A, expert_A = assignments(kind, n, e, k, gen)
+    x, w, ws = ffn_inputs(n, d, f, e, token_A.numel(), gen)
+    gy = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    x, token_A, expert_A, w, gy, *ws = (t.to(device) for t in (x, token_A, expert_A, w, gy, *ws))
+    got = run_ffn(moe_ffn_triton, x, token_A, expert_A, w, ws, dtype, gy)
+    ref64 = run_ffn(moe_ffn_reference, x, token_A, expert_A, w, ws, torch.float64, gy)
+    same = run_ffn(moe_ffn_reference, x, token_A, expert_A, w, ws, dtype, gy)
+    again = run_ffn(moe_ffn_triton, x, token_A, expert_A, w, ws, dtype, gy) if rerun else got
+    for name, g, g2, r, s in zip(NAMES, got, again, ref64, same):
+        assert g.dtype == s.dtype, f"{name}: dtype {g.dtype} != reference {s.dtype}"
+        assert torch.equal(g, g2), f"{name}: two identical calls differ"
+        assert_near(f"{kind} {name} on {device}", g, r, s, dtype)
+
 
 
 # -- routing metadata ------------------------------------------------------------------
@@ -225,27 +243,11 @@ def test_grouped_mm_forward_and_grads(kind, gather, scatter, dtype):
     ],
 )
 def test_moe_ffn_matches_reference(kind, n, d, f, e, k, dtype):
-    gen = torch.Generator().manual_seed(3)
-    token_A, expert_A = assignments(kind, n, e, k, gen)
-    x, w, ws = ffn_inputs(n, d, f, e, token_A.numel(), gen)
-    gy = torch.randn(n, d, generator=gen, dtype=torch.float64)
-    got = run_ffn(moe_ffn_triton, x, token_A, expert_A, w, ws, dtype, gy)
-    ref64 = run_ffn(moe_ffn_reference, x, token_A, expert_A, w, ws, torch.float64, gy)
-    same = run_ffn(moe_ffn_reference, x, token_A, expert_A, w, ws, dtype, gy)
-    for name, g, r, s in zip(NAMES, got, ref64, same):
-        assert g.dtype == s.dtype, f"{name}: dtype {g.dtype} != reference {s.dtype}"
-        assert_near(f"{kind} {name}", g, r, s, dtype)
+    check_moe_ffn(kind, n, d, f, e, k, dtype, seed=3)
 
 
 def test_moe_ffn_bitwise_reproducible():
-    gen = torch.Generator().manual_seed(4)
-    token_A, expert_A = assignments("expert_choice", 40, 4, 2, gen)
-    x, w, ws = ffn_inputs(40, 32, 32, 4, token_A.numel(), gen)
-    gy = torch.randn(40, 32, generator=gen, dtype=torch.float64)
-    first = run_ffn(moe_ffn_triton, x, token_A, expert_A, w, ws, torch.float16, gy)
-    second = run_ffn(moe_ffn_triton, x, token_A, expert_A, w, ws, torch.float16, gy)
-    for name, a, b in zip(NAMES, first, second):
-        assert torch.equal(a, b), f"{name} differs between two identical calls"
+    check_moe_ffn("expert_choice", 40, 32, 32, 4, 2, torch.float16, seed=4, rerun=True)
 
 
 def test_moe_ffn_no_assignments_and_bad_input():
@@ -340,16 +342,7 @@ def test_auto_backend_is_torch_on_cpu():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind,k", [("topk", 6), ("topk", 2), ("expert_choice", 2), ("empty_experts", 1)])
 def test_moe_ffn_sweep_slow(kind, k, dtype):
-    n, d, f, e = 256, 128, 96, 8
-    gen = torch.Generator().manual_seed(6)
-    token_A, expert_A = assignments(kind, n, e, k, gen)
-    x, w, ws = ffn_inputs(n, d, f, e, token_A.numel(), gen)
-    gy = torch.randn(n, d, generator=gen, dtype=torch.float64)
-    got = run_ffn(moe_ffn_triton, x, token_A, expert_A, w, ws, dtype, gy)
-    ref64 = run_ffn(moe_ffn_reference, x, token_A, expert_A, w, ws, torch.float64, gy)
-    same = run_ffn(moe_ffn_reference, x, token_A, expert_A, w, ws, dtype, gy)
-    for name, g, r, s in zip(NAMES, got, ref64, same):
-        assert_near(f"{kind} {name}", g, r, s, dtype)
+    check_moe_ffn(kind, 256, 128, 96, 8, k, dtype, seed=6)
 
 
 # -- GPU (skipped without CUDA) ---------------------------------------------------------
@@ -359,21 +352,7 @@ def test_moe_ffn_sweep_slow(kind, k, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("kind,k", [("topk", 6), ("expert_choice", 2), ("empty_experts", 2)])
 def test_moe_ffn_cuda_matches_reference(kind, k, dtype):
-    n, d, f, e = 1000, 256, 384, 8
-    gen = torch.Generator().manual_seed(7)
-    token_A, expert_A = assignments(kind, n, e, k, gen)
-    x, w, ws = ffn_inputs(n, d, f, e, token_A.numel(), gen)
-    gy = torch.randn(n, d, generator=gen, dtype=torch.float64)
-    cuda = lambda ts: [t.cuda() for t in ts]  # noqa: E731
-    xc, tc, ec, wc, gyc = cuda([x, token_A, expert_A, w, gy])
-    wsc = cuda(ws)
-    got = run_ffn(moe_ffn_triton, xc, tc, ec, wc, wsc, dtype, gyc)
-    again = run_ffn(moe_ffn_triton, xc, tc, ec, wc, wsc, dtype, gyc)
-    ref64 = run_ffn(moe_ffn_reference, xc, tc, ec, wc, wsc, torch.float64, gyc)
-    same = run_ffn(moe_ffn_reference, xc, tc, ec, wc, wsc, dtype, gyc) if dtype != torch.float32 else ref64
-    for name, g, g2, r, s in zip(NAMES, got, again, ref64, same):
-        assert torch.equal(g, g2), f"{name}: not bitwise reproducible on CUDA"
-        assert_near(f"cuda {kind} {name}", g, r, s, dtype)
+    check_moe_ffn(kind, 1000, 256, 384, 8, k, dtype, seed=7, device="cuda", rerun=True)
 
 
 @pytest.mark.gpu
