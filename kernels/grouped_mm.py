@@ -15,8 +15,9 @@ Weights are stacked [E, K, M]; any strides, so ``w.transpose(1, 2)`` is free.
 
 Row tiles never straddle experts. A program finds its expert from the per-expert counts
 (a cumulative sum of tiles per expert), so the grid is an upper bound, cdiv(P, BM) + E row
-tiles, and nothing waits for the host. ``_wgrad_kernel``: dw[e] = x[rows of e]^T @ dy[rows
-of e], one program per (expert, output tile) looping over the expert's rows: no atomics.
+tiles (times the column tiles), and nothing waits for the host. ``_wgrad_kernel``: dw[e] =
+x[rows of e]^T @ dy[rows of e], one program per (expert, output tile) looping over the
+expert's rows: no atomics.
 On CPU (interpreter) tiles are cast to fp32 before ``tl.dot`` (bf16 dots are wrong there).
 """
 
@@ -42,8 +43,11 @@ def _gmm_kernel(
     GATHER: tl.constexpr, SCATTER: tl.constexpr, MODE: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Column tiles vary fastest: the programs in flight share a row tile (read from HBM once)
+    # and one expert's weights (reused from L2 across that expert's row tiles).
+    num_n = tl.cdiv(M, BN)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
     ecols = tl.arange(0, BLOCK_E)
     tiles = (tl.load(counts_ptr + ecols, mask=ecols < E, other=0) + BM - 1) // BM
     last_tile = tl.cumsum(tiles, axis=0)
@@ -120,11 +124,14 @@ def _wgrad_kernel(
     GATHER: tl.constexpr, DY_GATHER: tl.constexpr, TWO: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    pid = tl.program_id(1)
+    # Tiles of one expert are consecutive: the programs in flight read the same expert's rows,
+    # which then come from L2 for every tile after the first.
     num_n = tl.cdiv(M, BN)
-    kr = (pid // num_n) * BM + tl.arange(0, BM)
-    cols = (pid % num_n) * BN + tl.arange(0, BN)
+    tiles = tl.cdiv(K, BM) * num_n
+    e = tl.program_id(0) // tiles
+    tile = tl.program_id(0) % tiles
+    kr = (tile // num_n) * BM + tl.arange(0, BM)
+    cols = (tile % num_n) * BN + tl.arange(0, BN)
     krm = kr < K
     cm = cols < M
     start = tl.load(offsets_ptr + e)
@@ -212,7 +219,7 @@ def gmm(
     if p == 0 or m == 0:
         return tuple(o.zero_() for o in outs)
     blk = matmul_blocks(dev, x.dtype, m, k, p / e, two_acc=mode == SWIGLU, two_operands=mode == DUAL)
-    grid = (triton.cdiv(p, blk.bm) + e, triton.cdiv(m, blk.bn))
+    grid = ((triton.cdiv(p, blk.bm) + e) * triton.cdiv(m, blk.bn),)
     y = outs[0]
     if mode == SWIGLU_BWD:
         gate_PM, up_PM = gate_PM.contiguous(), up_PM.contiguous()
@@ -256,7 +263,7 @@ def wgrad(
     blk = matmul_blocks(dev, x.dtype, m, k, two_acc=dy2_PM is not None)
     dw = outs[0]
     extra = {} if interpreting(dev) else {"num_warps": blk.num_warps, "num_stages": blk.num_stages}
-    _wgrad[(e, triton.cdiv(k, blk.bm) * triton.cdiv(m, blk.bn)), dev](
+    _wgrad[(e * triton.cdiv(k, blk.bm) * triton.cdiv(m, blk.bn),), dev](
         x, dy_PM, dy2_PM if dy2_PM is not None else dy_PM,
         gather if gather is not None else meta.counts_E, dy_gather if dy_gather is not None else meta.counts_E,
         dw, outs[-1], meta.counts_E, meta.offsets_E, k, m,
