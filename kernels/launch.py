@@ -97,6 +97,8 @@ def _nested_jit_interpreted():
         JITFunction.__call__ = original
         if hasattr(scope, "restore"):
             scope.restore()
+
+
 def interpreting(device: torch.device) -> bool:
     """True when kernels on ``device`` run in the Triton interpreter (everything but CUDA)."""
     return device.type != "cuda"

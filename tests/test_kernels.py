@@ -291,6 +291,20 @@ def test_interpreter_env_var_set_globally_still_works():
     assert res.returncode == 0, res.stderr[-2000:]
 
 
+def test_interpreted_launch_leaves_triton_unpatched():
+    """The interpreter patches triton.language while a CPU kernel runs, and must undo it all."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    core_before = {k: getattr(tl.core, k) for k in dir(tl.core)}
+    tensor_before = dict(vars(tl.core.tensor))
+    call_before = JITFunction.__call__
+    routing_metadata(torch.tensor([0, 1, 1]), torch.tensor([1, 0, 1]), 2, 2)
+    assert [k for k, v in core_before.items() if getattr(tl.core, k) is not v] == []
+    assert [k for k, v in tensor_before.items() if vars(tl.core.tensor).get(k) is not v] == []
+    assert JITFunction.__call__ is call_before
+
+
 # -- MoELayer(backend="triton") == backend="torch" --------------------------------------
 
 ROUTERS = [
