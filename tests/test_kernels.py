@@ -378,3 +378,22 @@ def test_layer_auto_backend_is_triton_on_cuda():
     ref.backend = "torch"
     x = torch.randn(2, 64, 64, device="cuda")
     assert_near("auto y", layer(x), ref(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,e,k", [(16384, 64, 6), (8192, 8, 2), (100, 64, 6)])
+def test_metadata_and_combine_cuda_match_reference(n, e, k):
+    gen = torch.Generator().manual_seed(8)
+    token_A, expert_A = (t.cuda() for t in assignments("topk", n, e, k, gen))
+    got = routing_metadata(token_A, expert_A, n, e)
+    ref = routing_metadata_reference(token_A, expert_A, n, e)
+    for field in ("perm_P", "token_P", "counts_E", "offsets_E", "pos_NE"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), f"{field} differs on CUDA"
+    rows = torch.randn(n * k, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(n * k, device="cuda")
+    assert torch.equal(dispatch(rows[:n], got), rows[:n][got.token_P.long()])
+    y = combine(rows, w, got)
+    # float64 index_add as the reference: its atomics reorder float64 sums only (dense M would be 13 GB)
+    ref_y = torch.zeros(n, 256, device="cuda", dtype=torch.float64)
+    ref_y.index_add_(0, ref.token_P.long(), rows.double() * w.double()[ref.perm_P.long(), None])
+    assert_near("combine cuda", y, ref_y, None, torch.bfloat16)
