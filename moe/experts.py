@@ -16,7 +16,10 @@ from kernels.reference import moe_ffn_reference
 MoEFFN = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD) -> y_ND"""
 
-BACKENDS: dict[str, Callable[[], MoEFFN]] = {"torch": lambda: moe_ffn_reference}
+BACKENDS: dict[str, Callable[[], MoEFFN]] = {
+    "torch": lambda: moe_ffn_reference,
+    "triton": lambda: __import__("kernels.moe_ffn", fromlist=["moe_ffn_triton"]).moe_ffn_triton,
+}
 """Backend name -> loader of its function (loaded lazily, so no backend is imported early)."""
 
 

@@ -1,0 +1,356 @@
+"""Benchmark the Triton MoE kernels against torch baselines and the physical floors.
+
+Commands (from the repository root):
+
+    PYTHONPATH=. python experiments/bench_kernels.py                 # GPU: check, then shapes A, B, decode
+    PYTHONPATH=. python experiments/bench_kernels.py --shapes A      # one shape
+    PYTHONPATH=. python experiments/bench_kernels.py --dry-run       # CPU, tiny shapes, Triton interpreter
+    PYTHONPATH=. python experiments/bench_kernels.py --dry-run --out-dir /tmp/bench
+
+What it does, in order:
+
+1. Correctness on the device: ``moe_ffn_triton`` against the torch reference path (bf16 on
+   GPU, fp32 in the dry run), output and every gradient, plus a bitwise rerun; the torch
+   eager and ``torch._grouped_mm`` baselines are checked the same way.
+2. Floors measured in the same run: HBM bandwidth (a large device copy) and the bf16 matmul
+   rate (a large square matmul).
+3. Per shape (A: T=16384 D=2048 F=1408 E=64 k=6; B: T=8192 D=1024 F=4096 E=8 k=2; decode:
+   T=128 with A's widths), over several input sets (the timed call cycles through them):
+   routing metadata, dispatch + combine (kernels only) against min bytes / bandwidth; layer
+   forward and forward+backward for triton, torch eager (argsort + index_select + per-expert
+   matmuls + index_add), ``torch._grouped_mm`` where this torch has it, and a dense SwiGLU
+   of the same FLOPs; the GEMM floor = useful FLOPs / measured matmul rate.
+
+GPU timings use ``triton.testing.do_bench`` (CUDA events, L2 flushed before every run, mean).
+The dry run times one call with ``time.perf_counter``: it only shows that every path runs.
+
+Output: a table on stdout and ``<out-dir>/bench_kernels-<date>-<gpu>.json`` with ``gpu``,
+``dispatch_combine_fraction_of_bandwidth``, ``layer_fwd_bwd_over_gemm_floor`` and
+``speedup_vs_torch_eager`` (each a dict by shape), the floors and every timing.
+Goals on an H200: dispatch + combine >= 0.70 of the bandwidth floor, layer fwd+bwd <= 1.35x
+the GEMM floor, >= 2x faster than torch eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from kernels.dispatch_combine import combine, dispatch
+from kernels.metadata import routing_metadata
+from kernels.moe_ffn import moe_ffn_triton
+from kernels.reference import moe_ffn_reference
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark problem: T tokens of width D, E experts of width F, top-k routing."""
+
+    name: str
+    tokens: int
+    d_model: int
+    d_ff: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def assignments(self) -> int:
+        return self.tokens * self.top_k
+
+
+GPU_SHAPES = {
+    "A": Shape("A", 16384, 2048, 1408, 64, 6),
+    "B": Shape("B", 8192, 1024, 4096, 8, 2),
+    "decode": Shape("decode", 128, 2048, 1408, 64, 6),
+}
+DRY_SHAPES = {
+    "A": Shape("A", 32, 32, 32, 8, 6),
+    "B": Shape("B", 32, 32, 64, 4, 2),
+    "decode": Shape("decode", 4, 32, 32, 8, 6),
+}
+
+
+# -- baselines -----------------------------------------------------------------------------
+
+
+def moe_ffn_torch_eager(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """The usual eager MoE: argsort, index_select, a matmul loop over experts, index_add."""
+    e = w_gate_EDF.shape[0]
+    order_A = torch.argsort(expert_A, stable=True)
+    token_P = token_A[order_A]
+    x_PD = x_ND.index_select(0, token_P)
+    outs = []
+    for i, x_e in enumerate(x_PD.split(torch.bincount(expert_A, minlength=e).tolist())):
+        outs.append((F.silu(x_e @ w_gate_EDF[i]) * (x_e @ w_up_EDF[i])) @ w_down_EFD[i])
+    rows_PD = torch.cat(outs) * weight_A[order_A].unsqueeze(-1).to(x_ND.dtype)
+    return torch.zeros_like(x_ND).index_add(0, token_P, rows_PD)
+
+
+def moe_ffn_torch_grouped_mm(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Like the eager path, with the expert loop replaced by ``torch._grouped_mm``."""
+    e = w_gate_EDF.shape[0]
+    order_A = torch.argsort(expert_A, stable=True)
+    token_P = token_A[order_A]
+    offs_E = torch.cumsum(torch.bincount(expert_A, minlength=e), 0).to(torch.int32)
+    x_PD = x_ND.index_select(0, token_P)
+    h_PF = F.silu(torch._grouped_mm(x_PD, w_gate_EDF, offs=offs_E)) * torch._grouped_mm(x_PD, w_up_EDF, offs=offs_E)
+    rows_PD = torch._grouped_mm(h_PF, w_down_EFD, offs=offs_E) * weight_A[order_A].unsqueeze(-1).to(x_ND.dtype)
+    return torch.zeros_like(x_ND).index_add(0, token_P, rows_PD)
+
+
+def dense_swiglu(x_MD, w_gate_DF, w_up_DF, w_down_FD):
+    return (F.silu(x_MD @ w_gate_DF) * (x_MD @ w_up_DF)) @ w_down_FD
+
+
+PATHS: dict[str, Callable] = {
+    "triton": moe_ffn_triton,
+    "torch_eager": moe_ffn_torch_eager,
+    "torch_grouped_mm": moe_ffn_torch_grouped_mm,
+}
+
+
+# -- inputs and timing ---------------------------------------------------------------------
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int) -> dict:
+    """x, a top-k routing from random router logits, expert weights, an output gradient."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n, d, f, e, k = shape.tokens, shape.d_model, shape.d_ff, shape.num_experts, shape.top_k
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    logits_NE = torch.randn(n, e, generator=gen)
+    top_NK = torch.topk(logits_NE, k, dim=-1)
+    weight_NK = torch.softmax(top_NK.values, dim=-1)
+    return {
+        "x": randn(n, d),
+        "token": torch.arange(n).repeat_interleave(k).to(device),
+        "expert": top_NK.indices.reshape(-1).to(device),
+        "weight": weight_NK.reshape(-1).to(device),
+        "w_gate": randn(e, d, f, scale=d**-0.5),
+        "w_up": randn(e, d, f, scale=d**-0.5),
+        "w_down": randn(e, f, d, scale=f**-0.5),
+        "grad": randn(n, d),
+    }
+
+
+def ffn_call(fn: Callable, inp: dict, backward: bool):
+    """One forward (and backward through autograd.grad, so nothing accumulates)."""
+    leaves = [inp[k].requires_grad_(backward) for k in ("x", "weight", "w_gate", "w_up", "w_down")]
+    y = fn(inp["x"], inp["token"], inp["expert"], inp["weight"], *leaves[2:])
+    if not backward:
+        return [y]
+    return [y, *torch.autograd.grad(y, leaves, inp["grad"])]
+
+
+def cycling(fns: list[Callable]) -> Callable:
+    """A callable that runs fns[0], fns[1], ... in turn (several input sets under one timer)."""
+    state = {"i": 0}
+
+    def run():
+        out = fns[state["i"] % len(fns)]()
+        state["i"] += 1
+        return out
+
+    return run
+
+
+def timer(device: torch.device) -> Callable[[Callable], float]:
+    """Milliseconds per call: do_bench on CUDA (L2 flushed, mean); one warm call then one timed on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: float(triton.testing.do_bench(fn, warmup=25, rep=100))
+
+    def cpu_time(fn: Callable) -> float:
+        fn()  # warm-up (the interpreter rewrites each kernel once)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return cpu_time
+
+
+def measure_floors(device: torch.device, bench: Callable, dry_run: bool) -> dict:
+    """HBM bandwidth (GB/s) from a device copy, bf16 matmul rate (TFLOP/s) from a square matmul."""
+    numel = 2**20 if dry_run else 2**30  # 2 GiB of bf16 each way on the GPU
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    bandwidth = 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+    n = 256 if dry_run else 8192
+    dtype = torch.float32 if dry_run else torch.bfloat16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = bench(lambda: a @ b)
+    return {"hbm_bandwidth_GBps": bandwidth, "matmul_TFLOPs": 2 * n**3 / (ms * 1e-3) / 1e12, "matmul_dtype": str(dtype)}
+
+
+# -- correctness ---------------------------------------------------------------------------
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def check_correctness(device: torch.device, dtype: torch.dtype, dry_run: bool) -> dict:
+    """Each path against the fp32 reference on the same (dtype-rounded) inputs; bitwise rerun."""
+    shape = Shape("check", 32, 32, 32, 8, 2) if dry_run else Shape("check", 2048, 512, 384, 16, 4)
+    inp = make_inputs(shape, dtype, device, seed=123)
+    ref_inp = {k: (v.float() if v.is_floating_point() else v) for k, v in inp.items()}
+    ref = ffn_call(moe_ffn_reference, ref_inp, backward=True)
+    names = ["y", "dx", "dweight", "dw_gate", "dw_up", "dw_down"]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    report = {"dtype": str(dtype), "tolerance_rel": tol, "paths": {}}
+    ok = True
+    for path, fn in PATHS.items():
+        try:
+            got = ffn_call(fn, inp, backward=True)
+        except Exception as exc:  # a baseline this torch/GPU lacks (e.g. _grouped_mm on CPU)
+            report["paths"][path] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            ok &= path != "triton"
+            continue
+        errs = {n: rel_error(g, r) for n, g, r in zip(names, got, ref)}
+        entry = {"rel_error": errs, "ok": max(errs.values()) <= tol}
+        if path == "triton":
+            again = ffn_call(fn, inp, backward=True)
+            entry["bitwise_reproducible"] = all(torch.equal(a, b) for a, b in zip(got, again))
+            entry["ok"] &= entry["bitwise_reproducible"]
+            ok &= entry["ok"]
+        report["paths"][path] = entry
+    report["ok"] = ok
+    return report
+
+
+# -- per-shape benchmark -------------------------------------------------------------------
+
+
+def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, bench: Callable, floors: dict, sets: int) -> dict:
+    inputs = [make_inputs(shape, dtype, device, seed=s) for s in range(sets)]
+    elt = torch.tensor([], dtype=dtype).element_size()
+    n, d, f, a = shape.tokens, shape.d_model, shape.d_ff, shape.assignments
+    out: dict = {"shape": asdict(shape), "ms": {}}
+    ms = out["ms"]
+
+    metas = [routing_metadata(i["token"], i["expert"], n, shape.num_experts) for i in inputs]
+    ms["routing_metadata"] = bench(cycling([lambda i=i: routing_metadata(i["token"], i["expert"], n, shape.num_experts) for i in inputs]))
+    rows = [torch.randn(a, d, device=device).to(dtype) for _ in inputs]
+    ms["dispatch"] = bench(cycling([lambda i=i, m=m: dispatch(i["x"], m) for i, m in zip(inputs, metas)]))
+    ms["combine"] = bench(cycling([lambda i=i, m=m, r=r: combine(r, i["weight"], m) for i, m, r in zip(inputs, metas, rows)]))
+    # Minimum traffic: dispatch reads x once and writes A rows; combine reads A rows (+ weights
+    # and indices) and writes N rows.
+    min_bytes = (n * d + a * d) * elt + (a * d + n * d) * elt + a * (4 + 4 + 4)
+    floor_ms = min_bytes / (floors["hbm_bandwidth_GBps"] * 1e9) * 1e3
+    out["dispatch_combine_floor_ms"] = floor_ms
+    out["dispatch_combine_fraction_of_bandwidth"] = floor_ms / (ms["dispatch"] + ms["combine"])
+
+    for path, fn in PATHS.items():
+        for backward in (False, True):
+            key = f"{path}_{'fwd_bwd' if backward else 'fwd'}"
+            try:
+                ms[key] = bench(cycling([lambda i=i, b=backward: ffn_call(fn, i, b) for i in inputs]))
+            except Exception as exc:  # _grouped_mm missing or unsupported here
+                ms[key] = None
+                out.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:300]
+    dense = [torch.randn(a, d, device=device, dtype=dtype, requires_grad=True) for _ in range(1)]
+    w = inputs[0]
+    dense_w = [w["w_gate"][0].detach().requires_grad_(), w["w_up"][0].detach().requires_grad_(), w["w_down"][0].detach().requires_grad_()]
+    gy = torch.randn(a, d, device=device, dtype=dtype)
+    ms["dense_same_flops_fwd"] = bench(lambda: dense_swiglu(dense[0], *dense_w))
+    ms["dense_same_flops_fwd_bwd"] = bench(lambda: torch.autograd.grad(dense_swiglu(dense[0], *dense_w), [dense[0], *dense_w], gy))
+
+    useful_flops = 2 * a * d * f * 3 * 3  # three matmuls forward, twice that backward
+    gemm_floor_ms = useful_flops / (floors["matmul_TFLOPs"] * 1e12) * 1e3
+    out["gemm_floor_fwd_bwd_ms"] = gemm_floor_ms
+    out["layer_fwd_bwd_over_gemm_floor"] = ms["triton_fwd_bwd"] / gemm_floor_ms
+    out["speedup_vs_torch_eager"] = ms["torch_eager_fwd_bwd"] / ms["triton_fwd_bwd"]
+    if ms.get("torch_grouped_mm_fwd_bwd"):
+        out["speedup_vs_torch_grouped_mm"] = ms["torch_grouped_mm_fwd_bwd"] / ms["triton_fwd_bwd"]
+    out["triton_over_dense_fwd_bwd"] = ms["triton_fwd_bwd"] / ms["dense_same_flops_fwd_bwd"]
+    out["triton_fwd_bwd_TFLOPs"] = useful_flops / (ms["triton_fwd_bwd"] * 1e-3) / 1e12
+    return out
+
+
+def print_table(results: dict) -> None:
+    cols = ["meta", "disp", "comb", "bw_frac", "tri_fb", "eager_fb", "gmm_fb", "dense_fb", "floor", "x_floor", "x_eager"]
+    print("\n" + " ".join(f"{c:>9}" for c in ["shape", *cols]) + "   (ms unless a ratio)")
+    for name, r in results["shapes"].items():
+        m = r["ms"]
+        vals = [
+            m["routing_metadata"], m["dispatch"], m["combine"], r["dispatch_combine_fraction_of_bandwidth"],
+            m["triton_fwd_bwd"], m["torch_eager_fwd_bwd"], m.get("torch_grouped_mm_fwd_bwd"), m["dense_same_flops_fwd_bwd"],
+            r["gemm_floor_fwd_bwd_ms"], r["layer_fwd_bwd_over_gemm_floor"], r["speedup_vs_torch_eager"],
+        ]
+        print(" ".join([f"{name:>9}"] + [f"{v:9.3f}" if v is not None else f"{'n/a':>9}" for v in vals]))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+    p.add_argument("--shapes", default="A,B,decode", help="comma-separated subset of A, B, decode")
+    p.add_argument("--sets", type=int, default=3, help="input sets the timed calls cycle through")
+    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+
+    if not args.dry_run and not torch.cuda.is_available():
+        p.error("no CUDA device: run with --dry-run on a CPU")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    table = DRY_SHAPES if args.dry_run else GPU_SHAPES
+    names = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [s for s in names if s not in table]
+    if bad:
+        p.error(f"unknown shapes {bad}; known: {', '.join(table)}")
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu-dry-run"
+    bench = timer(device)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    path = out_dir / f"bench_kernels-{stamp}-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-').lower()}.json"
+
+    results: dict = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "dtype": str(dtype),
+        "dry_run": args.dry_run,
+        "input_sets": args.sets,
+    }
+    print(f"[bench_kernels] {gpu}, torch {results['torch']}, triton {results['triton']}, {dtype}")
+    results["correctness"] = check_correctness(device, dtype, args.dry_run)
+    for path_name, entry in results["correctness"]["paths"].items():
+        print(f"  check {path_name:>17}: {json.dumps(entry)[:200]}")
+    if not results["correctness"]["ok"]:
+        print("  WARNING: the triton path failed its correctness check; timings below are of wrong kernels")
+    results["floors"] = measure_floors(device, bench, args.dry_run)
+    print(f"  floors: {results['floors']}")
+    results["shapes"] = {}
+    path.write_text(json.dumps(results, indent=2))
+    for name in tqdm(names, desc="shapes", file=sys.stdout):
+        results["shapes"][name] = bench_shape(table[name], device, dtype, bench, results["floors"], args.sets)
+        for key in ("dispatch_combine_fraction_of_bandwidth", "layer_fwd_bwd_over_gemm_floor", "speedup_vs_torch_eager"):
+            results[key] = {n: r[key] for n, r in results["shapes"].items()}
+        path.write_text(json.dumps(results, indent=2))  # after every shape: a timeout keeps what was done
+    print_table(results)
+    print(f"wrote {path}")
+    results["path"] = str(path)
+    if not results["correctness"]["ok"]:
+        raise SystemExit(1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
