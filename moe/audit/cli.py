@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Causality audit: does the output at position t ignore inputs at positions > t? "
         "Without --target, audits every built-in router (alone, in an MoELayer, in the tiny model) "
         "against its claims.",
-        epilog="Exit codes: 0 all claims hold / no leak; 1 a false causal or batch-invariance claim "
+        epilog="Exit codes: 0 all claims hold / no leak; 1 a false causal, batch-invariance or decode-consistency claim "
         "(with --target: a leak in some mode); 2 usage error.",
     )
     p.add_argument(
