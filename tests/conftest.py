@@ -4,6 +4,9 @@ import pytest
 import torch
 
 os.environ.setdefault("WANDB_MODE", "disabled")
+# Test tensors are tiny: one thread avoids thread start-up and contention costs that made
+# them several times slower on 2 shared cores.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
