@@ -43,9 +43,19 @@ from tqdm import tqdm
 from moe.data import Corpus, batch_offsets, eval_offsets, load_corpus, windows
 from moe.layer import update_routers
 from moe.model import ModelConfig, MoETransformer, preset
+from moe.parallel import (
+    clip_grad_norm_,
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+    share_router_statistics,
+)
+from moe.parallel import reduce_gradients as reduce_parallel_gradients
 from moe.routing import Router
 
 CHECKPOINT_NAME = "ckpt.pt"
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -120,7 +130,12 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda, cuda:N."""
     expert_parallel: int = 1
-    """Expert-parallel group size (needs ``moe.parallel``); 1 = experts replicated."""
+    """Expert-parallel group size: 1 = experts replicated; N = the world size (torchrun
+    --nproc-per-node N): experts sharded over all N ranks (``moe.parallel``), the rest data-parallel."""
+    grad_reduce_dtype: str = "fp32"
+    """Precision of the data-parallel gradient all-reduce: fp32, or bf16 to measure the bias low
+    precision adds (bf16 is applied; its difference from fp32 on the same step is logged as
+    grad_reduce_rel_diff and grad_reduce_max_abs_diff)."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
 
@@ -143,6 +158,8 @@ class TrainConfig:
             raise ValueError(f"causal_stride={self.causal_stride} exceeds seq_len={self.seq_len}")
         if self.wandb_mode not in (None, "online", "offline", "disabled"):
             raise ValueError(f"wandb_mode must be online, offline or disabled, got {self.wandb_mode!r}")
+        if self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"grad_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir")
         model_fields = {f.name for f in fields(ModelConfig)} - {"vocab_size", "router", "router_options"}
@@ -202,18 +219,13 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank, world, local_rank, dev, owns)
 
 
-def check_expert_parallel(cfg: TrainConfig) -> None:
-    """Raise a clear error for ``expert_parallel > 1`` without ``moe.parallel``."""
-    if cfg.expert_parallel == 1:
-        return
-    try:
-        import moe.parallel  # noqa: F401
-    except ImportError as e:
+def check_expert_parallel(cfg: TrainConfig, info: DistInfo) -> None:
+    """``--expert-parallel N`` shards the experts over every rank: N must be the world size."""
+    if cfg.expert_parallel not in (1, info.world_size):
         raise ValueError(
-            f"--expert-parallel {cfg.expert_parallel} needs moe.parallel (expert parallelism), "
-            f"which cannot be imported here ({e})"
-        ) from None
-    raise ValueError(f"--expert-parallel {cfg.expert_parallel}: expert parallelism is not wired into this loop yet")
+            f"--expert-parallel {cfg.expert_parallel} must equal the number of processes ({info.world_size}): "
+            f"launch with torchrun --nproc-per-node {cfg.expert_parallel}"
+        )
 
 
 # -- the pieces a parallel scheme replaces ------------------------------------------------
@@ -224,10 +236,16 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     return preset(cfg.preset, vocab_size=vocab_size, router=cfg.router, router_options=dict(cfg.router_options), **overrides)
 
 
-def build_model(mcfg: ModelConfig, seed: int, device: torch.device) -> MoETransformer:
-    """The model, initialised from ``seed`` (identically on every rank) and moved to ``device``."""
+def build_model(mcfg: ModelConfig, seed: int, device: torch.device, ep_group=None) -> MoETransformer:
+    """The model, initialised from ``seed`` (identically on every rank) and moved to ``device``.
+    With ``ep_group`` the full model is built and this rank's expert shard cut from it, so the
+    initialisation is the single-process one whatever the number of processes."""
     torch.manual_seed(seed)
-    return MoETransformer(mcfg).to(device)
+    model = MoETransformer(mcfg)
+    if ep_group is not None:
+        full, model = model, MoETransformer(mcfg, ep_group=ep_group)
+        load_full_state_dict(model, full.state_dict())
+    return model.to(device)
 
 
 def local_batch(corpus: Corpus, cfg: TrainConfig, step: int, info: DistInfo) -> tuple[Tensor, Tensor]:
@@ -240,21 +258,13 @@ def local_batch(corpus: Corpus, cfg: TrainConfig, step: int, info: DistInfo) -> 
     return idx_BT.to(info.device), targets_BT.to(info.device)
 
 
-def reduce_gradients(model: nn.Module, info: DistInfo) -> None:
-    """Average every parameter's gradient over the ranks (one flat all-reduce)."""
+def reduce_gradients(model: nn.Module, info: DistInfo, reduce_dtype: str = "fp32") -> dict:
+    """Make every gradient that of the global batch's loss: replicated parameters averaged over
+    the ranks (one flat all-reduce), sharded expert parameters scaled by 1/world size (see
+    ``moe.parallel.reduce_gradients``). Returns the bf16-vs-fp32 difference for "bf16"."""
     if info.world_size == 1:
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    flat /= info.world_size
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
+        return {}
+    return reduce_parallel_gradients(model, reduce_dtype=REDUCE_DTYPES[reduce_dtype])
 
 
 def sync_router_state(model: nn.Module, info: DistInfo) -> None:
@@ -439,14 +449,19 @@ def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo):
 
 # -- checkpoints --------------------------------------------------------------------------
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
-                    mcfg: ModelConfig) -> None:
-    """Write the checkpoint atomically: a temporary file in the same directory, then rename."""
+                    mcfg: ModelConfig, info: DistInfo) -> None:
+    """Write the checkpoint atomically (a temporary file in the same directory, then rename) on
+    rank 0. Call on every rank: sharded experts and their optimizer state are gathered first,
+    so the file is a single-process checkpoint, loadable on any number of processes."""
+    model_state, optimizer_state = full_state_dict(model), full_optimizer_state_dict(model, optimizer)
+    if not info.is_main:
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     state = {
         "step": step,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "train_config": dataclasses.asdict(cfg),
         "model_config": dataclasses.asdict(mcfg),
     }
@@ -455,12 +470,13 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig) -> int:
-    """Restore model and optimizer from ``path``; return the number of steps already taken."""
+    """Restore model and optimizer from ``path`` (sharding experts as the model needs); return the
+    number of steps already taken."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state["model_config"] != dataclasses.asdict(mcfg):
         raise ValueError(f"checkpoint {path} was written for a different model: {state['model_config']}")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_full_state_dict(model, state["model"])
+    load_full_optimizer_state_dict(model, optimizer, state["optimizer"])
     return int(state["step"])
 
 
@@ -475,9 +491,9 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
 # -- the loop -----------------------------------------------------------------------------
 def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
     """Train one model as ``cfg`` says (see the module docstring for the distributed contract)."""
-    check_expert_parallel(cfg)
     info = setup_distributed(cfg.device)
     try:
+        check_expert_parallel(cfg, info)
         return _train(cfg, corpus, info)
     finally:
         if info.owns_group:
@@ -488,7 +504,9 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
     mcfg = model_config(cfg, corpus.vocab_size)
-    model = build_model(mcfg, cfg.seed, info.device)
+    model = build_model(mcfg, cfg.seed, info.device, dist.group.WORLD if cfg.expert_parallel > 1 else None)
+    if info.world_size > 1:
+        share_router_statistics(model, dist.group.WORLD)
     optimizer = make_optimizer(model, cfg)
     ckpt = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir else None
     start = load_checkpoint(ckpt, model, optimizer, mcfg) if cfg.resume and ckpt.exists() else 0
@@ -527,9 +545,8 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         loss = out.loss + out.aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        reduce_gradients(model, info)
-        params = [p for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        reduce_info = reduce_gradients(model, info, cfg.grad_reduce_dtype)
+        grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         optimizer.step()
         sync_router_state(model, info)
         update_routers(model)
@@ -538,7 +555,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
             torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
         train_time += dt
-        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt)
+        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt, **reduce_info)
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             ev = run_eval()
             record.update({f"eval/{k}": v for k, v in ev.items()})
@@ -559,10 +576,8 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
                     line += (f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
                              f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}")
                 tqdm.write(line)
-        if ckpt is not None and info.is_main and (
-            step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-        ):
-            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg)
+        if ckpt is not None and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg, info)
     bar.close()
     entropy.close()
     if not final_eval:

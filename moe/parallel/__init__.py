@@ -11,7 +11,8 @@
     loss.backward(); reduce_gradients(layer)              # before the optimiser step
 
 See :mod:`moe.parallel.exchange` for the data path and :mod:`moe.parallel.state` for
-sharded checkpoints, gradient scaling and router state.
+sharded checkpoints (model and optimizer), gradient scaling and clipping. ``moe.train``
+uses all of it under ``--expert-parallel N``.
 """
 
 from moe.parallel.exchange import (
@@ -22,28 +23,34 @@ from moe.parallel.exchange import (
     local_expert_range,
 )
 from moe.parallel.state import (
+    clip_grad_norm_,
     expert_parallel_layers,
+    full_optimizer_state_dict,
     full_state_dict,
+    load_full_optimizer_state_dict,
     load_full_state_dict,
     reduce_gradients,
     shard_state_dict,
+    share_router_statistics,
     split_parameters,
-    sync_router_state,
 )
 from moe.parallel.timing import PhaseTimer
 
 __all__ = [
     "PhaseTimer",
     "all_to_all_rows",
+    "clip_grad_norm_",
     "exchange_counts",
     "expert_parallel_ffn",
     "expert_parallel_layers",
+    "full_optimizer_state_dict",
     "full_state_dict",
     "group_rank_size",
+    "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "local_expert_range",
     "reduce_gradients",
     "shard_state_dict",
+    "share_router_statistics",
     "split_parameters",
-    "sync_router_state",
 ]

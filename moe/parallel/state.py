@@ -25,12 +25,6 @@ from torch import Tensor, nn
 
 from moe.parallel.exchange import group_rank_size, guarded
 
-ROUTER_PENDING_BUFFERS = ("load_seen", "pending_sum", "pending_count")
-"""Router buffers that accumulate statistics of the current step until ``update_after_step``
-folds them in (topk/capacity balancing loads, ec_threshold cut-offs). Summing them over the
-group before the update makes every rank fold in the same, global statistics."""
-
-
 def expert_parallel_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Name -> every ``MoELayer`` in ``model`` whose experts are sharded over a group."""
     from moe.layer import MoELayer  # moe.layer imports moe.parallel: import lazily
@@ -38,12 +32,26 @@ def expert_parallel_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer) and m.ep_group is not None}
 
 
+def share_router_statistics(model: nn.Module, group=None) -> None:
+    """Make every router of ``model`` count its load-balancing loss's assignment fractions
+    over ``group`` (``Router.stats_group``): each rank's aux loss is then
+    ``coef * E * sum_e f_e(global) * P_e(local)``, whose mean over equal shards is the
+    single-process loss in value and gradient. Routing itself stays on the rank's own tokens."""
+    from moe.routing import Router
+
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.stats_group = group
+
+
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(expert parameters, replicated parameters) of ``model``, each in registration order."""
+    """(expert parameters, replicated parameters) of ``model`` that require gradients, each
+    in registration order."""
     expert_ids = {id(p) for layer in expert_parallel_layers(model).values() for p in layer.experts.parameters()}
     expert, replicated = [], []
     for p in model.parameters():
-        (expert if id(p) in expert_ids else replicated).append(p)
+        if p.requires_grad:
+            (expert if id(p) in expert_ids else replicated).append(p)
     return expert, replicated
 
 
@@ -147,15 +155,64 @@ def reduce_gradients(model: nn.Module, group=None, reduce_dtype: torch.dtype = t
 
 
 @torch.no_grad()
-def sync_router_state(model: nn.Module, group=None) -> None:
-    """Sum every router's pending statistics (:data:`ROUTER_PENDING_BUFFERS`) over ``group``
-    so that ``moe.update_routers`` folds in the whole global batch on every rank and router
-    state (balancing biases, thresholds) stays identical across ranks. Call before it."""
-    from moe.routing import Router
+def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for an expert-parallel model: the norm of the
+    *whole* model's gradient (replicated parameters counted once, every rank's expert shard
+    included), so every rank scales by the same factor, the one a single process would use.
+    Call after :func:`reduce_gradients`. ``max_norm=inf`` only measures. Returns the norm."""
+    expert, replicated = split_parameters(model)
+    norm_of = lambda ps: torch.linalg.vector_norm(  # noqa: E731
+        torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in ps if p.grad is not None] or [torch.zeros(())])
+    )
+    sq = norm_of(replicated).square()
+    if expert_parallel_layers(model):
+        expert_sq = norm_of(expert).square()
+        guarded("gradient-norm all-reduce", group, lambda: dist.all_reduce(expert_sq, group=group))
+        sq = sq + expert_sq
+    total = sq.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in expert + replicated:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad))
+    return total
 
-    for module in model.modules():
-        if not isinstance(module, Router):
+
+def _optimizer_expert_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, nn.Module]:
+    """Optimizer state index (as in ``optimizer.state_dict()``) of each sharded expert
+    parameter -> its layer."""
+    owner = {id(p): layer for layer in expert_parallel_layers(model).values() for p in layer.experts.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {i: owner[id(p)] for i, p in enumerate(params) if id(p) in owner}
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` as a single process would have it: per-expert state
+    tensors (Adam's moments: the shape of the parameter) all-gathered over the expert group.
+    A collective, like :func:`full_state_dict`; parameter indices are the same on every rank
+    and in a single-process model built from the same config."""
+    state = optimizer.state_dict()
+    for i, layer in _optimizer_expert_entries(model, optimizer).items():
+        _, size = group_rank_size(layer.ep_group)
+        for key, value in state["state"].get(i, {}).items():
+            if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == layer.experts.num_experts:
+                local = value.contiguous()
+                parts = [torch.empty_like(local) for _ in range(size)]
+                guarded("optimizer-state gather", layer.ep_group, lambda: dist.all_gather(parts, local, group=layer.ep_group))
+                state["state"][i] = {**state["state"][i], key: torch.cat(parts)}
+    return state
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, full_state: dict) -> None:
+    """Load a single-process optimizer state (e.g. from :func:`full_optimizer_state_dict`)
+    into the optimizer of an expert-parallel ``model``: expert state tensors are sliced."""
+    state = {"state": dict(full_state["state"]), "param_groups": full_state["param_groups"]}
+    for i, layer in _optimizer_expert_entries(model, optimizer).items():
+        start, stop = layer.local_experts
+        entry = state["state"].get(i)
+        if entry is None:
             continue
-        for name, buf in module.named_buffers(recurse=False):
-            if name in ROUTER_PENDING_BUFFERS:
-                guarded("router-state all-reduce", group, lambda: dist.all_reduce(buf, group=group))
+        state["state"][i] = {
+            k: v[start:stop] if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == layer.num_experts else v
+            for k, v in entry.items()
+        }
+    optimizer.load_state_dict(state)
