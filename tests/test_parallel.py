@@ -36,8 +36,9 @@ from moe.parallel import (
     load_full_state_dict,
     local_expert_range,
     reduce_gradients,
-    sync_router_state,
+    share_router_statistics,
 )
+from moe.train import DistInfo, sync_router_state
 
 TOL = 1e-10
 
@@ -204,16 +205,21 @@ def _equivalence_worker(rank: int, world: int) -> dict[str, float]:
 
 
 def _training_worker(rank: int, world: int) -> dict[str, float]:
-    """Mean losses + reduce_gradients == the single-process gradient of the global mean loss;
-    router state sync; a model and its checkpoint round trip."""
+    """Mean losses (aux loss included) + reduce_gradients == the single-process gradient of
+    the global mean loss; router state sync; a model and its checkpoint round trip."""
     group = dist.group.WORLD
     out: dict[str, float] = {}
     rows = slice(2 * rank, 2 * rank + 2)
-    full, ep = _layer_pair("topk", {"top_k": 2, "balance_rate": 0.1, "aux_loss_coef": 0.0}, False, group)
+    full, ep = _layer_pair("topk", {"top_k": 2, "balance_rate": 0.1, "aux_loss_coef": 0.5}, False, group)
+    share_router_statistics(ep, group)
     x, g = _inputs(world, False)
-    # Not the aux loss: the load-balancing loss is not a mean over tokens (see README).
-    (full(x) * g).sum(-1).mean().backward()
-    (ep(x[rows]) * g[rows]).sum(-1).mean().backward()
+    y_full, routing_full = full(x, return_routing=True)
+    ((y_full * g).sum(-1).mean() + routing_full.aux_loss).backward()
+    y_r, routing_r = ep(x[rows], return_routing=True)
+    ((y_r * g[rows]).sum(-1).mean() + routing_r.aux_loss).backward()
+    aux_mean = routing_r.aux_loss.detach().clone()
+    dist.all_reduce(aux_mean)
+    out["mean_loss/aux_loss_rel"] = _rel_diff(aux_mean / world, routing_full.aux_loss)
     reduce_gradients(ep)
     start, stop = ep.local_experts
     # Router logits are fp32 by design: the 1/N_r vs 1/N scaling of their gradient rounds
@@ -225,13 +231,14 @@ def _training_worker(rank: int, world: int) -> dict[str, float]:
     # Same step reduced in bf16 (eval mode: same routing, no second load record).
     ep.zero_grad()
     ep.eval()
-    (ep(x[rows]) * g[rows]).sum(-1).mean().backward()
+    y_r, routing_r = ep(x[rows], return_routing=True)
+    ((y_r * g[rows]).sum(-1).mean() + routing_r.aux_loss).backward()
     ep.train()
     info = reduce_gradients(ep, reduce_dtype=torch.bfloat16)
     out["bf16/rel_diff"] = info["grad_reduce_rel_diff"]
     out["bf16/applied_vs_fp32"] = _max_diff(ep.router.gate.weight.grad, full.router.gate.weight.grad)
 
-    sync_router_state(ep)
+    sync_router_state(ep, DistInfo(rank, world, rank, torch.device("cpu")))
     update_routers(full)
     update_routers(ep)
     out["router_state/balance_bias"] = _max_diff(ep.router.balance_bias, full.router.balance_bias)
@@ -298,6 +305,7 @@ def test_expert_parallel_equals_single_process_4_ranks():
 
 def test_gradient_reduction_router_state_and_checkpoints():
     for rank, res in enumerate(ok_results(run_workers(_training_worker, 2))):
+        assert res["mean_loss/aux_loss_rel"] <= 1e-6, f"rank {rank}: aux loss rel diff {res['mean_loss/aux_loss_rel']:.3e}"
         assert res["mean_loss/router_grad_rel"] <= 1e-6, f"rank {rank}: router grad rel diff {res['mean_loss/router_grad_rel']:.3e}"
         for key in ("mean_loss/w_gate_grad", "mean_loss/w_up_grad", "mean_loss/w_down_grad",
                     "router_state/balance_bias", "model/logits", "model/checkpoint"):
