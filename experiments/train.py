@@ -7,6 +7,10 @@
     python experiments/train.py --data canary --seq-len 8 --batch-size 64 --router expert_choice --steps 2000
     python experiments/train.py --data path/to/my/texts --router topk
     torchrun --nproc_per_node 2 experiments/train.py --preset tiny --router topk --batch-size 16
+    torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2 --steps 12 \
+        --metrics-jsonl runs/ep2/metrics.jsonl
+    torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2 \
+        --grad-reduce-dtype bf16 --metrics-jsonl runs/ep2_bf16/metrics.jsonl
 
 Every field of ``moe.train.TrainConfig`` is a flag (``--help`` lists them), and every field of
 ``moe.model.ModelConfig`` overrides the preset (``--d-model 128 --num-experts 8``).

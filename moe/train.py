@@ -6,12 +6,21 @@ Launched by ``experiments/train.py`` (single process or ``torchrun`` data parall
 
     python experiments/train.py --preset tiny --router topk --steps 300
     torchrun --nproc_per_node 2 experiments/train.py --preset tiny --router topk --batch-size 16
+    torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2
 
 Data parallel: ``--batch-size`` is global. Every rank draws the same global batch of step s
 from (seed, s) and keeps its own contiguous slice, so the union over ranks is the
 single-process batch; gradients (and the router statistics that ``update_after_step`` folds
 in) are averaged over ranks before they are used. Logging, wandb and checkpoints happen on
 rank 0 only; every rank evaluates (the same windows), so a sharded model can join in.
+
+Expert parallel (``--expert-parallel N``, N = world size): every MoE block's experts are
+sharded over the N ranks (``moe.parallel``); everything else stays data-parallel. The model
+is built whole from the seed and each rank keeps its shard, so initialisation, batches and
+(with the routers counting load-balancing fractions over all ranks) every step's loss match
+the single-process run to fp32 rounding. Replicated gradients are averaged, expert gradients
+only scaled by 1/N (they already hold every rank's tokens), clipping uses the whole model's
+norm, and checkpoints are gathered into a single-process checkpoint, loadable on any N.
 
 Shape legend: B batch (local to a rank unless named global), T sequence, V vocabulary,
 E experts, L MoE layers, W evaluation windows, P evaluated positions per window.
@@ -585,6 +594,8 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if run is not None:
         run.summary.update({f"final/{k}": v for k, v in final_eval.items()})
         run.finish()
+    if info.world_size > 1:
+        share_router_statistics(model, None)  # the returned model's routers count locally again
     return TrainResult(model, mcfg, history, final_eval, train_time)
 
 

@@ -8,24 +8,19 @@ order of the cross-rank sum of the router gradient, so float64 agreement is ~1e-
 tolerance 1e-10 leaves room for BLAS blocking differences while still catching any wrong
 row, scale or permutation (those give differences of order 1).
 
-Harness: no fixed ports (FileStore in a temporary directory), a timeout on every join, a
-worker's traceback is shown in the failure.
+Processes come from ``moe.parallel.launch.run_local``: no fixed ports (a FileStore in a
+temporary directory), a timeout on every join, a worker's traceback shown in the failure.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import pickle
-import tempfile
 import time
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kernels.reference import moe_ffn_reference
 from moe import MoELayer, update_routers
@@ -38,65 +33,10 @@ from moe.parallel import (
     reduce_gradients,
     share_router_statistics,
 )
+from moe.parallel.launch import ok_values, run_local
 from moe.train import DistInfo, sync_router_state
 
 TOL = 1e-10
-
-
-# -- harness ------------------------------------------------------------------------------
-def _entry(rank: int, world: int, workdir: str, fn: Callable, args: tuple, pg_timeout_s: float) -> None:
-    torch.set_num_threads(1)
-    out = os.path.join(workdir, f"rank{rank}.pkl")
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{os.path.join(workdir, 'store')}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
-        result = fn(rank, world, *args)
-    except BaseException:  # noqa: BLE001  (report every failure to the parent, exit non-zero)
-        with open(out, "wb") as f:
-            pickle.dump(("error", traceback.format_exc()), f)
-        os._exit(1)
-    with open(out, "wb") as f:
-        pickle.dump(("ok", result), f)
-    dist.destroy_process_group()
-
-
-def run_workers(fn: Callable, world: int, *args, timeout_s: float = 150.0, pg_timeout_s: float = 60.0) -> list[tuple[str, Any]]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo processes; per rank
-    (status, result or traceback). Kills everything and fails after ``timeout_s``."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as workdir:
-        procs = [ctx.Process(target=_entry, args=(r, world, workdir, fn, args, pg_timeout_s)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0.1))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-            procs[r].join(10)
-        if hung:
-            raise AssertionError(f"ranks {hung} still running after {timeout_s}s (killed)")
-        results = []
-        for r in range(world):
-            path = os.path.join(workdir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                results.append(("missing", f"rank {r} wrote no result (exit code {procs[r].exitcode})"))
-                continue
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
-    return results
-
-
-def ok_results(results: list[tuple[str, Any]]) -> list[Any]:
-    bad = [f"rank {r} {status}:\n{value}" for r, (status, value) in enumerate(results) if status != "ok"]
-    assert not bad, "\n".join(bad)
-    return [value for _, value in results]
 
 
 # -- workers --------------------------------------------------------------------------------
@@ -275,7 +215,7 @@ def _dead_rank_worker(rank: int, world: int) -> dict[str, Any]:
 
 # -- tests ----------------------------------------------------------------------------------
 def _check_equivalence(world: int) -> None:
-    per_rank = ok_results(run_workers(_equivalence_worker, world))
+    per_rank = ok_values(run_local(_equivalence_worker, world))
     for rank, res in enumerate(per_rank):
         for key, v in res.items():
             if key.endswith("rows_received") or key.endswith("output_nonzero") or key.endswith("output_rows"):
@@ -304,7 +244,7 @@ def test_expert_parallel_equals_single_process_4_ranks():
 
 
 def test_gradient_reduction_router_state_and_checkpoints():
-    for rank, res in enumerate(ok_results(run_workers(_training_worker, 2))):
+    for rank, res in enumerate(ok_values(run_local(_training_worker, 2))):
         assert res["mean_loss/aux_loss_rel"] <= 1e-6, f"rank {rank}: aux loss rel diff {res['mean_loss/aux_loss_rel']:.3e}"
         assert res["mean_loss/router_grad_rel"] <= 1e-6, f"rank {rank}: router grad rel diff {res['mean_loss/router_grad_rel']:.3e}"
         for key in ("mean_loss/w_gate_grad", "mean_loss/w_up_grad", "mean_loss/w_down_grad",
@@ -319,7 +259,7 @@ def test_gradient_reduction_router_state_and_checkpoints():
 
 def test_dead_rank_gives_clear_error_not_a_hang():
     pg_timeout_s = 30.0
-    results = run_workers(_dead_rank_worker, 2, timeout_s=120.0, pg_timeout_s=pg_timeout_s)
+    results = run_local(_dead_rank_worker, 2, timeout_s=120.0, pg_timeout_s=pg_timeout_s)
     status, res = results[0]
     assert status == "ok", res
     assert res["error"] is not None, "rank 0 finished its backward although rank 1 was dead"
