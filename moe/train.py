@@ -596,6 +596,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         run.finish()
     if info.world_size > 1:
         share_router_statistics(model, None)  # the returned model's routers count locally again
+        dist.barrier()  # no rank tears the group down while rank 0 still writes its checkpoint
     return TrainResult(model, mcfg, history, final_eval, train_time)
 
 

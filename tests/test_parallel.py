@@ -102,7 +102,7 @@ def _equivalence_worker(rank: int, world: int) -> dict[str, float]:
         gate_grad = ep.router.gate.weight.grad.clone()
         dist.all_reduce(gate_grad)
         out[f"{case}/router_grad_summed"] = _max_diff(gate_grad, full.router.gate.weight.grad)
-        out[f"{case}/output_nonzero"] = float(y_full.abs().max())
+        out[f"{case}/output_nonzero"] = float(y_full.detach().abs().max())
 
     # A rank with no tokens at all (N = 0) beside one whose tokens cover every expert,
     # through the data path directly (hand-built assignments; expert 3 gets none).
