@@ -65,11 +65,12 @@ def gather_rows(x_ND: Tensor, token_A: Tensor, slot_A: Tensor, num_slots: int) -
 def grouped_swiglu(x_AD: Tensor, counts_E: list[int], w_gate_EDF: Tensor, w_up_EDF: Tensor, w_down_EFD: Tensor) -> Tensor:
     """Rows already sorted by expert; expert e's contiguous slice goes through its SwiGLU."""
     outs = []
-    for e, x_e in enumerate(x_AD.split(counts_E)):
+    # unbind, not w[e]: each w[e]'s backward would materialise a zero [E, D, F] gradient
+    for x_e, wg, wu, wd in zip(x_AD.split(counts_E), w_gate_EDF.unbind(0), w_up_EDF.unbind(0), w_down_EFD.unbind(0)):
         if x_e.shape[0] == 0:
             continue
-        h = F.silu(x_e @ w_gate_EDF[e]) * (x_e @ w_up_EDF[e])
-        outs.append(h @ w_down_EFD[e])
+        h = F.silu(x_e @ wg) * (x_e @ wu)
+        outs.append(h @ wd)
     if not outs:
         return x_AD.new_zeros(0, w_down_EFD.shape[-1])
     return torch.cat(outs)

@@ -78,9 +78,9 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, moe_d_ff=128, num_experts=4, max_seq_len=128),
     # A CPU-sized model for real (short) studies.
     "small": ModelConfig(d_model=256, n_layers=4, n_heads=8, d_ff=512, moe_d_ff=512, num_experts=8, max_seq_len=512),
-    # About 100M parameters (about 30M active with top-2): a GPU preset.
+    # About 100M parameters (about 36M active with top-2): a GPU preset.
     "gpu100m": ModelConfig(
-        d_model=768, n_layers=8, n_heads=12, d_ff=2048, moe_d_ff=1024, num_experts=8,
+        d_model=768, n_layers=6, n_heads=12, d_ff=2048, moe_d_ff=768, num_experts=8,
         max_seq_len=1024, router_options={"top_k": 2},
     ),
 }

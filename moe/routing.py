@@ -142,7 +142,9 @@ class Router(nn.Module):
     def forward(self, x_BTD: Tensor) -> Routing:
         check_input(x_BTD, self.d_model)
         b, t, _ = x_BTD.shape
-        logits_NE = self.gate(x_BTD.reshape(b * t, -1)).float()
+        logits_NE = self.gate(x_BTD.reshape(b * t, -1))
+        if logits_NE.dtype in (torch.float16, torch.bfloat16):
+            logits_NE = logits_NE.float()  # route in at least fp32: low-precision ties flip decisions
         if self.check_finite and not torch.isfinite(logits_NE).all():
             raise ValueError(
                 f"{type(self).__name__}: router logits contain NaN or inf "
@@ -162,7 +164,7 @@ class Router(nn.Module):
     def _aux_loss(self, logits_NE: Tensor, probs_NE: Tensor, expert_A: Tensor) -> Tensor:
         loss = logits_NE.new_zeros(())
         if self.aux_loss_coef > 0:
-            count_E = torch.bincount(expert_A, minlength=self.num_experts).float()
+            count_E = torch.bincount(expert_A, minlength=self.num_experts).to(probs_NE.dtype)
             if self.stats_group is not None:
                 torch.distributed.all_reduce(count_E, group=self.stats_group)
             frac_E = count_E / count_E.sum().clamp_min(1.0)

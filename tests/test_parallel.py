@@ -162,9 +162,7 @@ def _training_worker(rank: int, world: int) -> dict[str, float]:
     out["mean_loss/aux_loss_rel"] = _rel_diff(aux_mean / world, routing_full.aux_loss)
     reduce_gradients(ep)
     start, stop = ep.local_experts
-    # Router logits are fp32 by design: the 1/N_r vs 1/N scaling of their gradient rounds
-    # at fp32 precision, so the router gradient is compared relatively at 1e-6.
-    out["mean_loss/router_grad_rel"] = _rel_diff(ep.router.gate.weight.grad, full.router.gate.weight.grad)
+    out["mean_loss/router_grad"] = _max_diff(ep.router.gate.weight.grad, full.router.gate.weight.grad)
     for w in ("w_gate", "w_up", "w_down"):
         out[f"mean_loss/{w}_grad"] = _max_diff(getattr(ep.experts, w).grad, getattr(full.experts, w).grad[start:stop])
 
@@ -246,8 +244,7 @@ def test_expert_parallel_equals_single_process_4_ranks():
 def test_gradient_reduction_router_state_and_checkpoints():
     for rank, res in enumerate(ok_values(run_local(_training_worker, 2))):
         assert res["mean_loss/aux_loss_rel"] <= 1e-6, f"rank {rank}: aux loss rel diff {res['mean_loss/aux_loss_rel']:.3e}"
-        assert res["mean_loss/router_grad_rel"] <= 1e-6, f"rank {rank}: router grad rel diff {res['mean_loss/router_grad_rel']:.3e}"
-        for key in ("mean_loss/w_gate_grad", "mean_loss/w_up_grad", "mean_loss/w_down_grad",
+        for key in ("mean_loss/router_grad", "mean_loss/w_gate_grad", "mean_loss/w_up_grad", "mean_loss/w_down_grad",
                     "router_state/balance_bias", "model/logits", "model/checkpoint"):
             assert res[key] <= TOL, f"rank {rank} {key}: max diff {res[key]:.3e} > {TOL}"
         assert res["router_state/bias_nonzero"] > 0, "balancing bias never moved: the sync check is vacuous"

@@ -102,15 +102,19 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _flat_grads(params: list[nn.Parameter]) -> Tensor:
-    return torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-    ) if params else torch.zeros(0)
+    """Every gradient (zeros where missing) in one flat buffer of at least fp32 precision."""
+    if not params:
+        return torch.zeros(0)
+    dtype = torch.float32
+    for p in params:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in params])
 
 
 def _all_reduce_mean(flat: Tensor, dtype: torch.dtype, group, size: int) -> Tensor:
     buf = flat.to(dtype, copy=True)
     guarded("gradient all-reduce", group, lambda: dist.all_reduce(buf, group=group))
-    return buf.float() / size
+    return buf.to(flat.dtype) / size
 
 
 @torch.no_grad()
@@ -119,9 +123,10 @@ def reduce_gradients(model: nn.Module, group=None, reduce_dtype: torch.dtype = t
     docstring): replicated parameters all-reduced and averaged over ``group``, expert
     parameters divided by the group size. Call after ``backward``, before the optimiser.
 
-    ``reduce_dtype=torch.bfloat16`` sends the replicated gradients in bf16 and applies that
-    result, to measure the bias low-precision reduction adds; the fp32 reduction of the same
-    gradients runs too and the returned dict reports the difference:
+    The default reduces in fp32 (in the gradients' own dtype where that is wider, e.g. a
+    float64 model). ``reduce_dtype=torch.bfloat16`` sends the replicated gradients in bf16
+    and applies that result, to measure the bias low-precision reduction adds; the fp32
+    reduction of the same gradients runs too and the returned dict reports the difference:
     ``grad_reduce_rel_diff`` (||g_bf16 - g_fp32|| / ||g_fp32||) and ``grad_reduce_max_abs_diff``.
     With fp32 (the default) the dict is empty. Every rank of ``group`` must call this.
     """
@@ -136,7 +141,7 @@ def reduce_gradients(model: nn.Module, group=None, reduce_dtype: torch.dtype = t
         if p.grad is not None:
             p.grad.div_(size)
     flat = _flat_grads(replicated)
-    reduced = _all_reduce_mean(flat, torch.float32, group, size)
+    reduced = _all_reduce_mean(flat, flat.dtype, group, size)
     info: dict[str, float] = {}
     if reduce_dtype != torch.float32:
         low = _all_reduce_mean(flat, reduce_dtype, group, size)

@@ -60,7 +60,7 @@ class ExpertChoicePredictorRouter(ExpertChoiceRouter):
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n, e = logits_NE.shape
         probs_NE = F.softmax(logits_NE, dim=-1)
-        pred_logits_NE = self.predictor(x_BTD.reshape(n, -1).detach()).float()
+        pred_logits_NE = self.predictor(x_BTD.reshape(n, -1).detach()).to(probs_NE.dtype)
         if self.training:
             token_A, expert_A, _ = self.expert_choice(probs_NE, batch_shape)
             target_NE = torch.zeros_like(probs_NE)

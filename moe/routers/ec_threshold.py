@@ -49,14 +49,14 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
 
     @property
     def threshold(self) -> Tensor:
-        """float32 [E]: the current per-expert score cut-off."""
+        """float64 [E]: the current per-expert score cut-off."""
         if self.ema_weight > 0:
-            return (self.ema_sum / self.ema_weight).float()
-        return torch.full_like(self.ema_sum, 1.0 / self.num_experts, dtype=torch.float32)
+            return self.ema_sum / self.ema_weight
+        return torch.full_like(self.ema_sum, 1.0 / self.num_experts)
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         probs_NE = F.softmax(logits_NE, dim=-1)
-        mask_NE = probs_NE.detach() >= self.threshold
+        mask_NE = probs_NE.detach() >= self.threshold.to(probs_NE.dtype)
         token_A, expert_A = mask_NE.nonzero(as_tuple=True)
         if self.training:
             self._record_cutoffs(probs_NE.detach(), batch_shape)

@@ -1,0 +1,92 @@
+"""MoELayer forward+backward against a dense SwiGLU of the same active FLOPs and a naive
+mask-per-expert loop, all measured in this run; prints times and ratios.
+
+    python experiments/bench_layer.py                       # N=4096, D=256, F=512, E=8, k=2
+    python experiments/bench_layer.py --tokens 8192 --router capacity --threads 2
+    python experiments/bench_layer.py --json experiments/results/bench_layer.json
+
+The dense baseline is one SwiGLU of width k*F over all N tokens: the same multiply-adds
+as routing every token to k experts of width F, with no routing, sorting or gathering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import moe
+from moe.model import SwiGLU
+
+
+def naive_mask_loop(layer: moe.MoELayer, x_BTD: torch.Tensor) -> torch.Tensor:
+    """The common Hugging Face style: for each expert, find its tokens by mask, run, index_add."""
+    b, t, d = x_BTD.shape
+    x_ND = x_BTD.reshape(-1, d)
+    w_NE = layer.router(x_BTD).dense().reshape(b * t, -1)
+    y_ND = torch.zeros_like(x_ND)
+    ex = layer.experts
+    for e in range(layer.num_experts):
+        idx = torch.nonzero(w_NE[:, e]).squeeze(-1)
+        h = F.silu(x_ND[idx] @ ex.w_gate[e]) * (x_ND[idx] @ ex.w_up[e])
+        y_ND = y_ND.index_add(0, idx, (h @ ex.w_down[e]) * w_NE[idx, e, None])
+    return y_ND.view(b, t, d)
+
+
+def time_fwd_bwd(fn, x: torch.Tensor, reps: int, warmup: int = 2) -> float:
+    times = []
+    for i in range(warmup + reps):
+        xi = x.detach().requires_grad_(True)
+        t0 = time.perf_counter()
+        fn(xi).square().mean().backward()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096, help="N = B*T (B=8)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--d-ff", type=int, default=512)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--router", default="topk", choices=["topk", "capacity"])
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    layer = moe.MoELayer(args.d_model, args.d_ff, args.experts, router=args.router, top_k=args.top_k)
+    dense = SwiGLU(args.d_model, args.top_k * args.d_ff)
+    x = torch.randn(8, args.tokens // 8, args.d_model)
+    results = {
+        "config": vars(args),
+        "dense_s": time_fwd_bwd(dense, x, args.reps),
+        "moe_layer_s": time_fwd_bwd(layer, x, args.reps),
+        "naive_mask_loop_s": time_fwd_bwd(lambda xi: naive_mask_loop(layer, xi), x, args.reps),
+    }
+    results["moe_over_dense"] = results["moe_layer_s"] / results["dense_s"]
+    results["naive_over_dense"] = results["naive_mask_loop_s"] / results["dense_s"]
+    results["naive_over_moe"] = results["naive_mask_loop_s"] / results["moe_layer_s"]
+
+    print(f"N={args.tokens} D={args.d_model} F={args.d_ff} E={args.experts} k={args.top_k} "
+          f"router={args.router} threads={args.threads}, forward+backward, median of {args.reps}")
+    print(f"{'path':<28}{'seconds':>10}{'x dense':>10}")
+    for name, key in (("dense SwiGLU (k*F wide)", "dense_s"), ("MoELayer (torch backend)", "moe_layer_s"),
+                      ("naive mask-per-expert loop", "naive_mask_loop_s")):
+        print(f"{name:<28}{results[key]:>10.4f}{results[key] / results['dense_s']:>10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Audit results: one ProbeResult per probe and mode, an AuditReport per target, the table, JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from moe.routing import Claims
+
+FUTURE_PROBES = ("random_future", "adversarial_future", "jacobian")
+"""Probes whose leaks are future leaks: an output at position <= t moved when only positions > t changed."""
+BATCH_PROBE = "batch_interference"
+"""Its ``leaks`` means: a sample's output moved when only the other samples of the batch changed."""
+DECODE_PROBE = "decode_consistency"
+"""Its ``leaks`` means: the output at t from the prefix 0..t alone differs from the full-sequence one."""
+
+
+@dataclass
+class ProbeResult:
+    """One probe in one mode."""
+
+    name: str
+    """One of FUTURE_PROBES, BATCH_PROBE, DECODE_PROBE."""
+    mode: str
+    """"train" or "eval" (the module's training flag while probing)."""
+    leaks: bool
+    """The probe saw a change beyond the tolerance, or a routing flip."""
+    max_abs_delta: float
+    """Largest change of a float output where none is allowed; 0.0 for targets without float
+    outputs. For ``jacobian``: the largest |sum_f w_f d output[s, f] / d input[r]| over r > s,
+    for random signs w (the Jacobian entry itself when features map one to one)."""
+    first_leaking_position: int | None
+    """Earliest output position that moved (for ``batch_interference``: of the probed sample)."""
+    fraction_affected: float
+    """Fraction of the probed output positions that moved at least once."""
+    routing_flips: int = 0
+    """Exact decisions (kept (token, expert) pairs, integer outputs) that changed, summed over trials."""
+    tolerance: float = 0.0
+    """The float change above which ``leaks`` is set: the noise floor (the same input run
+    twice) times 10, at least 100 ulp of the output scale."""
+    comparisons: int = 0
+    """How many perturbed forwards (or gradient rows) the probe compared."""
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "mode": self.mode,
+            "leaks": self.leaks,
+            "max_abs_delta": _finite(self.max_abs_delta),
+            "first_leaking_position": self.first_leaking_position,
+            "fraction_affected": self.fraction_affected,
+            "routing_flips": self.routing_flips,
+            "tolerance": _finite(self.tolerance),
+            "comparisons": self.comparisons,
+        }
+
+
+@dataclass
+class AuditReport:
+    """Everything the audit found about one target."""
+
+    name: str
+    modes: tuple[str, ...]
+    claims: Claims | None
+    """What the target claims (None: an opaque target that claims nothing)."""
+    probes: list[ProbeResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def leaks_in(self) -> list[str]:
+        """Modes in which a future probe (random, adversarial, Jacobian) saw a leak."""
+        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.name in FUTURE_PROBES)]
+
+    @property
+    def leaks(self) -> bool:
+        """An output at position <= t depends on inputs at positions > t, in some mode."""
+        return bool(self.leaks_in)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """No sample's output moved when only the other samples changed, in any mode."""
+        return not any(p.leaks for p in self.probes if p.name == BATCH_PROBE)
+
+    @property
+    def decode_consistent(self) -> bool:
+        """Prefix-only forwards reproduced the full-sequence outputs in every mode. A router whose
+        capacity is a function of T is decode-inconsistent without reading future *content*, so
+        this is reported beside ``leaks``, not inside it."""
+        return not any(p.leaks for p in self.probes if p.name == DECODE_PROBE)
+
+    @property
+    def claimed_causal(self) -> dict[str, bool] | None:
+        """The causal claim per audited mode, or None without claims."""
+        if self.claims is None:
+            return None
+        return {m: self.claims.causal_train if m == "train" else self.claims.causal_eval for m in self.modes}
+
+    @property
+    def violations(self) -> list[str]:
+        """Claims the audit disproved: causal in a mode where it leaks, batch-invariant where it is not."""
+        out = []
+        claimed = self.claimed_causal or {}
+        for mode in self.leaks_in:
+            if claimed.get(mode):
+                out.append(f"claims causal in {mode} mode but leaks")
+        if self.claims is not None and self.claims.batch_invariant and not self.batch_invariant:
+            out.append("claims batch-invariant but other samples change its outputs")
+        return out
+
+    @property
+    def unshown(self) -> list[str]:
+        """Negative claims (not causal / not batch-invariant) the audit did not demonstrate.
+        Not failures: a claim of *not* being safe is conservative."""
+        out = []
+        claimed = self.claimed_causal or {}
+        for mode, causal in claimed.items():
+            if not causal and mode not in self.leaks_in:
+                out.append(f"claims a leak in {mode} mode; none found")
+        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant:
+            out.append("claims batch interference; none found")
+        return out
+
+    @property
+    def claims_hold(self) -> bool:
+        return not self.violations
+
+    @property
+    def max_abs_delta(self) -> float:
+        """Worst float change at positions <= t from perturbing positions > t (random or adversarial)."""
+        return max((p.max_abs_delta for p in self.probes if p.name in FUTURE_PROBES[:2]), default=0.0)
+
+    @property
+    def routing_flips(self) -> int:
+        """Routing decisions at positions <= t flipped by perturbing positions > t."""
+        return sum(p.routing_flips for p in self.probes if p.name in FUTURE_PROBES[:2])
+
+    def probe(self, name: str, mode: str) -> ProbeResult | None:
+        return next((p for p in self.probes if p.name == name and p.mode == mode), None)
+
+    def to_dict(self) -> dict:
+        claimed = self.claimed_causal
+        return {
+            "name": self.name,
+            "claimed_causal": None if claimed is None else all(claimed.values()),
+            "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],
+            "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,
+            "leaks": self.leaks,
+            "leaks_in": self.leaks_in,
+            "batch_invariant": self.batch_invariant,
+            "decode_consistent": self.decode_consistent,
+            "claims_hold": self.claims_hold,
+            "violations": self.violations,
+            "max_abs_delta": _finite(self.max_abs_delta),
+            "routing_flips": self.routing_flips,
+            "seconds": round(self.seconds, 4),
+            "probes": [p.to_dict() for p in self.probes],
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """``{"targets": [this report]}``, the format ``moe-audit --json`` writes."""
+        return reports_to_json([self], indent=indent)
+
+    def table(self) -> str:
+        """A per-probe table of this report (rows: probe x mode)."""
+        head = ("probe", "mode", "leaks", "max |delta|", "first pos", "affected", "flips", "tolerance")
+        rows = [
+            (
+                p.name,
+                p.mode,
+                "LEAKS" if p.leaks else "-",
+                f"{p.max_abs_delta:.2e}",
+                "-" if p.first_leaking_position is None else str(p.first_leaking_position),
+                f"{p.fraction_affected:.0%}",
+                str(p.routing_flips),
+                f"{p.tolerance:.1e}",
+            )
+            for p in self.probes
+        ]
+        summary = (
+            f"{self.name}: leaks in {', '.join(self.leaks_in) or 'no mode'}; "
+            f"batch-invariant: {_yes(self.batch_invariant)}; decode-consistent: {_yes(self.decode_consistent)}"
+        )
+        if self.violations:
+            summary += "\nFALSE CLAIMS: " + "; ".join(self.violations)
+        return summary + "\n" + _format(head, rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def reports_to_json(reports: list[AuditReport], indent: int | None = 2) -> str:
+    return json.dumps({"targets": [r.to_dict() for r in reports]}, indent=indent)
+
+
+def summary_table(reports: list[AuditReport]) -> str:
+    """One row per target: what it claims, what the audit found, and the verdict."""
+    head = ("target", "claims causal", "leaks in", "batch-inv claim/found", "decode", "worst delta", "flips", "verdict", "time")
+    rows = []
+    for r in reports:
+        if r.violations:
+            verdict = "FALSE CLAIM"
+        elif r.claims is None:
+            verdict = "LEAKS" if r.leaks else "clean"
+        else:
+            verdict = "ok"
+        rows.append(
+            (
+                r.name,
+                _claimed(r.claimed_causal),
+                ",".join(r.leaks_in) or "-",
+                f"{'?' if r.claims is None else _yes(r.claims.batch_invariant)}/{_yes(r.batch_invariant)}",
+                "same" if r.decode_consistent else "differs",
+                f"{r.max_abs_delta:.1e}",
+                str(r.routing_flips),
+                verdict,
+                f"{r.seconds:.2f}s",
+            )
+        )
+    return _format(head, rows)
+
+
+def _claimed(claimed: dict[str, bool] | None) -> str:
+    if claimed is None:
+        return "?"
+    if all(claimed.values()):
+        return "yes"
+    if not any(claimed.values()):
+        return "no"
+    return " ".join(f"{m}:{_yes(c)}" for m, c in claimed.items())
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def _format(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)

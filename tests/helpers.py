@@ -1,0 +1,43 @@
+"""Shared test helpers: routers with hand-set logits and a naive per-assignment reference."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import moe
+
+
+def identity_router(name: str, num_experts: int, **options) -> moe.Router:
+    """A router whose gate is the identity, so the input features *are* the logits."""
+    r = moe.build_router(name, d_model=num_experts, num_experts=num_experts, **options).double()
+    with torch.no_grad():
+        r.gate.weight.copy_(torch.eye(num_experts))
+    return r
+
+
+def naive_moe(layer: moe.MoELayer, x_BTD: torch.Tensor, routing: moe.Routing) -> torch.Tensor:
+    """y[n] += w * SwiGLU_e(x[n]) for every kept assignment, one at a time."""
+    b, t, d = x_BTD.shape
+    x_ND = x_BTD.reshape(b * t, d)
+    ex = layer.experts
+    rows = [torch.zeros(d, dtype=x_BTD.dtype) for _ in range(b * t)]
+    for a in range(routing.num_assignments):
+        n, e, w = int(routing.token[a]), int(routing.expert[a]), routing.weight[a]
+        h = F.silu(x_ND[n] @ ex.w_gate[e]) * (x_ND[n] @ ex.w_up[e])
+        rows[n] = rows[n] + w * (h @ ex.w_down[e])
+    return torch.stack(rows).view(b, t, d)
+
+
+ROUTER_CONFIGS: list[tuple[str, dict]] = [
+    ("topk", {"top_k": 2}),
+    ("topk", {"top_k": 1, "gate": "sigmoid"}),
+    ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "position"}),
+    ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "position", "group": "batch"}),
+    ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "score"}),
+    ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "choice"}),
+    ("expert_choice", {"capacity_factor": 1.0}),
+    ("expert_choice", {"capacity_factor": 1.0, "group": "batch"}),
+    ("ec_threshold", {}),
+    ("ec_predictor", {}),
+]

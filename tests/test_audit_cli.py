@@ -1,0 +1,207 @@
+"""``moe-audit`` end to end on a target file written by the test: every exit code, --json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe.audit import cli
+from moe.audit.suite import BuiltinTarget
+from moe.routers import ExpertChoiceRouter
+from moe.routing import Claims, build_router
+
+TARGETS = textwrap.dedent(
+    '''
+    import torch
+    from torch import nn
+
+
+    class Positionwise(nn.Module):
+        def __init__(self, leak=0.0):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(8, 8)
+            self.leak = leak
+
+        def forward(self, x):
+            return self.lin(x) + self.leak * x.mean(dim=1, keepdim=True)
+
+
+    class TokenModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 8)
+            self.head = nn.Linear(8, 50)
+
+        def forward(self, idx):
+            h = self.embed(idx)
+            return self.head(h.cumsum(dim=1))  # a prefix sum: causal
+
+
+    class Pooled(nn.Module):
+        def forward(self, x):
+            return x.mean(dim=1)  # [B, D]: not [B, T, ...]
+
+
+    causal = Positionwise()
+    leaky = Positionwise(leak=0.1)
+    pooled = Pooled()
+    NOT_A_MODULE = 3
+
+
+    def make_causal():
+        return Positionwise()
+
+
+    def make_token_model():
+        return TokenModel()
+
+
+    def needs_args(x):
+        return x
+
+
+    def returns_int():
+        return 3
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def target_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("targets") / "targets.py"
+    path.write_text(TARGETS)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(*argv: str) -> int:
+    return cli.main(["--no-progress", *argv])
+
+
+def test_causal_target_exits_0(target_file, capsys):
+    assert run("--target", f"{target_file}:causal", "--input", "float:4,16,8") == 0
+    out = capsys.readouterr().out
+    assert "causal: no leak found" in out and "random_future" in out
+
+
+def test_factory_and_token_input(target_file, capsys):
+    assert run("--target", f"{target_file}:make_causal", "--input", "float:2,8,8", "--trials", "1") == 0
+    # --input inferred from the nn.Embedding: tokens:4,16,50.
+    assert run("--target", f"{target_file}:make_token_model", "--modes", "eval") == 0
+    assert "make_token_model: no leak found" in capsys.readouterr().out
+
+
+def test_leaky_target_exits_1_and_writes_json(target_file, tmp_path, capsys):
+    out_json = tmp_path / "audit.json"
+    code = run("--target", f"{target_file}:leaky", "--input", "float:4,16,8", "--modes", "eval", "--json", str(out_json))
+    assert code == 1
+    assert "leaky: LEAKS in eval mode" in capsys.readouterr().out
+    (entry,) = json.loads(out_json.read_text())["targets"]
+    assert entry["name"] == "leaky" and entry["claimed_causal"] is None
+    assert entry["leaks"] is True and entry["leaks_in"] == ["eval"] and entry["batch_invariant"] is True
+    assert {p["mode"] for p in entry["probes"]} == {"eval"}
+    jac = next(p for p in entry["probes"] if p["name"] == "jacobian")
+    assert jac["leaks"] and jac["first_leaking_position"] == 0 and jac["max_abs_delta"] > 0
+
+
+def test_module_path_target(tmp_path, monkeypatch):
+    """pkg.module:name is imported from the working directory."""
+    (tmp_path / "audit_cli_target_mod.py").write_text(TARGETS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert run("--target", "audit_cli_target_mod:leaky", "--input", "float:2,8,8", "--modes", "train", "--trials", "1") == 1
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--target", "no_such_package_xyz.mod:thing"], "cannot import no_such_package_xyz.mod"),
+        (["--target", "{file}:missing"], "has no attribute 'missing'"),
+        (["--target", "{file}"], "pkg.module:name or path/to/file.py:name"),
+        (["--target", "/no/such/file.py:x"], "does not exist"),
+        (["--target", "{file}:NOT_A_MODULE"], "neither an nn.Module nor a factory"),
+        (["--target", "{file}:needs_args"], "needs arguments"),
+        (["--target", "{file}:returns_int"], "returned int, not an nn.Module"),
+        (["--target", "{file}:causal"], "pass --input"),
+        (["--target", "{file}:causal", "--input", "float:4,16"], "--input must be"),
+        (["--target", "{file}:causal", "--input", "floaty:4,16,8"], "--input must be"),
+        (["--target", "{file}:causal", "--input", "float:a,b,c"], "must be integers"),
+        (["--target", "{file}:causal", "--input", "float:4,1,8"], "T must be at least 2"),
+        (["--target", "{file}:causal", "--input", "float:4,16,5"], "failed on an input"),
+        (["--target", "{file}:pooled", "--input", "float:4,16,8"], "needs an output of shape [B, T, ...]"),
+        (["--target", "{file}:causal", "--input", "float:4,16,8", "--modes", "test"], "--modes"),
+        (["--target", "{file}:causal", "--input", "float:4,16,8", "--trials", "0"], "--trials"),
+        (["--input", "float:4,16,8"], "--input only applies to --target"),
+    ],
+)
+def test_usage_errors_exit_2(target_file, capsys, argv, message):
+    argv = [a.replace("{file}", target_file) for a in argv]
+    assert run(*argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-audit: error:") and message in err, err
+
+
+class _LyingRouter(ExpertChoiceRouter):
+    @property
+    def claims(self) -> Claims:
+        return Claims(causal_train=True, causal_eval=True, batch_invariant=True)
+
+
+def _suite(lying: bool):
+    def example():
+        return torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
+
+    def honest():
+        torch.manual_seed(0)
+        return build_router("topk", d_model=32, num_experts=4)
+
+    def liar():
+        torch.manual_seed(0)
+        return _LyingRouter(32, 4)
+
+    targets = [BuiltinTarget("router topk", honest, example)]
+    if lying:
+        targets.append(BuiltinTarget("router lying expert_choice", liar, example))
+    return lambda seed=0: targets
+
+
+@pytest.mark.parametrize("lying, code", [(False, 0), (True, 1)])
+def test_no_argument_run_checks_claims(monkeypatch, capsys, tmp_path, lying, code):
+    """The built-in suite itself is audited in tests/test_audit.py; here the command's plumbing
+    runs on a two-target stand-in, one of which may claim a causality it lacks."""
+    monkeypatch.setattr(cli, "builtin_targets", _suite(lying))
+    out_json = tmp_path / "suite.json"
+    assert run("--json", str(out_json)) == code
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:3] == ["target", "claims", "causal"]
+    assert "router topk" in out and ("FALSE CLAIMS" in out) == lying and ("every claim holds" in out) != lying
+    targets = json.loads(out_json.read_text())["targets"]
+    assert [t["claimed_causal"] for t in targets] == [True] * len(targets)
+    assert [t["leaks"] for t in targets] == [False, True][: len(targets)]
+    assert torch.get_num_threads() == 1, "the built-in suite runs single-threaded by default"
+
+
+def test_python_dash_m_end_to_end(target_file):
+    """`python -m moe.audit` in a fresh interpreter: table on stdout, exit code 1 for a leak."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe.audit", "--target", f"{target_file}:leaky", "--input", "float:2,8,8",
+         "--modes", "eval", "--trials", "1", "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "leaky: LEAKS in eval mode" in proc.stdout

@@ -1,0 +1,137 @@
+"""MoELayer against a naive per-assignment loop (float64), a dense SwiGLU, and itself."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moe
+from helpers import ROUTER_CONFIGS, naive_moe
+from moe.model import SwiGLU
+
+
+def grads(module, *tensors):
+    return [p.grad.clone() for p in module.parameters() if p.grad is not None] + [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("name,opts", ROUTER_CONFIGS)
+def test_layer_matches_naive_loop_in_float64(name, opts):
+    torch.manual_seed(0)
+    layer = moe.MoELayer(8, 12, 4, router=name, **opts).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    y, routing = layer(x, return_routing=True)
+    gy = torch.randn_like(y)
+    (y * gy).sum().backward()
+    got = grads(layer, x)
+    assert routing.num_assignments > 0
+
+    layer.zero_grad()
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = naive_moe(layer, x_ref, layer.router(x_ref))
+    (y_ref * gy).sum().backward()
+    want = grads(layer, x_ref)
+
+    diff = (y - y_ref).abs()
+    assert diff.max() < 1e-10, f"output max {diff.max():.3e} mean {diff.mean():.3e}"
+    assert len(got) == len(want)
+    for (pname, _), g, w in zip(list(layer.named_parameters()) + [("x", None)], got, want):
+        d = (g - w).abs()
+        assert d.max() < 1e-10, f"grad {pname}: max {d.max():.3e} mean {d.mean():.3e}"
+
+
+def test_one_expert_layer_equals_dense_swiglu():
+    torch.manual_seed(0)
+    layer = moe.MoELayer(8, 16, 1, router="topk", top_k=1).double()
+    dense = SwiGLU(8, 16).double()
+    with torch.no_grad():
+        dense.w_gate.weight.copy_(layer.experts.w_gate[0].T)
+        dense.w_up.weight.copy_(layer.experts.w_up[0].T)
+        dense.w_down.weight.copy_(layer.experts.w_down[0].T)
+    x = torch.randn(3, 7, 8, dtype=torch.float64)
+    assert (layer(x) - dense(x)).abs().max() < 1e-12
+
+
+def test_bitwise_reproducible_outputs_and_gradients():
+    torch.manual_seed(0)
+    layer = moe.MoELayer(32, 64, 8, router="capacity", top_k=2, capacity_factor=1.0)
+    x = torch.randn(4, 33, 32)
+    runs = []
+    for _ in range(2):
+        layer.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.square().sum().backward()
+        runs.append([y.detach()] + grads(layer, xi))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_tokens_routed_nowhere_get_zero_and_empty_routing_works():
+    layer = moe.MoELayer(4, 8, 2, router="ec_threshold")
+    with torch.no_grad():
+        layer.router.ema_sum.fill_(2.0)  # threshold 2 > any probability: nothing is routed
+        layer.router.ema_weight.fill_(1.0)
+    y, routing = layer(torch.randn(2, 3, 4), return_routing=True)
+    assert routing.num_assignments == 0
+    assert torch.equal(y, torch.zeros(2, 3, 4))
+    assert routing.stats["dropped_fraction"].item() == 1.0
+
+
+def test_layer_accepts_built_router_and_checks_it():
+    r = moe.build_router("expert_choice", d_model=8, num_experts=4)
+    assert moe.MoELayer(8, 16, 4, router=r).router is r
+    with pytest.raises(ValueError, match="router built for d_model=8, num_experts=4"):
+        moe.MoELayer(8, 16, 2, router=r)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: moe.MoELayer(8, 16, 4, backend="cuda-magic"), "unknown backend 'cuda-magic'"),
+        (lambda: moe.MoELayer(8, 16, 0), "num_experts must be a positive integer"),
+        (lambda: moe.MoELayer(8, 0, 4), "d_ff must be a positive integer"),
+        (lambda: moe.MoELayer(8, 16, 4, router="topk", top_k=5), "top_k must be an integer in"),
+    ],
+)
+def test_bad_layer_config(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_layer_input():
+    layer = moe.MoELayer(8, 16, 4)
+    with pytest.raises(ValueError, match="expected floating-point features"):
+        layer(torch.randint(0, 5, (2, 3, 8)))
+    with pytest.raises(ValueError, match="expected last dimension D=8"):
+        layer(torch.randn(2, 3, 6))
+    with pytest.raises(ValueError, match=r"expected input of shape \[B, T, D=8\]"):
+        layer(torch.randn(6, 8))
+
+
+def test_update_routers_reaches_every_router():
+    model = torch.nn.Sequential(
+        moe.MoELayer(4, 8, 2, router="topk", top_k=1, balance_rate=0.5),
+        moe.MoELayer(4, 8, 2, router="ec_threshold", momentum=0.0),
+    )
+    with torch.no_grad():
+        model[0].router.gate.weight.copy_(torch.tensor([[1.0] * 4, [0.0] * 4]))  # every token -> e0
+    x = torch.ones(1, 6, 4)
+    model[1](model[0](x))
+    moe.update_routers(model)
+    assert model[0].router.balance_bias.tolist() == [-0.5, 0.5]
+    assert model[1].router.ema_weight.item() == 1.0
+
+
+def test_layer_trains():
+    torch.manual_seed(0)
+    layer = moe.MoELayer(8, 16, 4, router="topk", top_k=2)
+    x, target = torch.randn(4, 8, 8), torch.randn(4, 8, 8)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        y, routing = layer(x, return_routing=True)
+        loss = F.mse_loss(y, target) + routing.aux_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]

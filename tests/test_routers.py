@@ -1,0 +1,253 @@
+"""Routers against hand-worked tiny cases; identity gates make the inputs the logits."""
+
+import math
+
+import pytest
+import torch
+
+import moe
+from helpers import ROUTER_CONFIGS, identity_router
+
+
+def assignments(routing: moe.Routing) -> list[tuple[int, int]]:
+    return sorted(zip(routing.token.tolist(), routing.expert.tolist()))
+
+
+def logits(*rows, batch: int = 1) -> torch.Tensor:
+    x = torch.tensor(rows, dtype=torch.float64)
+    return x.view(batch, -1, x.shape[-1])
+
+
+def test_registry_lists_builtins():
+    assert moe.list_routers() == ["capacity", "ec_predictor", "ec_threshold", "expert_choice", "topk"]
+
+
+def test_topk_hand_case_with_idle_expert():
+    r = identity_router("topk", 4, top_k=2)
+    x = logits([2, 1, 0, -9], [0, 3, 1, -9], [5, 0, 4, -9])
+    out = r(x)
+    assert assignments(out) == [(0, 0), (0, 1), (1, 1), (1, 2), (2, 0), (2, 2)]
+    assert out.stats["tokens_per_expert"].tolist() == [2, 2, 2, 0]
+    assert out.stats["dropped_fraction"].item() == 0.0
+    # normalised top-2 softmax: token 0 keeps e^2 : e^1
+    dense = out.dense()[0]
+    assert dense[0, 0].item() == pytest.approx(math.e / (math.e + 1), rel=1e-12)
+    assert dense[0, 1].item() == pytest.approx(1 / (math.e + 1), rel=1e-12)
+    assert torch.allclose(dense.sum(-1), torch.ones(3, dtype=torch.float64))
+
+
+def test_topk_unnormalised_sigmoid_weights():
+    r = identity_router("topk", 3, top_k=1, gate="sigmoid", normalize=False)
+    out = r(logits([0.5, 2.0, -1.0]))
+    assert assignments(out) == [(0, 1)]
+    assert out.weight.item() == pytest.approx(1 / (1 + math.exp(-2.0)), rel=1e-12)
+
+
+def test_capacity_drop_decisions_position_vs_score():
+    # E=2, k=1, T=4, capacity_factor 0.5 -> C = ceil(0.5*4*1/2) = 1 slot per expert.
+    x = logits([1, 0], [3, 0], [2, 0], [0, 1])
+    pos = identity_router("capacity", 2, top_k=1, capacity_factor=0.5, priority="position")(x)
+    score = identity_router("capacity", 2, top_k=1, capacity_factor=0.5, priority="score")(x)
+    assert assignments(pos) == [(0, 0), (3, 1)]  # first come, first served
+    assert assignments(score) == [(1, 0), (3, 1)]  # the highest score evicts token 0
+    for out in (pos, score):
+        assert out.stats["dropped_fraction"].item() == 0.5
+        assert out.stats["capacity"].item() == 1
+        assert out.experts_per_token().tolist() in ([1, 0, 0, 1], [0, 1, 0, 1])
+
+
+def test_capacity_top2_interleaves_choices_in_position_order():
+    # T=2, k=2, E=2, C = ceil(0.5*2*2/2) = 1. Token 0 prefers e0 then e1; token 1 e1 then e0.
+    x = logits([2, 1], [1, 2])
+    pos = identity_router("capacity", 2, top_k=2, capacity_factor=0.5, priority="position")(x)
+    gshard = identity_router("capacity", 2, top_k=2, capacity_factor=0.5, priority="choice")(x)
+    # causal order: token 0's second choice ranks before token 1's first -> token 1 gets nothing
+    assert assignments(pos) == [(0, 0), (0, 1)]
+    assert pos.experts_per_token().tolist() == [2, 0]
+    # GShard order: all first choices queue first -> token 1's first choice evicts token 0's second
+    assert assignments(gshard) == [(0, 0), (1, 1)]
+
+
+def test_capacity_batch_group_is_time_major():
+    # B=2, T=2, k=1. Sample 0 / position 0 wants e1, every other token wants e0.
+    x = logits([0, 1], [1, 0], [1, 0], [1, 0], batch=2)
+    batch = identity_router("capacity", 2, top_k=1, capacity_factor=0.5, group="batch")(x)
+    seq = identity_router("capacity", 2, top_k=1, capacity_factor=0.5, group="sequence")(x)
+    # batch group, C = ceil(0.5*4/2) = 1: e0's queue is (b1,t0), (b0,t1), (b1,t1) -> token 2 wins
+    assert assignments(batch) == [(0, 1), (2, 0)]
+    # per sequence, C = ceil(0.5*2/2) = 1: each sample fills its own slots
+    assert assignments(seq) == [(0, 1), (1, 0), (2, 0)]
+
+
+def test_capacity_unbounded_equals_topk():
+    torch.manual_seed(1)
+    for opts in ({"top_k": 2}, {"top_k": 3, "gate": "sigmoid", "normalize": False}):
+        topk = moe.build_router("topk", d_model=16, num_experts=6, **opts)
+        for priority in ("position", "score", "choice"):
+            for group in ("sequence", "batch"):
+                cap = moe.build_router(
+                    "capacity", d_model=16, num_experts=6, capacity_factor=float("inf"),
+                    priority=priority, group=group, **opts,
+                )
+                cap.load_state_dict(topk.state_dict())
+                x = torch.randn(3, 10, 16)
+                a, b = topk(x), cap(x)
+                assert torch.equal(a.dense(), b.dense()), (priority, group)
+                assert b.stats["dropped_fraction"].item() == 0.0
+
+
+def test_expert_choice_hand_case_and_unserved_tokens():
+    x = logits([2, 0], [0, 2], [1, 0], [3, 0])
+    ec = identity_router("expert_choice", 2, capacity_factor=1.0)(x)  # C = 2
+    assert assignments(ec) == [(0, 0), (1, 1), (2, 1), (3, 0)]
+    assert ec.weight.shape == (4,)
+    half = identity_router("expert_choice", 2, capacity_factor=0.5)(x)  # C = 1
+    assert assignments(half) == [(1, 1), (3, 0)]
+    assert half.stats["dropped_fraction"].item() == 0.5
+    assert half.stats["tokens_per_expert"].tolist() == [1, 1]
+
+
+def test_expert_choice_can_give_a_token_every_expert():
+    x = logits([5, 5, 5], [0, 0, 0], [0, 0, 0])
+    out = identity_router("expert_choice", 3, capacity_factor=1.0)(x)  # C = 1
+    assert out.experts_per_token().tolist() == [3, 0, 0]
+
+
+def test_ec_threshold_routes_by_threshold_and_learns_from_past_batches():
+    r = identity_router("ec_threshold", 2, capacity_factor=0.5, momentum=0.5)
+    x = logits([2, 0], [0, 2], [1, 0], [3, 0])
+    probs = torch.softmax(x[0], -1)
+    # before any update the threshold is 1/E = 0.5: every token goes to its argmax expert
+    assert assignments(r(x)) == [(0, 0), (1, 1), (2, 0), (3, 0)]
+    assert r.pending_count.item() == 1  # training forward recorded the batch, threshold unchanged
+    assert torch.equal(r.threshold, torch.full((2,), 0.5, dtype=torch.float64))
+    r.update_after_step()
+    # bias-corrected EMA: after one update the threshold is this batch's C-th (C=1) best score
+    expected = probs.max(0).values
+    assert torch.allclose(r.threshold, expected, rtol=0, atol=1e-15)
+    out = r(x)
+    assert assignments(out) == [(1, 1), (3, 0)]
+    r.update_after_step()
+    assert torch.allclose(r.threshold, expected, rtol=0, atol=1e-15)  # same statistics, same EMA
+
+
+def test_ec_predictor_routes_by_predictor_in_eval_only():
+    r = identity_router("ec_predictor", 2, capacity_factor=0.5)
+    with torch.no_grad():
+        r.predictor.weight.copy_(torch.eye(2))
+    x = logits([2, -1], [-1, -2], [1, 3], [3, -3])
+    train = r(x)
+    assert assignments(train) == [(2, 1), (3, 0)]  # expert choice, C = 1
+    assert train.aux_loss.item() > 0  # includes the predictor's BCE
+    r.eval()
+    ev = r(x)
+    assert assignments(ev) == [(0, 0), (2, 0), (2, 1), (3, 0)]  # predictor logit > 0
+    assert ev.weight.tolist() == pytest.approx(torch.softmax(x[0], -1)[ev.token, ev.expert].tolist())
+
+
+def test_switch_load_balance_loss_value():
+    r = identity_router("topk", 2, top_k=1, aux_loss_coef=1.0, z_loss_coef=0.0)
+    x = logits([2, 0], [1, 0], [0, 1])
+    p = torch.softmax(x[0], -1)
+    f = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
+    assert r(x).aux_loss.item() == pytest.approx(2 * (f * p.mean(0)).sum().item(), rel=1e-12)
+    rz = identity_router("topk", 2, top_k=1, aux_loss_coef=0.0, z_loss_coef=1.0)
+    assert rz(x).aux_loss.item() == pytest.approx(torch.logsumexp(x[0], -1).square().mean().item(), rel=1e-12)
+
+
+def test_aux_loss_free_bias_moves_towards_balance_from_past_loads():
+    r = identity_router("topk", 3, top_k=1, balance_rate=0.1, aux_loss_coef=0.0)
+    x = logits([3, 0, 0], [2, 0, 0], [0, 1, 0], [4, 0, 0])
+    before = assignments(r(x))
+    assert torch.equal(r.balance_bias, torch.zeros(3))  # forward alone changes no routing state
+    r.update_after_step()
+    assert r.balance_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1])
+    assert torch.equal(r.load_seen, torch.zeros(3))
+    r.eval()
+    r(x)
+    r.update_after_step()  # eval forwards are not counted
+    assert r.balance_bias.tolist() == pytest.approx([-0.1, 0.1, 0.1])
+    assert before == [(0, 0), (1, 0), (2, 1), (3, 0)]
+
+
+@pytest.mark.parametrize("name,opts", ROUTER_CONFIGS)
+def test_routing_contract(name, opts):
+    r = moe.build_router(name, d_model=8, num_experts=4, **opts)
+    x = torch.randn(2, 6, 8)
+    out = r(x)
+    assert out.token.dtype == torch.int64 and out.expert.dtype == torch.int64
+    assert out.num_tokens == 12 and out.num_experts == 4 and out.batch_shape == (2, 6)
+    assert out.dense().shape == (2, 6, 4) and out.mask().shape == (2, 6, 4)
+    assert int(out.stats["tokens_per_expert"].sum()) == out.num_assignments
+    assert 0.0 <= float(out.stats["dropped_fraction"]) <= 1.0
+    assert out.aux_loss.dim() == 0
+    assert len(set(zip(out.token.tolist(), out.expert.tolist()))) == out.num_assignments  # no duplicates
+    assert isinstance(r.claims, moe.Claims)
+
+
+def future_changes_past(name, opts, seed, t=3):
+    torch.manual_seed(seed)
+    r = moe.build_router(name, d_model=8, num_experts=4, **opts)
+    x = torch.randn(2, 8, 8)
+    x2 = x.clone()
+    x2[:, t + 1 :] = 3 * torch.randn_like(x2[:, t + 1 :])
+    return not torch.equal(r(x).dense()[:, : t + 1], r(x2).dense()[:, : t + 1])
+
+
+@pytest.mark.parametrize(
+    "name,opts",
+    [("topk", {"top_k": 2}), ("capacity", {"top_k": 2, "capacity_factor": 0.5}), ("ec_threshold", {})],
+)
+def test_causal_routers_ignore_future_tokens(name, opts):
+    assert not any(future_changes_past(name, opts, seed) for seed in range(10))
+
+
+def test_expert_choice_lets_future_tokens_change_the_past():
+    assert any(future_changes_past("expert_choice", {"capacity_factor": 0.5}, seed) for seed in range(10))
+
+
+def test_claims():
+    c = lambda name, **o: moe.build_router(name, d_model=4, num_experts=2, **o).claims  # noqa: E731
+    assert c("topk") == moe.Claims(True, True, True)
+    assert c("capacity", group="batch") == moe.Claims(True, True, False)
+    assert c("capacity", priority="score") == moe.Claims(False, False, True)
+    assert c("expert_choice", group="batch") == moe.Claims(False, False, False)
+    assert c("ec_threshold") == moe.Claims(True, True, True)
+    assert c("ec_predictor") == moe.Claims(False, True, True)
+    r = moe.build_router("ec_predictor", d_model=4, num_experts=2)
+    assert r.causal is False and r.eval().causal is True
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(name="nope"), "unknown router 'nope'; known routers: capacity, ec_predictor"),
+        (dict(name="topk", top_k=0), "top_k must be an integer in \\[1, num_experts=4\\]"),
+        (dict(name="topk", top_k=5), "top_k must be an integer in \\[1, num_experts=4\\]"),
+        (dict(name="capacity", capacity_factor=0), "capacity_factor must be > 0"),
+        (dict(name="expert_choice", capacity_factor=-1.0), "capacity_factor must be > 0"),
+        (dict(name="capacity", priority="random"), "priority must be"),
+        (dict(name="topk", gate="relu"), "gate must be"),
+        (dict(name="topk", d_model=0), "d_model must be a positive integer"),
+        (dict(name="topk", num_experts=-2), "num_experts must be a positive integer"),
+        (dict(name="topk", bogus=1), "bad options for router 'topk'"),
+    ],
+)
+def test_bad_router_options(kwargs, match):
+    kwargs = {"d_model": 8, "num_experts": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        moe.build_router(kwargs.pop("name"), **kwargs)
+
+
+def test_bad_router_inputs():
+    r = moe.build_router("topk", d_model=8, num_experts=4)
+    with pytest.raises(ValueError, match=r"expected input of shape \[B, T, D=8\]"):
+        r(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="expected last dimension D=8"):
+        r(torch.randn(2, 3, 7))
+    with pytest.raises(ValueError, match="expected floating-point features"):
+        r(torch.ones(2, 3, 8, dtype=torch.int64))
+    x = torch.randn(2, 3, 8)
+    x[1, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match="router logits contain NaN or inf"):
+        r(x)
