@@ -4,9 +4,10 @@ Every multi-process check runs inside one spawn per world size (process start-up
 on 2 cores). Workers compare in float64 against a single-process reference computed in the
 same worker on the full global batch, and return max absolute differences; the parent
 asserts. The EP path performs the same floating-point operations as the reference up to the
-order of the cross-rank sum of the router gradient, so float64 agreement is ~1e-15;
-tolerance 1e-10 leaves room for BLAS blocking differences while still catching any wrong
-row, scale or permutation (those give differences of order 1).
+order of the cross-rank sum of the router gradient: measured, outputs and every gradient
+agree bitwise in float64 and the summed router gradient to ~6e-14. Tolerance 1e-10 leaves
+room for BLAS blocking differences while still catching any wrong row, scale or
+permutation (those give differences of order 1).
 
 Processes come from ``moe.parallel.launch.run_local``: no fixed ports (a FileStore in a
 temporary directory), a timeout on every join, a worker's traceback shown in the failure.
@@ -49,6 +50,12 @@ CASES = {
     # Every token prefers experts 0 and 1: ranks holding only experts >= 2 receive no row.
     "topk_skewed": ("topk", {"top_k": 2}, True),
     "capacity_skewed": ("capacity", {"top_k": 2, "capacity_factor": 1.0}, True),
+}
+
+
+BATCH_GROUPED = {
+    "capacity": {"top_k": 2, "capacity_factor": 0.5, "group": "batch"},
+    "expert_choice": {"capacity_factor": 0.5, "group": "batch"},
 }
 
 
@@ -103,6 +110,15 @@ def _equivalence_worker(rank: int, world: int) -> dict[str, float]:
         dist.all_reduce(gate_grad)
         out[f"{case}/router_grad_summed"] = _max_diff(gate_grad, full.router.gate.weight.grad)
         out[f"{case}/output_nonzero"] = float(y_full.detach().abs().max())
+
+    # Routers grouped over the batch route each rank's shard as a batch of its own: EP equals
+    # a single process run on the shard alone (and differs from one on the full batch).
+    for name, opts in BATCH_GROUPED.items():
+        full, ep = _layer_pair(name, opts, False, group)
+        x, _ = _inputs(world, False)
+        y_ep = ep(x[rows])
+        out[f"{name}_batch/vs_shard_alone"] = _max_diff(y_ep, full(x[rows]))
+        out[f"{name}_batch/vs_full_batch"] = _max_diff(y_ep, full(x)[rows])
 
     # A rank with no tokens at all (N = 0) beside one whose tokens cover every expert,
     # through the data path directly (hand-built assignments; expert 3 gets none).
@@ -216,7 +232,7 @@ def _check_equivalence(world: int) -> None:
     per_rank = ok_values(run_local(_equivalence_worker, world))
     for rank, res in enumerate(per_rank):
         for key, v in res.items():
-            if key.endswith("rows_received") or key.endswith("output_nonzero") or key.endswith("output_rows"):
+            if key.endswith(("rows_received", "output_nonzero", "output_rows", "vs_full_batch")):
                 continue
             if key == "indivisible_raises":
                 assert v == 1.0, f"rank {rank}: E=3 over {world} ranks did not raise a clear ValueError"
@@ -226,6 +242,9 @@ def _check_equivalence(world: int) -> None:
             assert res[f"{case}/output_nonzero"] > 0.1, f"{case}: degenerate test (all-zero output)"
         if rank > 0:
             assert res["empty_rank/output_rows"] == 0.0
+    for name in BATCH_GROUPED:
+        worst = max(res[f"{name}_batch/vs_full_batch"] for res in per_rank)
+        assert worst > 1e-3, f"{name} group=batch: EP matched the full-batch routing; the shard check is vacuous"
     # The skewed cases must really leave some rank with no rows, and the plain ones none.
     for case in ("topk_skewed", "capacity_skewed"):
         received = [res[f"{case}/rows_received"] for res in per_rank]
