@@ -47,6 +47,8 @@ CASES = {
     "capacity": ("capacity", {"top_k": 2, "capacity_factor": 0.5}, False),
     "capacity_score": ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "score"}, False),
     "expert_choice": ("expert_choice", {"capacity_factor": 1.0}, False),
+    "ec_threshold": ("ec_threshold", {"capacity_factor": 1.0}, False),
+    "ec_predictor": ("ec_predictor", {"capacity_factor": 1.0}, False),
     # Every token prefers experts 0 and 1: ranks holding only experts >= 2 receive no row.
     "topk_skewed": ("topk", {"top_k": 2}, True),
     "capacity_skewed": ("capacity", {"top_k": 2, "capacity_factor": 1.0}, True),
