@@ -15,8 +15,10 @@ forward and backward:
 * experts: the local experts on the received rows (the layer's backend);
 * combine: weighting the returned rows and summing them into tokens.
 
-Every number is the slowest rank's (ranks wait for each other at the exchanges, so waiting
-shows up as exchange time), median over ``--iters`` steps after ``--warmup``. "single" is the
+Every row is the slowest rank's (largest median step time; ranks wait for each other at
+the exchanges, so waiting shows up as exchange time), median over ``--iters`` steps after
+``--warmup``; the phases do not add up to the step exactly (the loss, barriers and
+autograd bookkeeping are in no phase). "single" is the
 plain single-process MoELayer (no process group) on the same tokens and weights, measured
 in the same run (in the first row's process, with its threads): the baseline every "vs
 single" ratio refers to. On CPU each process runs ``--threads`` torch threads (default 1,
@@ -69,7 +71,7 @@ def step_phases(layer: MoELayer, x_ND: torch.Tensor, timer: PhaseTimer) -> dict[
 
 
 def bench_rank(rank: int, world: int, opts: dict) -> dict[str, float]:
-    """Median per-phase seconds on this rank (max over ranks on return), plus the baseline."""
+    """Median per-phase seconds of the slowest rank (on every rank), plus the baseline on rank 0."""
     device = torch.device(opts["device"])
     torch.manual_seed(0)
     kwargs = dict(router="topk", top_k=opts["top_k"], backend=opts["backend"])
@@ -92,9 +94,12 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict[str, float]:
             (y.float().square().mean() + routing.aux_loss).backward()
             times.append(timer.now() - t0)
         out["single"] = statistics.median(times[opts["warmup"] :])
-    values = torch.tensor([out[k] for k in (*PHASES, "total")], dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    out.update(zip((*PHASES, "total"), values.tolist()))
+    keys = (*PHASES, "total")
+    mine = torch.tensor([out[k] for k in keys], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    slowest = max(every, key=lambda v: float(v[-1]))
+    out.update(zip(keys, slowest.tolist()))
     return out
 
 
