@@ -458,12 +458,12 @@ def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo):
 
 # -- checkpoints --------------------------------------------------------------------------
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
-                    mcfg: ModelConfig, info: DistInfo) -> None:
+                    mcfg: ModelConfig, info: DistInfo | None = None) -> None:
     """Write the checkpoint atomically (a temporary file in the same directory, then rename) on
     rank 0. Call on every rank: sharded experts and their optimizer state are gathered first,
     so the file is a single-process checkpoint, loadable on any number of processes."""
     model_state, optimizer_state = full_state_dict(model), full_optimizer_state_dict(model, optimizer)
-    if not info.is_main:
+    if info is not None and not info.is_main:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
