@@ -140,9 +140,7 @@ def test_data_parallel_two_processes_equals_single_process(tmp_path):
             "--router", "topk", "--router-option", "aux_loss_coef=0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "experiments" / "train.py")
-    single = subprocess.run([sys.executable, script, *args, "--metrics-jsonl", str(tmp_path / "s.jsonl")],
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert single.returncode == 0, single.stderr
+    train(config_from_args([*args, "--metrics-jsonl", str(tmp_path / "s.jsonl")]))
     port = str(free_port())
     procs = [
         subprocess.Popen([sys.executable, script, *args, "--metrics-jsonl", str(tmp_path / "d.jsonl")],
@@ -171,7 +169,7 @@ def test_cli_flags_come_from_the_configs():
     assert cfg.router_options == {"top_k": 1, "capacity_factor": 1.5, "priority": "score", "normalize": False}
     assert cfg.model == {"d_model": 32} and cfg.steps == 7 and cfg.progress is False
     assert cfg.metrics_jsonl == "m.jsonl" and cfg.expert_parallel == 1
-    help_text = mt.build_parser().format_help()
+    help_text = " ".join(mt.build_parser().format_help().split())
     assert "--causal-stride" in help_text and "--num-experts" in help_text and "every k-th" in help_text
     with pytest.raises(ValueError, match="KEY=VALUE"):
         config_from_args(["--router-option", "top_k"])
