@@ -26,6 +26,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -54,14 +55,16 @@ class Corpus:
                 raise ValueError(f"Corpus.{name} must be a 1-D uint8 tensor, got {t.dtype} {tuple(t.shape)}")
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files, sorted by path relative to the stdlib root."""
+@functools.lru_cache(maxsize=1)
+def stdlib_files() -> tuple[Path, ...]:
+    """The standard library's ``.py`` files, sorted by path relative to the stdlib root
+    (installed packages under ``site-packages`` / ``dist-packages`` are not part of it)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p for p in root.rglob("*.py")
-        if "site-packages" not in p.relative_to(root).parts and "dist-packages" not in p.relative_to(root).parts
-    ]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
+        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
 
 
 def user_files(path: str | os.PathLike) -> list[Path]:
@@ -81,7 +84,7 @@ def user_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
-def read_bytes(files: list[Path], max_bytes: int) -> bytes:
+def read_bytes(files: Sequence[Path], max_bytes: int) -> bytes:
     """Concatenate the files' bytes (each followed by a newline), stopping at ``max_bytes``."""
     chunks, total = [], 0
     for f in files:

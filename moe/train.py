@@ -327,6 +327,8 @@ def evaluate(
     causal_stride: int = 1,
     batch_size: int = 64,
     device: torch.device | None = None,
+    causal: bool = True,
+    with_train_mode: bool = False,
 ) -> dict:
     """Teacher-forced and causal loss (eval mode) on the same validation positions.
 
@@ -335,36 +337,51 @@ def evaluate(
     positions. Causal: for each evaluated t, a forward of the prefix 0..t alone (the windows
     of a chunk batched together, as batched decoding would run them), the loss of its last
     position. Returns ``teacher_forced_loss``, ``causal_loss``, ``leakage_gap`` (causal minus
-    teacher-forced), ``teacher_forced_loss_all`` (every position) and ``eval_positions``.
+    teacher-forced) with its standard error ``leakage_gap_se`` (over positions),
+    ``teacher_forced_loss_all`` (every position) and ``eval_positions``.
+
+    ``causal=False`` skips the prefix forwards (only the teacher-forced keys are returned).
+    ``with_train_mode`` adds ``train_mode_loss``: the teacher-forced loss with training-mode
+    routing, which is what the training curve reports. Routers that learn from batches record
+    statistics in training mode, so ask for it only when training is over.
     """
     device = device or next(model.parameters()).device
     was_training = model.training
-    model.eval()
     idx_WT, targets_WT = windows(val_tokens, eval_offsets(val_tokens.numel(), seq_len, num_windows), seq_len)
     pos_P = torch.arange(causal_stride - 1, seq_len, causal_stride)
-    tf_sum = causal_sum = all_sum = 0.0
+
+    def nll(idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
+        with autocast(device):
+            logits_BTV = model(idx_BT).logits
+        return F.cross_entropy(logits_BTV.float().transpose(1, 2), targets_BT, reduction="none").double().cpu()
+
+    tf_WT, causal_WP, train_WT = [], [], []
     for start in range(0, num_windows, batch_size):
         idx_BT = idx_WT[start : start + batch_size].to(device)
         targets_BT = targets_WT[start : start + batch_size].to(device)
-        with autocast(device):
-            logits_BTV = model(idx_BT).logits
-        nll_BT = F.cross_entropy(logits_BTV.float().transpose(1, 2), targets_BT, reduction="none").double()
-        all_sum += nll_BT.sum().item()
-        tf_sum += nll_BT[:, pos_P.to(device)].sum().item()
-        for t in pos_P.tolist():
-            with autocast(device):
-                last_BV = model(idx_BT[:, : t + 1]).logits[:, -1]
-            causal_sum += F.cross_entropy(last_BV.float(), targets_BT[:, t], reduction="sum").double().item()
+        model.eval()
+        tf_WT.append(nll(idx_BT, targets_BT))
+        if causal:
+            causal_WP.append(torch.cat([nll(idx_BT[:, : t + 1], targets_BT[:, : t + 1])[:, -1:] for t in pos_P.tolist()], 1))
+        if with_train_mode:
+            model.train()
+            train_WT.append(nll(idx_BT, targets_BT))
     model.train(was_training)
-    n_pos = num_windows * pos_P.numel()
-    tf, causal = tf_sum / n_pos, causal_sum / n_pos
-    return {
-        "teacher_forced_loss": tf,
-        "causal_loss": causal,
-        "leakage_gap": causal - tf,
-        "teacher_forced_loss_all": all_sum / (num_windows * seq_len),
-        "eval_positions": n_pos,
+    tf_WT = torch.cat(tf_WT)
+    out = {
+        "teacher_forced_loss": tf_WT[:, pos_P].mean().item(),
+        "teacher_forced_loss_all": tf_WT.mean().item(),
+        "eval_positions": num_windows * pos_P.numel(),
     }
+    if causal:
+        causal_WP = torch.cat(causal_WP)
+        diff_WP = causal_WP - tf_WT[:, pos_P]
+        out["causal_loss"] = causal_WP.mean().item()
+        out["leakage_gap"] = diff_WP.mean().item()
+        out["leakage_gap_se"] = (diff_WP.std() / math.sqrt(diff_WP.numel())).item() if diff_WP.numel() > 1 else 0.0
+    if with_train_mode:
+        out["train_mode_loss"] = torch.cat(train_WT)[:, pos_P].mean().item()
+    return out
 
 
 # -- metrics ------------------------------------------------------------------------------
@@ -652,7 +669,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: set[str
         if base not in (int, float, str, bool):
             continue
         default = None if defaults_none else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        kwargs = {"dest": dest_prefix + f.name, "default": default, "help": f"{docs.get(f.name, '')} (default: {default})"}
+        kwargs = {"dest": dest_prefix + f.name, "default": default, "help": f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")}
         flag = "--" + f.name.replace("_", "-")
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
