@@ -103,6 +103,11 @@ class Router(nn.Module):
     """
 
     name: str = ""
+    stats_group = None
+    """Process group over which the load-balancing loss counts assignments (set by data- or
+    expert-parallel training, see ``moe.parallel.share_router_statistics``): with equal
+    shards the mean of the ranks' aux losses then equals the single-process one, in value and
+    gradient. None: the local batch only."""
 
     def __init__(
         self,
@@ -162,8 +167,11 @@ class Router(nn.Module):
     # -- shared pieces ------------------------------------------------------------------
     def _aux_loss(self, logits_NE: Tensor, probs_NE: Tensor, expert_A: Tensor) -> Tensor:
         loss = logits_NE.new_zeros(())
-        if self.aux_loss_coef > 0 and expert_A.numel() > 0:
-            frac_E = torch.bincount(expert_A, minlength=self.num_experts).to(probs_NE.dtype) / expert_A.numel()
+        if self.aux_loss_coef > 0:
+            count_E = torch.bincount(expert_A, minlength=self.num_experts).to(probs_NE.dtype)
+            if self.stats_group is not None:
+                torch.distributed.all_reduce(count_E, group=self.stats_group)
+            frac_E = count_E / count_E.sum().clamp_min(1.0)
             loss = loss + self.aux_loss_coef * self.num_experts * (frac_E * probs_NE.mean(0)).sum()
         return loss + self._z_loss(logits_NE)
 

@@ -1,0 +1,216 @@
+"""What does a router's leak cost? Train the same tiny MoE LM with each router family and
+compare, on the same validation positions, the teacher-forced loss (full-sequence forward in
+eval mode) with the causal loss (position t computed from the prefix 0..t alone, as decoding
+does). Their difference is the leakage gap.
+
+    python experiments/leakage_gap.py --quick          # < 5 min on 2 CPU cores
+    python experiments/leakage_gap.py                  # the committed full run (~15 min on 2 idle cores)
+    python experiments/leakage_gap.py --corpora canary --routers topk expert_choice --canary-steps 3000
+    python experiments/leakage_gap.py --data path/to/texts --json runs/gap.json
+
+Two corpora: ``text`` (byte-level Python standard library source, or ``--data PATH``) and
+``canary`` (uniformly random tokens over V=8: no causal model can beat log 8 nats, so any
+teacher-forced loss below it is information taken from the future). The causal loss batches
+the prefixes of equal length across the evaluation windows; on text it is read at every k-th
+position (``--text-causal-stride``), on the canary at every position.
+
+Writes ``--json`` (``{"routers": [{"router", "corpus", "teacher_forced_loss", "causal_loss",
+"leakage_gap", ...}]}``), a markdown table and a figure (loss curves and gap bars) next to it.
+Jobs run in ``--workers`` processes with one thread each (tiny models run fastest that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from moe.data import load_corpus
+from moe.routing import build_router
+from moe.train import TrainConfig, evaluate, train
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+ROUTERS: dict[str, tuple[str, dict]] = {
+    # label: (registered router name, options). Capacity factor 1 everywhere: leaks need contention.
+    "topk": ("topk", {"top_k": 2}),
+    "capacity_position": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position"}),
+    "capacity_score": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score"}),
+    "expert_choice": ("expert_choice", {"capacity_factor": 1.0}),
+    "ec_threshold": ("ec_threshold", {"capacity_factor": 1.0}),
+    "ec_predictor": ("ec_predictor", {"capacity_factor": 1.0}),
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Steps and evaluation size of one corpus."""
+
+    steps: int
+    eval_windows: int
+    causal_stride: int
+
+
+FULL = {"canary": Budget(steps=3000, eval_windows=2048, causal_stride=1),
+        "text": Budget(steps=600, eval_windows=64, causal_stride=1)}
+QUICK = {"canary": Budget(steps=500, eval_windows=1024, causal_stride=1),
+         "text": Budget(steps=100, eval_windows=32, causal_stride=8)}
+
+
+def corpus_config(corpus: str, budget: Budget, args: argparse.Namespace) -> dict:
+    """TrainConfig fields of one corpus (the model is the ``tiny`` preset in both)."""
+    common = dict(preset="tiny", seed=args.seed, steps=budget.steps, eval_windows=budget.eval_windows,
+                  causal_stride=budget.causal_stride, log_every=0, progress=False, wandb_mode="disabled")
+    if corpus == "canary":
+        # The planning measurement's setting: V=8, T=8, batch 64, 2 layers d=64, 4 experts.
+        return dict(common, data="canary", canary_vocab=8, max_bytes=2_000_000, seq_len=8, batch_size=64,
+                    lr=args.canary_lr, warmup_steps=100, eval_batch_size=64)
+    return dict(common, data=args.data, seq_len=128, batch_size=16, lr=3e-3, warmup_steps=min(100, budget.steps // 10),
+                eval_batch_size=16)
+
+
+def run_job(label: str, corpus: str, fields: dict) -> dict:
+    """Train one (router, corpus) pair and evaluate it; runs in a worker process."""
+    torch.set_num_threads(1)
+    name, options = ROUTERS[label]
+    cfg = TrainConfig(router=name, router_options=options, **fields)
+    res = train(cfg)
+    val = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab).val
+    train_mode = evaluate(res.model, val, cfg.seq_len, cfg.eval_windows, cfg.causal_stride, cfg.eval_batch_size,
+                          causal=False, with_train_mode=True)
+    ev = {**res.final_eval, "train_mode_loss": train_mode["train_mode_loss"]}
+    claims = res.model.blocks[0].ffn.router.claims
+    return {
+        "router": label,
+        "router_name": name,
+        "router_options": options,
+        "corpus": corpus,
+        "claims_causal_eval": claims.causal_eval,
+        "claims_causal_train": claims.causal_train,
+        **{k: ev[k] for k in ("teacher_forced_loss", "causal_loss", "leakage_gap", "leakage_gap_se",
+                              "train_mode_loss", "eval_positions")},
+        "final_train_loss": sum(r["loss"] for r in res.history[-50:]) / len(res.history[-50:]),
+        "train_time_s": res.train_time_s,
+        "steps": cfg.steps,
+        "loss_curve": [r["loss"] for r in res.history],
+    }
+
+
+def markdown_table(rows: list[dict], quick: bool, wall_s: float) -> str:
+    lines = [
+        f"Leakage gap ({'quick' if quick else 'full'} run, {wall_s / 60:.1f} min wall). Losses in nats on the same "
+        "validation positions; gap = causal - teacher-forced (± standard error over positions); train-mode = "
+        "teacher-forced with training-mode routing. Canary floor: log 8 = 2.0794.",
+        "",
+        "| corpus | router | claims causal (train/eval) | teacher-forced | causal | gap | train-mode | "
+        "positions | steps | train time (s) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        claim = f"{'yes' if r['claims_causal_train'] else 'no'}/{'yes' if r['claims_causal_eval'] else 'no'}"
+        lines.append(
+            f"| {r['corpus']} | {r['router']} | {claim} | {r['teacher_forced_loss']:.4f} | {r['causal_loss']:.4f} | "
+            f"{r['leakage_gap']:+.4f} ± {r['leakage_gap_se']:.4f} | {r['train_mode_loss']:.4f} | "
+            f"{r['eval_positions']} | {r['steps']} | {r['train_time_s']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], corpora: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(corpora), 2, figsize=(12, 4 * len(corpora)), squeeze=False)
+    for i, corpus in enumerate(corpora):
+        sub = [r for r in rows if r["corpus"] == corpus]
+        ax = axes[i][0]
+        for r in sub:
+            curve = torch.tensor(r["loss_curve"])
+            k = max(1, len(curve) // 100)
+            smooth = curve[: len(curve) // k * k].view(-1, k).mean(1)
+            ax.plot(torch.arange(len(smooth)) * k + k, smooth, label=r["router"])
+        if corpus == "canary":
+            ax.axhline(math.log(8), color="k", ls="--", lw=1, label="log 8 (causal floor)")
+        ax.set(title=f"{corpus}: training loss", xlabel="step", ylabel="loss (nats)")
+        lo = min(min(r["loss_curve"]) for r in sub)
+        ax.set_ylim(lo - 0.05, lo + (0.5 if corpus == "canary" else 2.5))
+        ax.legend(fontsize=8)
+        ax = axes[i][1]
+        x = range(len(sub))
+        ax.bar(x, [r["leakage_gap"] for r in sub], yerr=[2 * r["leakage_gap_se"] for r in sub], capsize=3,
+               color=["tab:red" if not r["claims_causal_eval"] else "tab:blue" for r in sub])
+        ax.set_xticks(list(x), [r["router"] for r in sub], rotation=30, ha="right", fontsize=8)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set(title=f"{corpus}: causal - teacher-forced loss (±2 se)", ylabel="leakage gap (nats)")
+        ax.legend(handles=[Patch(color="tab:red", label="claims: not causal in eval"),
+                           Patch(color="tab:blue", label="claims: causal in eval")], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps and positions (< 5 min on 2 CPU cores)")
+    p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
+    p.add_argument("--corpora", nargs="+", default=["canary", "text"], choices=["canary", "text"])
+    p.add_argument("--data", default="stdlib", help="text corpus: 'stdlib' or a path (default: stdlib)")
+    p.add_argument("--canary-steps", type=int, help="override the canary's training steps")
+    p.add_argument("--text-steps", type=int, help="override the text corpus's training steps")
+    p.add_argument("--canary-lr", type=float, default=3e-3, help="peak learning rate on the canary")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2, help="training processes (one thread each)")
+    p.add_argument("--json", type=Path, help="results JSON; the .md table and .png figure go next to it "
+                                             "(default: experiments/results/leakage_gap[_quick].json)")
+    args = p.parse_args(argv)
+    budgets = dict(QUICK if args.quick else FULL)
+    for corpus, steps in (("canary", args.canary_steps), ("text", args.text_steps)):
+        if steps is not None:
+            b = budgets[corpus]
+            budgets[corpus] = Budget(steps, b.eval_windows, b.causal_stride)
+    json_path = args.json or RESULTS / ("leakage_gap_quick.json" if args.quick else "leakage_gap.json")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    for label in args.routers:  # fail fast on a bad router before any process starts
+        build_router(ROUTERS[label][0], d_model=8, num_experts=4, **ROUTERS[label][1])
+
+    jobs = [(label, corpus, corpus_config(corpus, budgets[corpus], args)) for corpus in args.corpora
+            for label in args.routers]
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:
+        futures = [pool.submit(run_job, *job) for job in jobs]
+        for fut in tqdm(as_completed(futures), total=len(futures), desc="routers x corpora", file=sys.stderr):
+            r = fut.result()
+            rows.append(r)
+            tqdm.write(f"{r['corpus']:>6} {r['router']:<18} tf {r['teacher_forced_loss']:.4f}  "
+                       f"causal {r['causal_loss']:.4f}  gap {r['leakage_gap']:+.4f}  ({r['train_time_s']:.0f} s)")
+    wall = time.perf_counter() - t0
+    order = {(c, l): i for i, (l, c, _) in enumerate(jobs)}
+    rows.sort(key=lambda r: order[(r["corpus"], r["router"])])
+
+    result = {"quick": args.quick, "wall_time_s": wall, "torch": torch.__version__,
+              "budgets": {c: vars(budgets[c]) for c in args.corpora}, "routers": rows}
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown_table(rows, args.quick, wall)
+    json_path.with_suffix(".md").write_text(table)
+    plot(rows, args.corpora, json_path.with_suffix(".png"))
+    print(table)
+    print(f"wrote {json_path}, {json_path.with_suffix('.md')}, {json_path.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

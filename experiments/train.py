@@ -1,0 +1,23 @@
+"""Train a small MoE language model with any router; single process or torchrun data parallel.
+
+    python experiments/train.py --preset tiny --router topk --steps 300
+    python experiments/train.py --router capacity --router-option top_k=2 --router-option capacity_factor=1.0 \
+        --steps 300 --eval-every 100 --metrics-jsonl runs/cap/metrics.jsonl --checkpoint-dir runs/cap
+    python experiments/train.py --router capacity --steps 600 --checkpoint-dir runs/cap --resume
+    python experiments/train.py --data canary --seq-len 8 --batch-size 64 --router expert_choice --steps 2000
+    python experiments/train.py --data path/to/my/texts --router topk
+    torchrun --nproc_per_node 2 experiments/train.py --preset tiny --router topk --batch-size 16
+    torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2 --steps 12 \
+        --metrics-jsonl runs/ep2/metrics.jsonl
+    torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2 \
+        --grad-reduce-dtype bf16 --metrics-jsonl runs/ep2_bf16/metrics.jsonl
+
+Every field of ``moe.train.TrainConfig`` is a flag (``--help`` lists them), and every field of
+``moe.model.ModelConfig`` overrides the preset (``--d-model 128 --num-experts 8``).
+wandb logs on rank 0: offline unless $WANDB_API_KEY is set; $WANDB_MODE (or --wandb-mode) wins.
+"""
+
+from moe.train import main
+
+if __name__ == "__main__":
+    main()
