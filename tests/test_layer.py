@@ -135,3 +135,17 @@ def test_layer_trains():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0]
+
+
+def test_expert_without_tokens_gets_exactly_zero_gradient():
+    torch.manual_seed(0)
+    layer = moe.MoELayer(4, 8, 3, router="topk", top_k=1).double()
+    with torch.no_grad():
+        layer.router.gate.weight[2] = -100.0  # with positive inputs, expert 2 is never picked
+    x = torch.rand(2, 5, 4, dtype=torch.float64) + 0.1
+    y, routing = layer(x, return_routing=True)
+    assert routing.stats["tokens_per_expert"][2] == 0
+    y.sum().backward()
+    for w in (layer.experts.w_gate, layer.experts.w_up, layer.experts.w_down):
+        assert torch.equal(w.grad[2], torch.zeros_like(w.grad[2]))
+        assert w.grad[:2].abs().sum() > 0
