@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from moe.data import Corpus, batch_offsets, eval_offsets, load_corpus, windows
 from moe.layer import update_routers
-from moe.model import ModelConfig, MoETransformer, preset
+from moe.model import ModelConfig, ModelOutput, MoETransformer, preset
 from moe.routing import Router
 
 CHECKPOINT_NAME = "ckpt.pt"
@@ -388,10 +388,10 @@ class RouterEntropy:
             h.remove()
 
 
-def step_metrics(out, loss: Tensor, entropy: Tensor, info: DistInfo) -> dict:
+def step_metrics(out: ModelOutput, entropy: Tensor, info: DistInfo) -> dict:
     """Loss, aux loss, dropped fraction, router entropy (averaged over ranks) and per-layer
     expert loads (summed over ranks) of one training step."""
-    dev = loss.device
+    dev = out.loss.device
     scalars = torch.stack([
         out.loss.detach().float(),
         out.aux_loss.detach().float(),
@@ -550,7 +550,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         optimizer.step()
         sync_router_state(model, info)
         update_routers(model)
-        record = {"step": step, **step_metrics(out, loss, entropy.pop(), info)}
+        record = {"step": step, **step_metrics(out, entropy.pop(), info)}
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
