@@ -64,7 +64,7 @@ class TrainConfig:
     data: str = "stdlib"
     """Corpus: "stdlib" (the Python standard library's source), "canary" (uniform random tokens) or a path."""
     val_fraction: float = 0.1
-    """Fraction of the token stream (its end) held out for validation."""
+    """Fraction of the token stream held out for validation (the end of each of 20 segments)."""
     max_bytes: int = 4_000_000
     """Tokens read from the corpus (for the canary: tokens drawn)."""
     canary_vocab: int = 8
@@ -642,9 +642,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: set[str
         if base not in (int, float, str, bool):
             continue
         default = None if defaults_none else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        kwargs = {"dest": dest_prefix + f.name, "default": default, "help": f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")}
+        kwargs = {"dest": dest_prefix + f.name, "default": default, "metavar": f.name.upper(), "help": f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")}
         flag = "--" + f.name.replace("_", "-")
         if base is bool:
+            del kwargs["metavar"]
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
             parser.add_argument(flag, type=base, **kwargs)
