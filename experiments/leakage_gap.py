@@ -61,8 +61,8 @@ class Budget:
     causal_stride: int
 
 
-FULL = {"canary": Budget(steps=3000, eval_windows=2048, causal_stride=1),
-        "text": Budget(steps=600, eval_windows=64, causal_stride=1)}
+FULL = {"canary": Budget(steps=5000, eval_windows=2048, causal_stride=1),
+        "text": Budget(steps=1500, eval_windows=64, causal_stride=1)}
 QUICK = {"canary": Budget(steps=500, eval_windows=1024, causal_stride=1),
          "text": Budget(steps=100, eval_windows=32, causal_stride=8)}
 
