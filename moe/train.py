@@ -438,8 +438,9 @@ def resolve_wandb_mode(requested: str | None) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo):
-    """A wandb run on rank 0 (None elsewhere, and in disabled mode, where wandb is not imported)."""
+def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str | None = None):
+    """A wandb run on rank 0 (None elsewhere, and in disabled mode, where wandb is not imported).
+    ``run_id`` (saved in checkpoints) makes a resumed run continue the same wandb run."""
     mode = resolve_wandb_mode(cfg.wandb_mode)
     if not info.is_main or mode == "disabled":
         return None
@@ -450,13 +451,13 @@ def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo):
     config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
     return wandb.init(
         project=cfg.wandb_project, name=cfg.wandb_run_name, config=config, dir=str(run_dir), mode=mode,
-        settings=wandb.Settings(silent=True),
+        id=run_id, resume="allow" if run_id else None, settings=wandb.Settings(silent=True),
     )
 
 
 # -- checkpoints --------------------------------------------------------------------------
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
-                    mcfg: ModelConfig) -> None:
+                    mcfg: ModelConfig, wandb_run_id: str | None = None) -> None:
     """Write the checkpoint atomically: a temporary file in the same directory, then rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -466,19 +467,21 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         "optimizer": optimizer.state_dict(),
         "train_config": dataclasses.asdict(cfg),
         "model_config": dataclasses.asdict(mcfg),
+        "wandb_run_id": wandb_run_id,
     }
     torch.save(state, tmp)
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig) -> int:
-    """Restore model and optimizer from ``path``; return the number of steps already taken."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    mcfg: ModelConfig) -> tuple[int, str | None]:
+    """Restore model and optimizer from ``path``; return (steps already taken, wandb run id)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state["model_config"] != dataclasses.asdict(mcfg):
         raise ValueError(f"checkpoint {path} was written for a different model: {state['model_config']}")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    return int(state["step"]), state.get("wandb_run_id")
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -508,7 +511,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     model = build_model(mcfg, cfg.seed, info.device)
     optimizer = make_optimizer(model, cfg)
     ckpt = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir else None
-    start = load_checkpoint(ckpt, model, optimizer, mcfg) if cfg.resume and ckpt.exists() else 0
+    start, run_id = load_checkpoint(ckpt, model, optimizer, mcfg) if cfg.resume and ckpt.exists() else (0, None)
     jsonl = Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and info.is_main else None
     if jsonl is not None:
         jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -516,7 +519,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
             truncate_jsonl(jsonl, start)
         else:
             jsonl.write_text("")
-    run = init_wandb(cfg, mcfg, info)
+    run = init_wandb(cfg, mcfg, info, run_id)
     if info.is_main and cfg.log_every:
         tqdm.write(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
                    f"model: {model.num_parameters():,} parameters, router {cfg.router} {cfg.router_options}")
@@ -579,7 +582,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         if ckpt is not None and info.is_main and (
             step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
         ):
-            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg)
+            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg, run.id if run is not None else None)
     bar.close()
     entropy.close()
     if not final_eval:
