@@ -3,8 +3,8 @@ compare, on the same validation positions, the teacher-forced loss (full-sequenc
 eval mode) with the causal loss (position t computed from the prefix 0..t alone, as decoding
 does). Their difference is the leakage gap.
 
-    python experiments/leakage_gap.py --quick          # < 5 min on 2 CPU cores
-    python experiments/leakage_gap.py                  # the committed full run (17 min on 2 shared cores)
+    python experiments/leakage_gap.py --quick          # 2.5 min on 2 shared CPU cores
+    python experiments/leakage_gap.py                  # the committed full run (18 min on 2 shared CPU cores)
     python experiments/leakage_gap.py --corpora canary --routers topk expert_choice --canary-steps 3000
     python experiments/leakage_gap.py --data path/to/texts --json runs/gap.json
     python experiments/leakage_gap.py --replot experiments/results/leakage_gap.json
@@ -158,7 +158,7 @@ def plot(rows: list[dict], corpora: list[str], path: Path) -> None:
         ax.set_xticks(x.tolist(), names, rotation=30, ha="right", fontsize=8)
         ax.axhline(0, color="k", lw=0.8)
         ax.set(title=f"{corpus}: what decoding loses (* claims: not causal in eval)", ylabel="gap (nats)")
-        ax.legend(fontsize=8, loc="upper left")
+        ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
