@@ -4,16 +4,16 @@ Three sources, chosen by one string (``load_corpus(source)``):
 
 * ``"stdlib"`` (the default): the Python standard library's own ``.py`` source files, read
   from the running interpreter's installation (``sysconfig.get_paths()["stdlib"]``, without
-  ``site-packages``). Every machine that runs this package has them. Files are read in sorted
-  relative-path order and concatenated, so the corpus is the same on every run of the same
-  Python version.
+  ``site-packages``). Every machine that runs this package has them. Files are concatenated
+  in a fixed order (by CRC-32 of their relative path, a deterministic shuffle) up to
+  ``max_bytes``, so the corpus is the same on every run of the same Python version.
 * ``"canary"``: uniformly random tokens over a small vocabulary, drawn from a fixed seed. No
   model can predict them, so a causal loss below ``log(V)`` nats is impossible; any
   teacher-forced loss below it is information taken from the future.
 * a path: a text file, or a directory whose files (recursively, sorted) are concatenated.
 
-The train/validation split is deterministic: the last ``val_fraction`` of the token stream is
-validation, the rest is training.
+The train/validation split is deterministic: the stream is cut into 20 equal segments and the
+last ``val_fraction`` of each is validation (see :func:`split`), the rest is training.
 
 Shape legend: B batch, T sequence length, W evaluation windows.
 """
@@ -24,6 +24,7 @@ import functools
 import math
 import os
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -96,14 +97,24 @@ def read_bytes(files: Sequence[Path], max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def split(tokens: Tensor, val_fraction: float) -> tuple[Tensor, Tensor]:
-    """(train, val): the last ``val_fraction`` of the stream (at least one token) is validation."""
+def split(tokens: Tensor, val_fraction: float, num_segments: int = 20) -> tuple[Tensor, Tensor]:
+    """(train, val): the stream is cut into ``num_segments`` equal segments (fewer for tiny
+    corpora) and the last ``val_fraction`` of each is validation, so validation samples the
+    whole corpus. Exactly ``floor(N * val_fraction)`` tokens (at least one) are validation."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    n_val = max(1, math.floor(tokens.numel() * val_fraction))
-    if tokens.numel() - n_val < 1:
-        raise ValueError(f"corpus of {tokens.numel()} tokens is too small to split with val_fraction={val_fraction}")
-    return tokens[:-n_val], tokens[-n_val:]
+    n = tokens.numel()
+    n_val = max(1, math.floor(n * val_fraction))
+    if n - n_val < 1:
+        raise ValueError(f"corpus of {n} tokens is too small to split with val_fraction={val_fraction}")
+    segments = min(num_segments, n_val)
+    is_val = torch.zeros(n, dtype=torch.bool)
+    for k in range(segments):
+        end = (k + 1) * n // segments
+        # Cumulative targets telescope to n_val in total.
+        take = (k + 1) * n_val // segments - k * n_val // segments
+        is_val[end - take : end] = True
+    return tokens[~is_val], tokens[is_val]
 
 
 def canary_tokens(vocab_size: int, num_tokens: int, seed: int = CANARY_SEED) -> Tensor:
@@ -122,7 +133,9 @@ def _load_cached(source: str, val_fraction: float, max_bytes: int, canary_vocab:
         train, val = split(canary_tokens(canary_vocab, max_bytes), val_fraction)
         return Corpus(train, val, canary_vocab, f"canary (uniform random tokens, V={canary_vocab})")
     if source == "stdlib":
-        files = stdlib_files()
+        # A fixed pseudo-random file order, so the first max_bytes sample the whole library.
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(stdlib_files(), key=lambda f: zlib.crc32(f.relative_to(root).as_posix().encode()))
         if not files:
             raise ValueError(
                 f"no .py files under {sysconfig.get_paths()['stdlib']!r}; this interpreter ships without its "

@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from moe.data import Corpus, batch_offsets, eval_offsets, load_corpus, windows
 from moe.layer import update_routers
-from moe.model import ModelConfig, MoETransformer, preset
+from moe.model import ModelConfig, ModelOutput, MoETransformer, preset
 from moe.parallel import (
     clip_grad_norm_,
     full_optimizer_state_dict,
@@ -83,7 +83,7 @@ class TrainConfig:
     data: str = "stdlib"
     """Corpus: "stdlib" (the Python standard library's source), "canary" (uniform random tokens) or a path."""
     val_fraction: float = 0.1
-    """Fraction of the token stream (its end) held out for validation."""
+    """Fraction of the token stream held out for validation (the end of each of 20 segments)."""
     max_bytes: int = 4_000_000
     """Tokens read from the corpus (for the canary: tokens drawn)."""
     canary_vocab: int = 8
@@ -407,10 +407,10 @@ class RouterEntropy:
             h.remove()
 
 
-def step_metrics(out, loss: Tensor, entropy: Tensor, info: DistInfo) -> dict:
+def step_metrics(out: ModelOutput, entropy: Tensor, info: DistInfo) -> dict:
     """Loss, aux loss, dropped fraction, router entropy (averaged over ranks) and per-layer
     expert loads (summed over ranks) of one training step."""
-    dev = loss.device
+    dev = out.loss.device
     scalars = torch.stack([
         out.loss.detach().float(),
         out.aux_loss.detach().float(),
@@ -457,8 +457,9 @@ def resolve_wandb_mode(requested: str | None) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo):
-    """A wandb run on rank 0 (None elsewhere, and in disabled mode, where wandb is not imported)."""
+def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str | None = None):
+    """A wandb run on rank 0 (None elsewhere, and in disabled mode, where wandb is not imported).
+    ``run_id`` (saved in checkpoints) makes a resumed run continue the same wandb run."""
     mode = resolve_wandb_mode(cfg.wandb_mode)
     if not info.is_main or mode == "disabled":
         return None
@@ -469,13 +470,13 @@ def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo):
     config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
     return wandb.init(
         project=cfg.wandb_project, name=cfg.wandb_run_name, config=config, dir=str(run_dir), mode=mode,
-        settings=wandb.Settings(silent=True),
+        id=run_id, resume="allow" if run_id else None, settings=wandb.Settings(silent=True),
     )
 
 
 # -- checkpoints --------------------------------------------------------------------------
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig,
-                    mcfg: ModelConfig, info: DistInfo | None = None) -> None:
+                    mcfg: ModelConfig, info: DistInfo | None = None, wandb_run_id: str | None = None) -> None:
     """Write the checkpoint atomically (a temporary file in the same directory, then rename) on
     rank 0. Call on every rank: sharded experts and their optimizer state are gathered first,
     so the file is a single-process checkpoint, loadable on any number of processes."""
@@ -490,20 +491,22 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         "optimizer": optimizer_state,
         "train_config": dataclasses.asdict(cfg),
         "model_config": dataclasses.asdict(mcfg),
+        "wandb_run_id": wandb_run_id,
     }
     torch.save(state, tmp)
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig) -> int:
-    """Restore model and optimizer from ``path`` (sharding experts as the model needs); return the
-    number of steps already taken."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    mcfg: ModelConfig) -> tuple[int, str | None]:
+    """Restore model and optimizer from ``path`` (sharding experts as the model needs); return
+    (steps already taken, wandb run id)."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     if state["model_config"] != dataclasses.asdict(mcfg):
         raise ValueError(f"checkpoint {path} was written for a different model: {state['model_config']}")
     load_full_state_dict(model, state["model"])
     load_full_optimizer_state_dict(model, optimizer, state["optimizer"])
-    return int(state["step"])
+    return int(state["step"]), state.get("wandb_run_id")
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -535,7 +538,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         share_router_statistics(model, dist.group.WORLD)
     optimizer = make_optimizer(model, cfg)
     ckpt = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir else None
-    start = load_checkpoint(ckpt, model, optimizer, mcfg) if cfg.resume and ckpt.exists() else 0
+    start, run_id = load_checkpoint(ckpt, model, optimizer, mcfg) if cfg.resume and ckpt.exists() else (0, None)
     jsonl = Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and info.is_main else None
     if jsonl is not None:
         jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -543,7 +546,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
             truncate_jsonl(jsonl, start)
         else:
             jsonl.write_text("")
-    run = init_wandb(cfg, mcfg, info)
+    run = init_wandb(cfg, mcfg, info, run_id)
     if info.is_main and cfg.log_every:
         tqdm.write(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
                    f"model: {model.num_parameters():,} parameters, router {cfg.router} {cfg.router_options}")
@@ -576,7 +579,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         optimizer.step()
         sync_router_state(model, info)
         update_routers(model)
-        record = {"step": step, **step_metrics(out, loss, entropy.pop(), info)}
+        record = {"step": step, **step_metrics(out, entropy.pop(), info)}
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
@@ -603,7 +606,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
                              f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}")
                 tqdm.write(line)
         if ckpt is not None and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg, info)
+            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg, info, run.id if run is not None else None)
     bar.close()
     entropy.close()
     if not final_eval:
@@ -669,9 +672,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: set[str
         if base not in (int, float, str, bool):
             continue
         default = None if defaults_none else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-        kwargs = {"dest": dest_prefix + f.name, "default": default, "help": f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")}
+        kwargs = {"dest": dest_prefix + f.name, "default": default, "metavar": f.name.upper(), "help": f"{docs.get(f.name, '')} (default: {default})".replace("%", "%%")}
         flag = "--" + f.name.replace("_", "-")
         if base is bool:
+            del kwargs["metavar"]
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
             parser.add_argument(flag, type=base, **kwargs)

@@ -1,6 +1,8 @@
 """Corpus loading: default stdlib corpus, canary, user paths, deterministic split, batches."""
 
-import math
+import sysconfig
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,20 +10,36 @@ import torch
 from moe.data import batch_offsets, canary_tokens, eval_offsets, load_corpus, split, stdlib_files, windows
 
 
-def test_stdlib_corpus_is_deterministic_and_split_at_the_end():
-    a = load_corpus("stdlib", val_fraction=0.1, max_bytes=200_000)
-    # Bypass the per-process cache: re-read the files and rebuild the split by hand.
+def test_split_hand_worked_and_spread():
+    # 25 tokens, val_fraction 0.25: 6 validation tokens, one at the end of each of 6 segments
+    # (segment ends 4, 8, 12, 16, 20, 25).
+    train, val = split(torch.arange(25), 0.25)
+    assert val.tolist() == [3, 7, 11, 15, 19, 24]
+    assert train.tolist() == [i for i in range(25) if i not in (3, 7, 11, 15, 19, 24)]
+    train, val = split(torch.arange(100_000), 0.1)
+    assert val.numel() == 10_000 and train.numel() == 90_000
+    assert torch.equal(torch.sort(torch.cat([train, val])).values, torch.arange(100_000))
+    # Validation samples the whole stream: some in every twentieth of it.
+    assert torch.bincount(val // 5_000, minlength=20).min() == 500
+
+
+def test_stdlib_corpus_is_deterministic_real_source():
     files = stdlib_files()
     assert files, "the running interpreter ships its standard library sources"
-    raw = b"".join(f.read_bytes() + b"\n" for f in files[:200])[:200_000]
-    assert len(raw) == 200_000
-    tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    n_val = math.floor(200_000 * 0.1)
-    assert torch.equal(a.train, tokens[:-n_val]) and torch.equal(a.val, tokens[-n_val:])
+    root = Path(sysconfig.get_paths()["stdlib"])
+    order = sorted(files, key=lambda f: zlib.crc32(f.relative_to(root).as_posix().encode()))
+    raw = b""
+    for f in order:
+        raw += f.read_bytes() + b"\n"
+        if len(raw) >= 200_000:
+            break
+    tokens = torch.frombuffer(bytearray(raw[:200_000]), dtype=torch.uint8)
+    train_idx, val_idx = split(torch.arange(200_000), 0.1)
+    a = load_corpus("stdlib", val_fraction=0.1, max_bytes=200_000)
+    assert torch.equal(a.train, tokens[train_idx]) and torch.equal(a.val, tokens[val_idx])
     assert a.vocab_size == 256 and a.val.numel() == 20_000
     assert b"import " in raw and b"def " in raw  # real Python source
-    b = load_corpus("stdlib", val_fraction=0.1, max_bytes=200_000)
-    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert not any("site-packages" in f.parts for f in files)
 
 
 def test_user_file_and_directory(tmp_path):
@@ -29,11 +47,12 @@ def test_user_file_and_directory(tmp_path):
     (tmp_path / "a.txt").write_text("first file\n")
     (tmp_path / ".hidden").write_text("never read")
     c = load_corpus(str(tmp_path), val_fraction=0.25)
-    stream = bytes(torch.cat([c.train, c.val]).tolist())
-    assert stream == b"first file\n\nsecond file\n\n", stream  # sorted, newline-joined, hidden skipped
-    assert c.val.numel() == math.floor(len(stream) * 0.25)
+    stream = b"first file\n\nsecond file\n\n"  # sorted, newline-joined, hidden files skipped
+    train_idx, val_idx = split(torch.arange(len(stream)), 0.25)
+    assert bytes(c.train.tolist()) == bytes(stream[i] for i in train_idx.tolist())
+    assert bytes(c.val.tolist()) == bytes(stream[i] for i in val_idx.tolist())
     f = load_corpus(str(tmp_path / "b.txt"), val_fraction=0.5)
-    assert bytes(torch.cat([f.train, f.val]).tolist()) == b"second file\n\n"
+    assert sorted(torch.cat([f.train, f.val]).tolist()) == sorted(b"second file\n\n")
 
 
 def test_missing_and_empty_paths_raise_clear_errors(tmp_path):
