@@ -8,6 +8,7 @@ does). Their difference is the leakage gap.
     python experiments/leakage_gap.py --corpora canary --routers topk expert_choice --canary-steps 3000
     python experiments/leakage_gap.py --data path/to/texts --json runs/gap.json
     python experiments/leakage_gap.py --replot experiments/results/leakage_gap.json
+    python experiments/leakage_gap.py --update experiments/results/leakage_gap.json --routers capacity_prefix
 
 Two corpora: ``text`` (byte-level Python standard library source, or ``--data PATH``) and
 ``canary`` (uniformly random tokens over V=8: no causal model can beat log 8 nats, so any
@@ -45,6 +46,9 @@ ROUTERS: dict[str, tuple[str, dict]] = {
     # label: (registered router name, options). Capacity factor 1 everywhere: leaks need contention.
     "topk": ("topk", {"top_k": 2}),
     "capacity_position": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position"}),
+    # position priority with the capacity of the prefix 0..t: causal *and* decode-consistent
+    "capacity_prefix": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position",
+                                     "capacity_scope": "prefix"}),
     "capacity_score": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score"}),
     "expert_choice": ("expert_choice", {"capacity_factor": 1.0}),
     "ec_threshold": ("ec_threshold", {"capacity_factor": 1.0}),
@@ -113,12 +117,14 @@ def markdown_table(rows: list[dict], quick: bool, wall_s: float) -> str:
         "positions); train-mode = teacher-forced with training-mode routing (what the training curve shows); "
         "train-mode gap = causal - train-mode. Canary floor: log 8 = 2.0794.",
         "",
-        "| corpus | router | claims causal (train/eval) | teacher-forced | causal | gap | train-mode | "
-        "train-mode gap | positions | steps | train time (s) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| corpus | router | claims causal (train/eval) | claims decode-consistent | teacher-forced | causal | gap | "
+        "train-mode | train-mode gap | positions | steps | train time (s) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    yes = {True: "yes", False: "no"}
     for r in rows:
-        claim = f"{'yes' if r['claims_causal_train'] else 'no'}/{'yes' if r['claims_causal_eval'] else 'no'}"
+        claims = build_router(r["router_name"], d_model=8, num_experts=4, **r["router_options"]).claims
+        claim = f"{yes[claims.causal_train]}/{yes[claims.causal_eval]} | {yes[claims.decode_consistent]}"
         lines.append(
             f"| {r['corpus']} | {r['router']} | {claim} | {r['teacher_forced_loss']:.4f} | {r['causal_loss']:.4f} | "
             f"{r['leakage_gap']:+.4f} ± {r['leakage_gap_se']:.4f} | {r['train_mode_loss']:.4f} | "
@@ -190,17 +196,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", type=Path, help="results JSON; the .md table and .png figure go next to it "
                                              "(default: experiments/results/leakage_gap[_quick].json)")
     p.add_argument("--replot", type=Path, metavar="JSON", help="only re-render the table and figure of a results JSON")
+    p.add_argument("--update", type=Path, metavar="JSON",
+                   help="run --routers (default: all) with the budgets of this results JSON and replace or add their rows")
     args = p.parse_args(argv)
     if args.replot:
         result = json.loads(args.replot.read_text())
         print(render(result, args.replot))
         return result
+    previous = json.loads(args.update.read_text()) if args.update else None
+    if previous is not None:
+        args.quick, args.corpora = previous["quick"], list(previous["budgets"])
     budgets = dict(QUICK if args.quick else FULL)
+    if previous is not None:
+        budgets = {c: Budget(**b) for c, b in previous["budgets"].items()}
     for corpus, steps in (("canary", args.canary_steps), ("text", args.text_steps)):
         if steps is not None:
             b = budgets[corpus]
             budgets[corpus] = Budget(steps, b.eval_windows, b.causal_stride)
-    json_path = args.json or RESULTS / ("leakage_gap_quick.json" if args.quick else "leakage_gap.json")
+    json_path = args.update or args.json or RESULTS / ("leakage_gap_quick.json" if args.quick else "leakage_gap.json")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     for label in args.routers:  # fail fast on a bad router before any process starts
         build_router(ROUTERS[label][0], d_model=8, num_experts=4, **ROUTERS[label][1])
@@ -218,7 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
             tqdm.write(f"{r['corpus']:>6} {r['router']:<18} tf {r['teacher_forced_loss']:.4f}  "
                        f"causal {r['causal_loss']:.4f}  gap {r['leakage_gap']:+.4f}  ({r['train_time_s']:.0f} s)")
     wall = time.perf_counter() - t0
-    order = {(c, l): i for i, (l, c, _) in enumerate(jobs)}
+    if previous is not None:
+        fresh = {(r["corpus"], r["router"]) for r in rows}
+        rows += [r for r in previous["routers"] if (r["corpus"], r["router"]) not in fresh]
+        wall += previous["wall_time_s"]
+    order = {(c, l): i for i, (c, l) in enumerate((c, l) for c in budgets for l in ROUTERS)}
     rows.sort(key=lambda r: order[(r["corpus"], r["router"])])
 
     result = {"quick": args.quick, "wall_time_s": wall, "torch": torch.__version__,

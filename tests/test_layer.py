@@ -149,3 +149,14 @@ def test_expert_without_tokens_gets_exactly_zero_gradient():
     for w in (layer.experts.w_gate, layer.experts.w_up, layer.experts.w_down):
         assert torch.equal(w.grad[2], torch.zeros_like(w.grad[2]))
         assert w.grad[:2].abs().sum() > 0
+
+
+def test_bench_layer_runs_and_reports_ratios(tmp_path):
+    from experiments.bench_layer import main
+
+    out = tmp_path / "bench.json"
+    res = main(["--tokens", "64", "--d-model", "16", "--d-ff", "32", "--experts", "4", "--reps", "1",
+                "--threads", "1", "--json", str(out)])
+    assert out.exists()
+    assert res["moe_over_dense"] == res["moe_layer_s"] / res["dense_s"] > 0
+    assert res["naive_over_dense"] > 0 and res["expert_matmuls_over_dense"] > 0
