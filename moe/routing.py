@@ -231,11 +231,17 @@ def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_exper
     return max(1, min(group_size, math.ceil(capacity_factor * group_size * top_k / num_experts)))
 
 
+def segment_order(segment_A: Tensor, priority_A: Tensor) -> Tensor:
+    """int64 [A]: the permutation that sorts by segment id, then by ascending priority within a
+    segment (ties keep index order). Deterministic: two stable sorts."""
+    by_priority = torch.argsort(priority_A, stable=True)
+    return by_priority[torch.argsort(segment_A[by_priority], stable=True)]
+
+
 def rank_within_segments(segment_A: Tensor, priority_A: Tensor) -> Tensor:
     """int64 [A]: the 0-based rank of each element among those with the same segment id,
-    ordered by ascending priority (ties keep index order). Deterministic: two stable sorts."""
-    by_priority = torch.argsort(priority_A, stable=True)
-    order = by_priority[torch.argsort(segment_A[by_priority], stable=True)]
+    ordered by ascending priority (ties keep index order)."""
+    order = segment_order(segment_A, priority_A)
     seg_sorted = segment_A[order]
     pos = torch.arange(order.numel(), device=order.device)
     is_start = torch.ones_like(seg_sorted, dtype=torch.bool)

@@ -83,16 +83,33 @@ def test_capacity_prefix_scope_grows_slots_with_position():
     # E=2, k=1, every token wants e0, capacity_factor 1: C_t = ceil((t+1)/2) -> 1, 1, 2, 2, 3, 3
     x = logits(*([[1, 0]] * 6))
     out = identity_router("capacity", 2, top_k=1, capacity_factor=1.0, capacity_scope="prefix")(x)
-    # token t is kept iff its rank in e0's queue (= t) is below C_t: only t = 0
-    assert assignments(out) == [(0, 0)]
+    # token t is kept iff fewer than C_t tokens were kept before it: t = 0, 2, 4
+    assert assignments(out) == [(0, 0), (2, 0), (4, 0)]
     x = logits([1, 0], [0, 1], [1, 0], [1, 0], [0, 1], [1, 0])
     out = identity_router("capacity", 2, top_k=1, capacity_factor=1.0, capacity_scope="prefix")(x)
-    # e0 queue: t0 (rank 0 < C_0=1), t2 (rank 1 < C_2=2), t3 (rank 2 >= C_3=2: dropped),
-    # t5 (rank 3 >= C_5=3: dropped; a queue position counts every earlier request, kept or not)
-    assert assignments(out) == [(0, 0), (1, 1), (2, 0), (4, 1)]
+    # e0: t0 (0 kept < C_0=1), t2 (1 < C_2=2), t3 (2 kept, not < C_3=2: dropped), t5 (2 < C_5=3)
+    assert assignments(out) == [(0, 0), (1, 1), (2, 0), (4, 1), (5, 0)]
     # the "group" scope uses C = ceil(6/2) = 3 for everyone: t3 is kept, t5 dropped
     group = identity_router("capacity", 2, top_k=1, capacity_factor=1.0)(x)
     assert assignments(group) == [(0, 0), (1, 1), (2, 0), (3, 0), (4, 1)]
+
+
+def test_kept_under_ceiling_matches_a_sequential_walk():
+    from moe.routers.capacity import kept_under_ceiling
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        a = int(torch.randint(1, 80, (1,), generator=gen))
+        segment = torch.randint(0, 5, (a,), generator=gen)
+        priority = torch.randperm(a, generator=gen).double()
+        ceiling = (priority // 3).long() + 1  # non-decreasing along each segment's walk
+        keep = kept_under_ceiling(segment, priority, ceiling)
+        kept = {}
+        for i in sorted(range(a), key=lambda i: priority[i]):
+            s = int(segment[i])
+            want = kept.get(s, 0) < ceiling[i]
+            assert bool(keep[i]) == bool(want)
+            kept[s] = kept.get(s, 0) + int(want)
 
 
 @pytest.mark.parametrize("group", ["sequence", "batch"])

@@ -24,9 +24,11 @@ whole group, so C depends on T: routing the prefix 0..t alone (as decoding does)
 slots than the full sequence did, and a causal router still behaves differently at
 inference. ``"prefix"`` (position priority only) gives the assignment at position t the
 capacity of the prefix 0..t, ``C_t = ceil(capacity_factor * (t+1) * K / E)`` per sequence
-(``(t+1) * B`` tokens with ``group="batch"``): the same decisions whether the sequence is
-routed whole or prefix by prefix, so training sees exactly what decoding sees. (A token's
-place in an expert's queue counts every earlier request, kept or dropped.)
+(``(t+1) * B`` tokens with ``group="batch"``): an assignment keeps its slot iff fewer than
+``C_t`` earlier assignments to that expert were kept. The decisions are the same whether the
+sequence is routed whole or prefix by prefix, so training sees exactly what decoding sees.
+Vectorised with the identity for a counter capped by a non-decreasing ceiling: after the
+r-th request, kept = r + min(0, min over earlier requests s of (C_s - s)).
 """
 
 from __future__ import annotations
@@ -35,7 +37,29 @@ import torch
 from torch import Tensor
 
 from moe.routers.token_choice import TokenChoiceBase
-from moe.routing import Claims, Routing, capacity_per_group, rank_within_segments, register_router
+from moe.routing import Claims, Routing, capacity_per_group, rank_within_segments, register_router, segment_order
+
+
+def kept_under_ceiling(segment_A: Tensor, priority_A: Tensor, ceiling_A: Tensor) -> Tensor:
+    """bool [A]: walking each segment in priority order, keep an assignment iff the number kept
+    so far is below its ceiling (non-decreasing along the walk). No Python loop: with r the
+    1-based request count, kept_r = r + min(0, cummin_s (ceiling_s - s)), per segment."""
+    order = segment_order(segment_A, priority_A)
+    seg = segment_A[order]
+    n = order.numel()
+    pos = torch.arange(n, device=order.device)
+    is_start = torch.ones_like(seg, dtype=torch.bool)
+    is_start[1:] = seg[1:] != seg[:-1]
+    start = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=0).values
+    requests = pos - start + 1
+    # a segmented cummin: shifting each later segment far below the earlier ones resets it
+    shift = torch.cumsum(is_start.long(), 0) * (2 * n + 2)
+    slack = torch.cummin(ceiling_A[order] - requests - shift, dim=0).values + shift
+    kept_count = requests + slack.clamp_max(0)
+    before = torch.where(is_start, torch.zeros_like(kept_count), kept_count.roll(1))
+    keep = torch.empty_like(is_start)
+    keep[order] = kept_count > before
+    return keep
 
 
 
@@ -113,15 +137,13 @@ class CapacityRouter(TokenChoiceBase):
         else:
             priority_A = -probs_NE.detach().gather(1, expert_NK).reshape(-1).double()
 
+        capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
         if self.capacity_scope == "group":
-            capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
-            capacity_A = torch.full_like(t_A, capacity)
+            keep_A = rank_within_segments(segment_A, priority_A) < capacity
         else:
             # the capacity of the prefix 0..t: tokens that precede (or share) position t
             prefix_A = (t_A + 1) * (1 if self.group == "sequence" else b)
-            capacity_A = capacity_per_group(self.capacity_factor, prefix_A, k, e)
-            capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
-        keep_A = rank_within_segments(segment_A, priority_A) < capacity_A
+            keep_A = kept_under_ceiling(segment_A, priority_A, capacity_per_group(self.capacity_factor, prefix_A, k, e))
         kept_expert_A = expert_A[keep_A]
         self.record_load(kept_expert_A)
         stats = self._stats(kept_expert_A, n * k)
