@@ -62,63 +62,18 @@ def gather_rows(x_ND: Tensor, token_A: Tensor, slot_A: Tensor, num_slots: int) -
     return _GatherRows.apply(x_ND, token_A, slot_A, num_slots)
 
 
-class _GroupedSwiGLU(torch.autograd.Function):
-    """Per-expert SwiGLU over contiguous slices, writing straight into [A, *] buffers.
-
-    Same maths as ``(silu(x Wg) * (x Wu)) Wd`` per slice under autograd, but without the
-    concatenation, per-slice gradient stacking and gradient accumulation that autograd adds:
-    every slice's result and gradient is written in place by ``torch.mm(..., out=...)``.
-    The hidden pre-activations g, u [A, F] are saved; h is recomputed in backward.
-    """
-
-    @staticmethod
-    def forward(ctx, x_AD, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD):
-        a, f = x_AD.shape[0], w_gate_EDF.shape[-1]
-        g_AF, u_AF = x_AD.new_empty(a, f), x_AD.new_empty(a, f)
-        y_AD = x_AD.new_empty(a, w_down_EFD.shape[-1])
-        for e, sl in _slices(counts_E):
-            torch.mm(x_AD[sl], w_gate_EDF[e], out=g_AF[sl])
-            torch.mm(x_AD[sl], w_up_EDF[e], out=u_AF[sl])
-            torch.mm(F.silu(g_AF[sl]) * u_AF[sl], w_down_EFD[e], out=y_AD[sl])
-        ctx.save_for_backward(x_AD, g_AF, u_AF, w_gate_EDF, w_up_EDF, w_down_EFD)
-        ctx.counts_E = counts_E
-        return y_AD
-
-    @staticmethod
-    def backward(ctx, dy_AD):
-        x_AD, g_AF, u_AF, w_gate_EDF, w_up_EDF, w_down_EFD = ctx.saved_tensors
-        dy_AD = dy_AD.contiguous()
-        dx_AD = torch.empty_like(x_AD)
-        dwg, dwu, dwd = torch.empty_like(w_gate_EDF), torch.empty_like(w_up_EDF), torch.empty_like(w_down_EFD)
-        for e, c in enumerate(ctx.counts_E):
-            if c == 0:  # an expert without rows gets a zero gradient
-                dwg[e].zero_(), dwu[e].zero_(), dwd[e].zero_()
-        for e, sl in _slices(ctx.counts_E):
-            g, u, x, dy = g_AF[sl], u_AF[sl], x_AD[sl], dy_AD[sl]
-            silu = F.silu(g)
-            torch.mm((silu * u).T, dy, out=dwd[e])
-            dh = dy @ w_down_EFD[e].T
-            du = dh * silu
-            dg = torch.ops.aten.silu_backward(dh * u, g)
-            torch.mm(x.T, dg, out=dwg[e])
-            torch.mm(x.T, du, out=dwu[e])
-            torch.mm(dg, w_gate_EDF[e].T, out=dx_AD[sl])
-            dx_AD[sl].addmm_(du, w_up_EDF[e].T)
-        return dx_AD, None, dwg, dwu, dwd
-
-
-def _slices(counts_E: list[int]):
-    """(expert, slice of its rows) for every expert with at least one row."""
-    start = 0
-    for e, c in enumerate(counts_E):
-        if c:
-            yield e, slice(start, start + c)
-        start += c
-
-
 def grouped_swiglu(x_AD: Tensor, counts_E: list[int], w_gate_EDF: Tensor, w_up_EDF: Tensor, w_down_EFD: Tensor) -> Tensor:
     """Rows already sorted by expert; expert e's contiguous slice goes through its SwiGLU."""
-    return _GroupedSwiGLU.apply(x_AD, counts_E, w_gate_EDF, w_up_EDF, w_down_EFD)
+    outs = []
+    # unbind, not w[e]: each w[e]'s backward would materialise a zero [E, D, F] gradient
+    for x_e, wg, wu, wd in zip(x_AD.split(counts_E), w_gate_EDF.unbind(0), w_up_EDF.unbind(0), w_down_EFD.unbind(0)):
+        if x_e.shape[0] == 0:
+            continue
+        h = F.silu(x_e @ wg) * (x_e @ wu)
+        outs.append(h @ wd)
+    if not outs:
+        return x_AD.new_zeros(0, w_down_EFD.shape[-1])
+    return torch.cat(outs)
 
 
 def moe_ffn_reference(
