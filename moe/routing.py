@@ -231,25 +231,27 @@ def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_exper
     return max(1, min(group_size, math.ceil(capacity_factor * group_size * top_k / num_experts)))
 
 
-def segment_order(segment_A: Tensor, priority_A: Tensor) -> Tensor:
-    """int64 [A]: the permutation that sorts by segment id, then by ascending priority within a
-    segment (ties keep index order). Deterministic: two stable sorts."""
+def sort_into_segments(segment_A: Tensor, priority_A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Sort by segment id, then by ascending priority within a segment (ties keep index order;
+    deterministic: two stable sorts). Returns, in sorted order S: the permutation ``order_S``,
+    ``is_start_S`` (first element of its segment) and ``rank_S`` (0-based rank in its segment)."""
     by_priority = torch.argsort(priority_A, stable=True)
-    return by_priority[torch.argsort(segment_A[by_priority], stable=True)]
+    order_S = by_priority[torch.argsort(segment_A[by_priority], stable=True)]
+    seg_S = segment_A[order_S]
+    pos_S = torch.arange(order_S.numel(), device=order_S.device)
+    is_start_S = torch.ones_like(seg_S, dtype=torch.bool)
+    is_start_S[1:] = seg_S[1:] != seg_S[:-1]
+    start_S = torch.cummax(torch.where(is_start_S, pos_S, torch.zeros_like(pos_S)), dim=0).values
+    return order_S, is_start_S, pos_S - start_S
 
 
 def rank_within_segments(segment_A: Tensor, priority_A: Tensor) -> Tensor:
     """int64 [A]: the 0-based rank of each element among those with the same segment id,
     ordered by ascending priority (ties keep index order)."""
-    order = segment_order(segment_A, priority_A)
-    seg_sorted = segment_A[order]
-    pos = torch.arange(order.numel(), device=order.device)
-    is_start = torch.ones_like(seg_sorted, dtype=torch.bool)
-    is_start[1:] = seg_sorted[1:] != seg_sorted[:-1]
-    start_pos = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=0).values
-    rank = torch.empty_like(pos)
-    rank[order] = pos - start_pos
-    return rank
+    order_S, _, rank_S = sort_into_segments(segment_A, priority_A)
+    rank_A = torch.empty_like(rank_S)
+    rank_A[order_S] = rank_S
+    return rank_A
 
 
 # -- registry ---------------------------------------------------------------------------

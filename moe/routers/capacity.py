@@ -37,30 +37,23 @@ import torch
 from torch import Tensor
 
 from moe.routers.token_choice import TokenChoiceBase
-from moe.routing import Claims, Routing, capacity_per_group, rank_within_segments, register_router, segment_order
+from moe.routing import Claims, Routing, capacity_per_group, rank_within_segments, register_router, sort_into_segments
 
 
 def kept_under_ceiling(segment_A: Tensor, priority_A: Tensor, ceiling_A: Tensor) -> Tensor:
     """bool [A]: walking each segment in priority order, keep an assignment iff the number kept
     so far is below its ceiling (non-decreasing along the walk). No Python loop: with r the
     1-based request count, kept_r = r + min(0, cummin_s (ceiling_s - s)), per segment."""
-    order = segment_order(segment_A, priority_A)
-    seg = segment_A[order]
-    n = order.numel()
-    pos = torch.arange(n, device=order.device)
-    is_start = torch.ones_like(seg, dtype=torch.bool)
-    is_start[1:] = seg[1:] != seg[:-1]
-    start = torch.cummax(torch.where(is_start, pos, torch.zeros_like(pos)), dim=0).values
-    requests = pos - start + 1
+    order_S, is_start_S, rank_S = sort_into_segments(segment_A, priority_A)
+    requests_S = rank_S + 1
     # a segmented cummin: shifting each later segment far below the earlier ones resets it
-    shift = torch.cumsum(is_start.long(), 0) * (2 * n + 2)
-    slack = torch.cummin(ceiling_A[order] - requests - shift, dim=0).values + shift
-    kept_count = requests + slack.clamp_max(0)
-    before = torch.where(is_start, torch.zeros_like(kept_count), kept_count.roll(1))
-    keep = torch.empty_like(is_start)
-    keep[order] = kept_count > before
-    return keep
-
+    shift_S = torch.cumsum(is_start_S.long(), 0) * (2 * order_S.numel() + 2)
+    slack_S = torch.cummin(ceiling_A[order_S] - requests_S - shift_S, dim=0).values + shift_S
+    kept_count_S = requests_S + slack_S.clamp_max(0)
+    before_S = torch.where(is_start_S, torch.zeros_like(kept_count_S), kept_count_S.roll(1))
+    keep_A = torch.empty_like(is_start_S)
+    keep_A[order_S] = kept_count_S > before_S
+    return keep_A
 
 
 @register_router("capacity")
@@ -71,8 +64,9 @@ class CapacityRouter(TokenChoiceBase):
     ``priority`` ("position" | "score" | "choice"), ``group`` ("sequence" | "batch"),
     ``capacity_scope`` ("group" | "prefix").
     Claims: causal in both modes iff ``priority="position"``; batch-invariant iff
-    ``group="sequence"``; decode-consistent iff ``capacity_scope="prefix"``. Combine weights are normalised over the k choices *before*
-    dropping, so a dropped choice simply loses its share.
+    ``group="sequence"``; decode-consistent iff ``capacity_scope="prefix"``. Combine weights
+    are normalised over the k choices *before* dropping, so a dropped choice simply loses its
+    share.
     """
 
     def __init__(
