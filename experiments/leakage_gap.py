@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from moe.data import load_corpus
 from moe.routing import build_router
-from moe.train import TrainConfig, evaluate, train
+from moe.eval import evaluate
+from moe.training import TrainConfig, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -12,12 +12,12 @@
     torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2 \
         --grad-reduce-dtype bf16 --metrics-jsonl runs/ep2_bf16/metrics.jsonl
 
-Every field of ``moe.train.TrainConfig`` is a flag (``--help`` lists them), and every field of
+Every field of ``moe.training.TrainConfig`` is a flag (``--help`` lists them), and every field of
 ``moe.model.ModelConfig`` overrides the preset (``--d-model 128 --num-experts 8``).
 wandb logs on rank 0: offline unless $WANDB_API_KEY is set; $WANDB_MODE (or --wandb-mode) wins.
 """
 
-from moe.train import main
+from moe.training import main
 
 if __name__ == "__main__":
     main()

@@ -35,7 +35,7 @@ from moe.parallel import (
     share_router_statistics,
 )
 from moe.parallel.launch import ok_values, run_local
-from moe.train import DistInfo, sync_router_state
+from moe.training.distributed import DistInfo, sync_router_state
 
 TOL = 1e-10
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.train import config_from_args, train
+from moe.training import config_from_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [

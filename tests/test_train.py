@@ -12,9 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import moe.train as mt
+import moe.training.loop as mt
 from moe.data import eval_offsets, load_corpus, windows
-from moe.train import TrainConfig, build_model, config_from_args, evaluate, lr_at, model_config, train
+from moe.eval import evaluate
+from moe.training import TrainConfig, build_model, config_from_args, lr_at, model_config, train
+from moe.training.cli import build_parser
+from moe.training.metrics import resolve_wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(seq_len=32, batch_size=8, max_bytes=200_000, eval_windows=4, eval_batch_size=4, causal_stride=8,
@@ -120,7 +123,7 @@ def test_wandb_disabled_leaves_no_files(tmp_path, monkeypatch):
 def test_wandb_offline_writes_a_run_directory(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    assert mt.resolve_wandb_mode(None) == "offline"  # no key: never online, never a prompt
+    assert resolve_wandb_mode(None) == "offline"  # no key: never online, never a prompt
     monkeypatch.setenv("WANDB_MODE", "offline")
     train(TrainConfig(steps=2, wandb_dir=str(tmp_path), **SMALL))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
@@ -170,7 +173,7 @@ def test_cli_flags_come_from_the_configs():
     assert cfg.router_options == {"top_k": 1, "capacity_factor": 1.5, "priority": "score", "normalize": False}
     assert cfg.model == {"d_model": 32} and cfg.steps == 7 and cfg.progress is False
     assert cfg.metrics_jsonl == "m.jsonl" and cfg.expert_parallel == 1
-    help_text = " ".join(mt.build_parser().format_help().split())
+    help_text = " ".join(build_parser().format_help().split())
     assert "--causal-stride" in help_text and "--num-experts" in help_text and "every k-th" in help_text
     with pytest.raises(ValueError, match="KEY=VALUE"):
         config_from_args(["--router-option", "top_k"])

@@ -11,7 +11,7 @@
     loss.backward(); reduce_gradients(layer)              # before the optimiser step
 
 See :mod:`moe.parallel.exchange` for the data path and :mod:`moe.parallel.state` for
-sharded checkpoints (model and optimizer), gradient scaling and clipping. ``moe.train``
+sharded checkpoints (model and optimizer), gradient scaling and clipping. ``moe.training``
 uses all of it under ``--expert-parallel N``.
 """
 

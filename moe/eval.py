@@ -1,0 +1,88 @@
+"""Teacher-forced and causal (decoded) losses of a language model on validation windows,
+importable without the training loop.
+
+Shape legend: B batch, T sequence, V vocabulary, W evaluation windows, P evaluated positions
+per window.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.data import eval_offsets, windows
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; nothing (fp32) elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    val_tokens: Tensor,
+    seq_len: int,
+    num_windows: int,
+    causal_stride: int = 1,
+    batch_size: int = 64,
+    device: torch.device | None = None,
+    causal: bool = True,
+    with_train_mode: bool = False,
+) -> dict:
+    """Teacher-forced and causal loss (eval mode) on the same validation positions.
+
+    W evenly spaced windows of T tokens; evaluated positions t = k-1, 2k-1, ... (k =
+    ``causal_stride``). Teacher-forced: one full-window forward, the loss read at those
+    positions. Causal: for each evaluated t, a forward of the prefix 0..t alone (the windows
+    of a chunk batched together, as batched decoding would run them), the loss of its last
+    position. Returns ``teacher_forced_loss``, ``causal_loss``, ``leakage_gap`` (causal minus
+    teacher-forced) with its standard error ``leakage_gap_se`` (over positions),
+    ``teacher_forced_loss_all`` (every position) and ``eval_positions``.
+
+    ``causal=False`` skips the prefix forwards (only the teacher-forced keys are returned).
+    ``with_train_mode`` adds ``train_mode_loss``: the teacher-forced loss with training-mode
+    routing, which is what the training curve reports. Routers that learn from batches record
+    statistics in training mode, so ask for it only when training is over.
+    """
+    device = device or next(model.parameters()).device
+    was_training = model.training
+    idx_WT, targets_WT = windows(val_tokens, eval_offsets(val_tokens.numel(), seq_len, num_windows), seq_len)
+    pos_P = torch.arange(causal_stride - 1, seq_len, causal_stride)
+
+    def nll(idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
+        with autocast(device):
+            logits_BTV = model(idx_BT).logits
+        return F.cross_entropy(logits_BTV.float().transpose(1, 2), targets_BT, reduction="none").double().cpu()
+
+    tf_WT, causal_WP, train_WT = [], [], []
+    for start in range(0, num_windows, batch_size):
+        idx_BT = idx_WT[start : start + batch_size].to(device)
+        targets_BT = targets_WT[start : start + batch_size].to(device)
+        model.eval()
+        tf_WT.append(nll(idx_BT, targets_BT))
+        if causal:
+            causal_WP.append(torch.cat([nll(idx_BT[:, : t + 1], targets_BT[:, : t + 1])[:, -1:] for t in pos_P.tolist()], 1))
+        if with_train_mode:
+            model.train()
+            train_WT.append(nll(idx_BT, targets_BT))
+    model.train(was_training)
+    tf_WT = torch.cat(tf_WT)
+    out = {
+        "teacher_forced_loss": tf_WT[:, pos_P].mean().item(),
+        "teacher_forced_loss_all": tf_WT.mean().item(),
+        "eval_positions": num_windows * pos_P.numel(),
+    }
+    if causal:
+        causal_WP = torch.cat(causal_WP)
+        diff_WP = causal_WP - tf_WT[:, pos_P]
+        out["causal_loss"] = causal_WP.mean().item()
+        out["leakage_gap"] = diff_WP.mean().item()
+        out["leakage_gap_se"] = (diff_WP.std() / math.sqrt(diff_WP.numel())).item() if diff_WP.numel() > 1 else 0.0
+    if with_train_mode:
+        out["train_mode_loss"] = torch.cat(train_WT)[:, pos_P].mean().item()
+    return out

@@ -1,0 +1,121 @@
+"""TrainConfig: every field of one training run, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from moe.model import ModelConfig
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs; validated on construction. ``experiments/train.py``
+    turns every field into a command-line flag (``seq_len`` -> ``--seq-len``)."""
+
+    preset: str = "tiny"
+    """Model preset (``moe.model.PRESETS``)."""
+    router: str = "topk"
+    """Router name (``moe.list_routers()``)."""
+    router_options: dict = field(default_factory=dict)
+    """Router options, e.g. ``{"top_k": 2}``; on the command line ``--router-option top_k=2``."""
+    model: dict = field(default_factory=dict)
+    """Overrides of the preset's ModelConfig fields; on the command line ``--d-model 128``."""
+    data: str = "stdlib"
+    """Corpus: "stdlib" (the Python standard library's source), "canary" (uniform random tokens) or a path."""
+    val_fraction: float = 0.1
+    """Fraction of the token stream held out for validation (the end of each of 20 segments)."""
+    max_bytes: int = 4_000_000
+    """Tokens read from the corpus (for the canary: tokens drawn)."""
+    canary_vocab: int = 8
+    """Vocabulary of the canary corpus."""
+    seq_len: int = 128
+    """T: training and evaluation sequence length."""
+    batch_size: int = 16
+    """Global batch size (sequences per optimizer step, summed over data-parallel ranks)."""
+    steps: int = 300
+    """Optimizer steps."""
+    seed: int = 0
+    """Seeds the model initialisation and the batches (batch of step s is a function of (seed, s))."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of ``lr``."""
+    warmup_steps: int = 30
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (matrices only; norms are not decayed)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only after the last step)."""
+    eval_windows: int = 32
+    """W: validation windows of ``seq_len`` tokens evaluated (W * T positions teacher-forced)."""
+    eval_batch_size: int = 64
+    """Windows per evaluation forward (routers grouped over the batch see this many sequences)."""
+    causal_stride: int = 1
+    """Causal loss at positions t = k-1, 2k-1, ... (every k-th); 1 = every position."""
+    log_every: int = 10
+    """Print a log line every N steps (0 = never); the metrics JSONL gets every step."""
+    metrics_jsonl: str | None = None
+    """Write one JSON object per step here (rank 0)."""
+    checkpoint_dir: str | None = None
+    """Write ``ckpt.pt`` here (atomically) every ``checkpoint_every`` steps and after the last step."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (0 = only after the last step)."""
+    resume: bool = False
+    """Continue from ``checkpoint_dir/ckpt.pt`` if it exists."""
+    wandb_project: str = "causal-moe-routing"
+    """wandb project."""
+    wandb_run_name: str | None = None
+    """wandb run name (default: wandb's own)."""
+    wandb_mode: str | None = None
+    """online | offline | disabled; default: $WANDB_MODE, else online iff $WANDB_API_KEY is set, else offline."""
+    wandb_dir: str | None = None
+    """Directory for wandb's files (default: ``checkpoint_dir``, else the current directory)."""
+    device: str = "auto"
+    """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda, cuda:N."""
+    expert_parallel: int = 1
+    """Expert-parallel group size: 1 = experts replicated; N = the world size (torchrun
+    --nproc-per-node N): experts sharded over all N ranks (``moe.parallel``), the rest data-parallel."""
+    grad_reduce_dtype: str = "fp32"
+    """Precision of the data-parallel gradient all-reduce: fp32, or bf16 to measure the bias low
+    precision adds (bf16 is applied; its difference from fp32 on the same step is logged as
+    grad_reduce_rel_diff and grad_reduce_max_abs_diff)."""
+    progress: bool = True
+    """Show a progress bar (rank 0)."""
+
+    def __post_init__(self) -> None:
+        positive = ("max_bytes", "seq_len", "batch_size", "steps", "eval_windows", "eval_batch_size", "causal_stride",
+                    "expert_parallel", "canary_vocab")
+        for name in positive:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("warmup_steps", "eval_every", "log_every", "checkpoint_every", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"TrainConfig.{name} must be an integer >= 0, got {v!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("need weight_decay >= 0, grad_clip >= 0 and betas in [0, 1)")
+        if self.causal_stride > self.seq_len:
+            raise ValueError(f"causal_stride={self.causal_stride} exceeds seq_len={self.seq_len}")
+        if self.wandb_mode not in (None, "online", "offline", "disabled"):
+            raise ValueError(f"wandb_mode must be online, offline or disabled, got {self.wandb_mode!r}")
+        if self.grad_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(f"grad_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir")
+        model_fields = {f.name for f in fields(ModelConfig)} - {"vocab_size", "router", "router_options"}
+        bad = set(self.model) - model_fields
+        if bad:
+            raise ValueError(f"unknown model overrides {sorted(bad)}; known: {sorted(model_fields)}")

@@ -1,0 +1,213 @@
+"""The training loop used by the experiments: AdamW, warmup + cosine decay, gradient clipping,
+bf16 autocast on CUDA (fp32 on CPU), periodic teacher-forced and causal evaluation, atomic
+checkpoints with exact resume, a metrics JSONL, and wandb on rank 0.
+
+Launched by ``experiments/train.py`` (single process or ``torchrun`` data parallel):
+
+    python experiments/train.py --preset tiny --router topk --steps 300
+    torchrun --nproc_per_node 2 experiments/train.py --preset tiny --router topk --batch-size 16
+    torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2
+
+Data parallel: ``--batch-size`` is global. Every rank draws the same global batch of step s
+from (seed, s) and keeps its own contiguous slice, so the union over ranks is the
+single-process batch; gradients (and the router statistics that ``update_after_step`` folds
+in) are averaged over ranks before they are used. Logging, wandb and checkpoints happen on
+rank 0 only; every rank evaluates (the same windows), so a sharded model can join in.
+
+Expert parallel (``--expert-parallel N``, N = world size): every MoE block's experts are
+sharded over the N ranks (``moe.parallel``); everything else stays data-parallel. The model
+is built whole from the seed and each rank keeps its shard, so initialisation, batches and
+(with the routers counting load-balancing fractions over all ranks) every step's loss match
+the single-process run to fp32 rounding. Replicated gradients are averaged, expert gradients
+only scaled by 1/N (they already hold every rank's tokens), clipping uses the whole model's
+norm, and checkpoints are gathered into a single-process checkpoint, loadable on any N.
+
+Shape legend: B batch (local to a rank unless named global), T sequence, V vocabulary,
+E experts, L MoE layers, W evaluation windows, P evaluated positions per window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from moe.data import Corpus, batch_offsets, load_corpus, windows
+from moe.eval import autocast, evaluate
+from moe.layer import update_routers
+from moe.model import ModelConfig, MoETransformer, preset
+from moe.parallel import clip_grad_norm_, load_full_state_dict, reduce_gradients, share_router_statistics
+from moe.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, truncate_jsonl
+from moe.training.config import REDUCE_DTYPES, TrainConfig
+from moe.training.distributed import DistInfo, check_expert_parallel, setup_distributed, sync_router_state
+from moe.training.metrics import RouterEntropy, init_wandb, step_metrics, wandb_flat
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns (on every rank)."""
+
+    model: MoETransformer
+    model_config: ModelConfig
+    history: list[dict]
+    """The per-step metric records (rank 0; empty elsewhere), as written to the metrics JSONL."""
+    final_eval: dict
+    """Evaluation after the last step: teacher_forced_loss, causal_loss, leakage_gap, ..."""
+    train_time_s: float
+    """Wall time of the optimizer steps of this invocation (evaluation excluded)."""
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
+    """The preset with the run's router, vocabulary and overrides (max_seq_len grows to seq_len)."""
+    overrides = dict(cfg.model)
+    overrides.setdefault("max_seq_len", max(preset(cfg.preset).max_seq_len, cfg.seq_len))
+    return preset(cfg.preset, vocab_size=vocab_size, router=cfg.router, router_options=dict(cfg.router_options), **overrides)
+
+
+def build_model(mcfg: ModelConfig, seed: int, device: torch.device, ep_group=None) -> MoETransformer:
+    """The model, initialised from ``seed`` (identically on every rank) and moved to ``device``.
+    With ``ep_group`` the full model is built and this rank's expert shard cut from it, so the
+    initialisation is the single-process one whatever the number of processes."""
+    torch.manual_seed(seed)
+    model = MoETransformer(mcfg)
+    if ep_group is not None:
+        full, model = model, MoETransformer(mcfg, ep_group=ep_group)
+        load_full_state_dict(model, full.state_dict())
+    return model.to(device)
+
+
+def local_batch(corpus: Corpus, cfg: TrainConfig, step: int, info: DistInfo) -> tuple[Tensor, Tensor]:
+    """(idx_BT, targets_BT) of this rank: its contiguous slice of the global batch of ``step``."""
+    if cfg.batch_size % info.world_size:
+        raise ValueError(f"global batch_size={cfg.batch_size} is not divisible by world size {info.world_size}")
+    b = cfg.batch_size // info.world_size
+    offsets_B = batch_offsets(corpus.train.numel(), cfg.seq_len, cfg.batch_size, cfg.seed, step)
+    idx_BT, targets_BT = windows(corpus.train, offsets_B[info.rank * b : (info.rank + 1) * b], cfg.seq_len)
+    return idx_BT.to(info.device), targets_BT.to(info.device)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine decay to
+    ``lr * min_lr_ratio`` at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + (cfg.lr - min_lr) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
+    """Train one model as ``cfg`` says (see the module docstring for the distributed contract)."""
+    info = setup_distributed(cfg.device)
+    try:
+        check_expert_parallel(cfg, info)
+        return _train(cfg, corpus, info)
+    finally:
+        if info.owns_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResult:
+    if corpus is None:
+        corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
+    mcfg = model_config(cfg, corpus.vocab_size)
+    model = build_model(mcfg, cfg.seed, info.device, dist.group.WORLD if cfg.expert_parallel > 1 else None)
+    if info.world_size > 1:
+        share_router_statistics(model, dist.group.WORLD)
+    optimizer = make_optimizer(model, cfg)
+    ckpt = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir else None
+    start, run_id = load_checkpoint(ckpt, model, optimizer, mcfg) if cfg.resume and ckpt.exists() else (0, None)
+    jsonl = Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and info.is_main else None
+    if jsonl is not None:
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        if start:
+            truncate_jsonl(jsonl, start)
+        else:
+            jsonl.write_text("")
+    run = init_wandb(cfg, mcfg, info, run_id)
+    if info.is_main and cfg.log_every:
+        tqdm.write(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
+                   f"model: {model.num_parameters():,} parameters, router {cfg.router} {cfg.router_options}")
+
+    def run_eval() -> dict:
+        return evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows, cfg.causal_stride, cfg.eval_batch_size,
+                        info.device)
+
+    entropy = RouterEntropy(model)
+    history: list[dict] = []
+    final_eval: dict = {}
+    train_time = 0.0
+    model.train()
+    bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc=f"train {cfg.router}",
+               disable=not (info.is_main and cfg.progress), dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        lr = lr_at(step - 1, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        idx_BT, targets_BT = local_batch(corpus, cfg, step, info)
+        entropy.pop()
+        with autocast(info.device):
+            out = model(idx_BT, targets_BT)
+        loss = out.loss + out.aux_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        reduce_info = (reduce_gradients(model, reduce_dtype=REDUCE_DTYPES[cfg.grad_reduce_dtype])
+                       if info.world_size > 1 else {})
+        grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        sync_router_state(model, info)
+        update_routers(model)
+        record = {"step": step, **step_metrics(out, entropy.pop(), info)}
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        dt = time.perf_counter() - t0
+        train_time += dt
+        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt, **reduce_info)
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            ev = run_eval()
+            record.update({f"eval/{k}": v for k, v in ev.items()})
+            if step == cfg.steps:
+                final_eval = ev
+        if info.is_main:
+            history.append(record)
+            if jsonl is not None:
+                with jsonl.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if run is not None:
+                run.log(wandb_flat(record), step=step)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+            if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
+                line = (f"step {step:5d} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | lr {lr:.2e} | "
+                        f"dropped {record['dropped_fraction']:.3f} | {record['tokens_per_s']:,.0f} tok/s")
+                if "eval/causal_loss" in record:
+                    line += (f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
+                             f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}")
+                tqdm.write(line)
+        if ckpt is not None and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg, info, run.id if run is not None else None)
+    bar.close()
+    entropy.close()
+    if not final_eval:
+        final_eval = run_eval()
+    if run is not None:
+        run.summary.update({f"final/{k}": v for k, v in final_eval.items()})
+        run.finish()
+    if info.world_size > 1:
+        share_router_statistics(model, None)  # the returned model's routers count locally again
+        dist.barrier()  # no rank tears the group down while rank 0 still writes its checkpoint
+    return TrainResult(model, mcfg, history, final_eval, train_time)
