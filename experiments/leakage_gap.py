@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from moe.data import load_corpus
-from moe.routing import build_router
+from moe.routers import build_router
 from moe.eval import evaluate
 from moe.training import TrainConfig, train
 

@@ -7,7 +7,8 @@
 """
 
 from moe.layer import MoELayer, update_routers
-from moe.routing import Claims, Router, Routing, build_router, list_routers, register_router
+from moe.routers import build_router, list_routers
+from moe.routing import Claims, Router, Routing, register_router
 
 __all__ = [
     "Claims",

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from moe.experts import BACKENDS, SwiGLUExperts
 from moe.parallel.exchange import expert_parallel_ffn, local_expert_range
-from moe.routing import Router, Routing, build_router, check_input
+from moe.routers import build_router
+from moe.routing import Router, Routing, check_input
 
 
 class MoELayer(nn.Module):

@@ -259,7 +259,7 @@ _REGISTRY: dict[str, type[Router]] = {}
 
 
 def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
-    """Class decorator: make a Router buildable by ``build_router(name, ...)``."""
+    """Class decorator: make a Router buildable by ``moe.build_router(name, ...)``."""
 
     def wrap(cls: type[Router]) -> type[Router]:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
@@ -271,26 +271,10 @@ def register_router(name: str) -> Callable[[type[Router]], type[Router]]:
     return wrap
 
 
-def list_routers() -> list[str]:
-    """Names accepted by :func:`build_router`."""
-    _load_builtin_routers()
-    return sorted(_REGISTRY)
-
-
-def build_router(name: str, *, d_model: int, num_experts: int, **options) -> Router:
-    """Build a registered router: ``build_router("topk", d_model=512, num_experts=8, top_k=2)``."""
-    _load_builtin_routers()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown router {name!r}; known routers: {', '.join(sorted(_REGISTRY))}")
-    cls = _REGISTRY[name]
-    try:
-        return cls(d_model, num_experts, **options)
-    except TypeError as e:
-        raise ValueError(f"bad options for router {name!r}: {e}") from None
-
-
-def _load_builtin_routers() -> None:
-    import moe.routers  # noqa: F401  (registers the built-in routers)
+def registered_routers() -> dict[str, type[Router]]:
+    """Name -> class of every router registered so far (``moe.routers`` registers the built-in
+    ones; ``moe.build_router`` builds by name)."""
+    return dict(_REGISTRY)
 
 
 def softmax_or_sigmoid(logits_NE: Tensor, gate: str) -> Tensor:

@@ -17,7 +17,8 @@ from moe.audit.report import FUTURE_PROBES
 from moe.layer import MoELayer
 from moe.model import MoETransformer, preset
 from moe.routers import CapacityRouter, ExpertChoiceRouter
-from moe.routing import Claims, build_router
+from moe.routers import build_router
+from moe.routing import Claims
 
 B, T, D = 4, 16, 8
 LEAK_FROM, LEAK_TO = 11, 5

@@ -15,7 +15,8 @@ import torch
 from moe.audit import cli
 from moe.audit.suite import BuiltinTarget
 from moe.routers import ExpertChoiceRouter
-from moe.routing import Claims, build_router
+from moe.routers import build_router
+from moe.routing import Claims
 
 TARGETS = textwrap.dedent(
     '''

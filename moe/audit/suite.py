@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from moe.layer import MoELayer
 from moe.model import MoETransformer, preset
-from moe.routing import build_router
+from moe.routers import build_router
 
 BATCH, SEQ, D_MODEL, D_FF, EXPERTS = 4, 16, 32, 64, 4
 """Shapes of the router / layer targets; the model targets use the ``tiny`` preset at T = SEQ."""
