@@ -1,6 +1,11 @@
 """Stacked bias-free SwiGLU experts and the backends that run them.
 
 Shape legend: N tokens, D model width, F expert width, E experts, A assignments.
+
+Two storage layouts, one computation: :class:`SwiGLUExperts` owns ``w_gate``, ``w_up``
+``[E, D, F]`` and ``w_down`` ``[E, F, D]``; :class:`FusedSwiGLUExperts` computes from the
+layout Hugging Face transformers 5.x uses (``gate_up_proj`` ``[E, 2F, D]``, ``down_proj``
+``[E, D, F]``) through strided views, so it can share another model's parameters without a copy.
 """
 
 from __future__ import annotations
@@ -56,3 +61,48 @@ class SwiGLUExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, d_model={self.d_model}, d_ff={self.d_ff}"
+
+
+class FusedSwiGLUExperts(nn.Module):
+    """The SwiGLU experts of :class:`SwiGLUExperts`, stored output-major with gate and up fused:
+    ``gate_up_proj`` [E, 2F, D] (rows 0..F-1 the gate, F..2F-1 the up projection) and
+    ``down_proj`` [E, D, F], i.e. ``y = (silu(x gate^T) * (x up^T)) down^T``.
+
+    Built around existing parameters (e.g. a Hugging Face model's ``experts.gate_up_proj`` and
+    ``experts.down_proj``), which it registers as its own: the two modules then share storage.
+    ``w_gate``, ``w_up`` [E, D, F] and ``w_down`` [E, F, D] are strided views of them, which both
+    backends compute with directly (no weight is copied).
+    """
+
+    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter) -> None:
+        super().__init__()
+        if gate_up_proj.dim() != 3 or down_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
+            raise ValueError(
+                f"expected gate_up_proj [E, 2F, D] and down_proj [E, D, F], got {tuple(gate_up_proj.shape)} "
+                f"and {tuple(down_proj.shape)}"
+            )
+        e, two_f, d = gate_up_proj.shape
+        if tuple(down_proj.shape) != (e, d, two_f // 2):
+            raise ValueError(f"down_proj must be [E, D, F] = {(e, d, two_f // 2)}, got {tuple(down_proj.shape)}")
+        self.num_experts, self.d_model, self.d_ff = e, d, two_f // 2
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+
+    @property
+    def w_gate(self) -> Tensor:
+        return self.gate_up_proj[:, : self.d_ff].transpose(1, 2)
+
+    @property
+    def w_up(self) -> Tensor:
+        return self.gate_up_proj[:, self.d_ff :].transpose(1, 2)
+
+    @property
+    def w_down(self) -> Tensor:
+        return self.down_proj.transpose(1, 2)
+
+    def forward(self, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, backend: str = "torch") -> Tensor:
+        fn = resolve_backend(backend, x_ND.device)
+        return fn(x_ND, token_A, expert_A, weight_A, self.w_gate, self.w_up, self.w_down)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, d_model={self.d_model}, d_ff={self.d_ff}, layout=fused"

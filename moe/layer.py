@@ -35,6 +35,10 @@ class MoELayer(nn.Module):
     experts over its ranks: this rank holds experts ``local_experts = [start, stop)``, routes
     its own tokens and exchanges rows with the other ranks (see ``moe.parallel``). Every rank
     of the group must run the layer in the same step. ``None`` (default): all experts local.
+
+    ``experts`` (optional) is a prebuilt expert module to use instead of a fresh
+    ``SwiGLUExperts``, e.g. a ``FusedSwiGLUExperts`` sharing another model's weights; it must
+    hold this rank's experts with ``d_model`` and ``d_ff`` as given.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class MoELayer(nn.Module):
         router: str | Router = "topk",
         backend: str = "torch",
         ep_group=None,
+        experts: nn.Module | None = None,
         **router_options,
     ) -> None:
         super().__init__()
@@ -63,7 +68,15 @@ class MoELayer(nn.Module):
             self.router = build_router(router, d_model=d_model, num_experts=num_experts, **router_options)
         self.ep_group = ep_group
         self.local_experts = (0, num_experts) if ep_group is None else local_expert_range(num_experts, ep_group)
-        self.experts = SwiGLUExperts(self.local_experts[1] - self.local_experts[0], d_model, d_ff)
+        num_local = self.local_experts[1] - self.local_experts[0]
+        if experts is None:
+            experts = SwiGLUExperts(num_local, d_model, d_ff)
+        elif (experts.num_experts, experts.d_model, experts.d_ff) != (num_local, d_model, d_ff):
+            raise ValueError(
+                f"experts hold num_experts={experts.num_experts}, d_model={experts.d_model}, d_ff={experts.d_ff}; "
+                f"layer needs {num_local}, {d_model}, {d_ff}"
+            )
+        self.experts = experts
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.backend = backend
 

@@ -91,6 +91,11 @@ class TrainConfig:
     grad_reduce_rel_diff and grad_reduce_max_abs_diff)."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
+    hf_model: str | None = None
+    """Train a Hugging Face transformers MoE model instead of the preset (needs the [hf] extra):
+    a local directory (weights, or a config.json alone for random weights) or a built-in tiny
+    random config (``moe.integrations.hf.TINY_CONFIGS``, e.g. olmoe-tiny); its MoE blocks route
+    with ``router`` (topk without options keeps the family's own routing). Never downloads."""
 
     def __post_init__(self) -> None:
         positive = ("max_bytes", "seq_len", "batch_size", "steps", "eval_windows", "eval_batch_size", "causal_stride",
@@ -115,6 +120,9 @@ class TrainConfig:
             raise ValueError(f"grad_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir")
+        if self.hf_model and (self.expert_parallel > 1 or set(self.model) - {"backend"}):
+            raise ValueError("hf_model takes its architecture from its transformers config: no model overrides "
+                             "(except backend) and no expert_parallel")
         model_fields = {f.name for f in fields(ModelConfig)} - {"vocab_size", "router", "router_options"}
         bad = set(self.model) - model_fields
         if bad:

@@ -125,7 +125,13 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
     mcfg = model_config(cfg, corpus.vocab_size)
-    model = build_model(mcfg, cfg.seed, info.device, dist.group.WORLD if cfg.expert_parallel > 1 else None)
+    if cfg.hf_model:
+        from moe.integrations.hf import build_hf_model  # the [hf] extra, imported only when asked for
+
+        model = build_hf_model(cfg.hf_model, cfg.router, cfg.router_options, corpus.vocab_size, cfg.seed,
+                               mcfg.backend).to(info.device)
+    else:
+        model = build_model(mcfg, cfg.seed, info.device, dist.group.WORLD if cfg.expert_parallel > 1 else None)
     if info.world_size > 1:
         share_router_statistics(model, dist.group.WORLD)
     optimizer = make_optimizer(model, cfg)

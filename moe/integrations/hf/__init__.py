@@ -1,0 +1,29 @@
+"""This package's routers inside Hugging Face transformers MoE models (the ``[hf]`` extra).
+
+    from moe.integrations.hf import swap_moe_blocks, swapped_routings, HFCausalLM
+    swap_moe_blocks(model, "ec_threshold")          # every sparse MoE block now routes with ec_threshold
+    out = model(input_ids)                          # the model's own calling convention is unchanged
+    aux = sum(r.aux_loss for r in swapped_routings(model))
+
+``HFCausalLM(model)`` gives the swapped model this package's ``model(idx_BT, targets_BT)``
+interface (training loop, evaluation, audit); ``build_hf_model`` is what
+``experiments/train.py --hf-model`` builds. Importing this module imports transformers; the
+core package never does.
+"""
+
+from moe.integrations.hf.blocks import FAMILIES, Family, HFMoEBlock, family_router_options, swap_moe_blocks, swapped_routings
+from moe.integrations.hf.causal_lm import TINY_CONFIGS, HFCausalLM, build_hf_model, load_hf_model, tiny_config
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "HFCausalLM",
+    "HFMoEBlock",
+    "TINY_CONFIGS",
+    "build_hf_model",
+    "family_router_options",
+    "load_hf_model",
+    "swap_moe_blocks",
+    "swapped_routings",
+    "tiny_config",
+]

@@ -1,0 +1,164 @@
+"""Replace the sparse MoE blocks of a Hugging Face transformers model by ``moe.MoELayer``.
+
+Shape legend: B batch, T sequence, N = B*T tokens, D model width, F expert width, E experts,
+K experts per token.
+
+Every supported family (transformers 5.x) stores its experts the same way (``gate_up_proj``
+[E, 2F, D], ``down_proj`` [E, D, F], SiLU) and gates with ``softmax(x W^T)`` over the E
+experts followed by the top K, renormalised or not; they differ in where K and the
+renormalisation live and in their shared expert. :data:`FAMILIES` says so per block class.
+The replacement block shares the original's parameters (the gate weight becomes the
+router's gate weight, the expert tensors are viewed by ``FusedSwiGLUExperts``): nothing is
+copied, and a swapped checkpoint keeps its parameter objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moe.experts import FusedSwiGLUExperts
+from moe.layer import MoELayer
+from moe.routers import ExpertChoiceRouter, TokenChoiceBase, build_router
+from moe.routing import Routing, registered_routers
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one transformers MoE block class computes, read off its 5.x modeling file."""
+
+    gate_attr: str
+    """Attribute of the block holding the router (``weight`` [E, D], ``top_k``)."""
+    normalize: bool | None
+    """Whether the K kept probabilities are renormalised to sum to 1; None: the gate's
+    ``norm_topk_prob`` says (a config field)."""
+    shared_expert: bool = False
+    """Whether the block adds ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (Qwen2-MoE)."""
+
+
+FAMILIES: dict[str, Family] = {
+    # softmax -> top-k -> renormalise
+    "MixtralSparseMoeBlock": Family("gate", normalize=True),
+    "MiniMaxSparseMoeBlock": Family("gate", normalize=True),
+    # top-k of the logits -> softmax over the K: the same weights as renormalising
+    "GraniteMoeMoE": Family("router", normalize=True),
+    # softmax -> top-k -> renormalise iff config.norm_topk_prob
+    "OlmoeSparseMoeBlock": Family("gate", normalize=None),
+    "FlexOlmoSparseMoeBlock": Family("gate", normalize=None),
+    "Qwen3MoeSparseMoeBlock": Family("gate", normalize=None),
+    # ... plus a sigmoid-gated shared expert
+    "Qwen2MoeSparseMoeBlock": Family("gate", normalize=None, shared_expert=True),
+    "Qwen3NextSparseMoeBlock": Family("gate", normalize=None, shared_expert=True),
+}
+"""Block class name -> its family. Blocks of other classes are left alone."""
+
+SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
+"""Class names of the expert activations our SwiGLU experts compute (transformers' ``ACT2FN``)."""
+
+
+class HFMoEBlock(nn.Module):
+    """A transformers sparse MoE block rebuilt on :class:`moe.MoELayer`, with its calling
+    convention: ``y_BTD = block(x_BTD)`` (what 5.x decoder layers expect of ``mlp``).
+
+    ``moe`` routes with any registered router and runs the original experts' weights; a
+    shared expert, where the family has one, is the original module, added as the original
+    adds it. After each forward, ``routing`` holds that forward's :class:`moe.Routing` (aux
+    loss, stats); :func:`swapped_routings` collects them over a model.
+    """
+
+    def __init__(self, moe: MoELayer, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: nn.Module | None = None) -> None:
+        super().__init__()
+        self.moe = moe
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+        self.routing: Routing | None = None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        y_BTD, self.routing = self.moe(hidden_states, return_routing=True)
+        if self.shared_expert is not None:
+            y_BTD = y_BTD + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        return y_BTD
+
+
+def family_router_options(router: str, top_k: int, normalize: bool) -> dict:
+    """The options that make ``router`` spend the family's compute: token-choice routers get the
+    family's K and renormalisation (so ``topk`` reproduces the family exactly), expert-choice
+    routers ``capacity_factor=K`` (each expert keeps K/E of the tokens: K experts per token on
+    average). Other routers get nothing."""
+    known = registered_routers()
+    if router not in known:
+        raise ValueError(f"unknown router {router!r}; known routers: {', '.join(sorted(known))}")
+    cls = known[router]
+    if issubclass(cls, TokenChoiceBase):
+        return {"top_k": top_k, "normalize": normalize}
+    if issubclass(cls, ExpertChoiceRouter):
+        return {"capacity_factor": float(top_k)}
+    return {}
+
+
+def swap_block(block: nn.Module, family: Family, router: str, backend: str, router_options: dict) -> HFMoEBlock:
+    """One :class:`HFMoEBlock` sharing ``block``'s gate, experts and shared expert."""
+    gate, experts = getattr(block, family.gate_attr), block.experts
+    act = type(getattr(experts, "act_fn", None)).__name__
+    if act not in SILU_ACTIVATIONS:
+        raise ValueError(f"{type(block).__name__}: expert activation {act} is not SiLU; only SwiGLU experts are supported")
+    if getattr(block, "jitter_noise", 0.0):
+        raise ValueError(
+            f"{type(block).__name__}: router_jitter_noise={block.jitter_noise} is not reproduced by the swapped "
+            "block; set config.router_jitter_noise = 0 before building the model"
+        )
+    normalize = gate.norm_topk_prob if family.normalize is None else family.normalize
+    fused = FusedSwiGLUExperts(experts.gate_up_proj, experts.down_proj)
+    e, d = gate.weight.shape
+    if (fused.num_experts, fused.d_model) != (e, d):
+        raise ValueError(f"{type(block).__name__}: gate is [{e}, {d}] but experts hold {fused.num_experts} x {fused.d_model}")
+    options = {**family_router_options(router, gate.top_k, bool(normalize)), **router_options}
+    moe_router = build_router(router, d_model=d, num_experts=e, **options)
+    moe_router.gate.weight = gate.weight
+    layer = MoELayer(d, fused.d_ff, e, router=moe_router, backend=backend, experts=fused)
+    if family.shared_expert:
+        return HFMoEBlock(layer, block.shared_expert, block.shared_expert_gate)
+    return HFMoEBlock(layer)
+
+
+def swap_moe_blocks(model: nn.Module, router: str = "ec_threshold", *, backend: str = "torch",
+                    **router_options) -> nn.Module:
+    """Replace, in place, every sparse MoE block of a transformers model (a class in
+    :data:`FAMILIES`: Mixtral, MiniMax, GraniteMoE, OLMoE, FlexOlmo, Qwen2-MoE, Qwen3-MoE,
+    Qwen3-Next) by an :class:`HFMoEBlock` routing with ``router``; return the model.
+
+    The new blocks share the original parameters (no copy). ``router_options`` go to
+    ``moe.build_router`` on top of the family's own (see :func:`family_router_options`):
+    ``swap_moe_blocks(model, "topk")`` computes what the original model computes.
+    ``backend`` is ``MoELayer``'s ("torch", "triton", "auto").
+
+    Training: the swapped blocks' aux losses (and stats) are on their routings, collected by
+    :func:`swapped_routings` after a forward; transformers' own load-balancing loss reads the
+    router modules this replaces, so ``config.output_router_logits`` is set to False. Call
+    ``moe.update_routers(model)`` after each optimiser step, as with any model of this package.
+    """
+    swaps = [(parent, name, child, FAMILIES[type(child).__name__])
+             for parent in model.modules() for name, child in parent.named_children()
+             if type(child).__name__ in FAMILIES]
+    if not swaps:
+        raise ValueError(
+            f"{type(model).__name__} has no sparse MoE block of a supported family ({', '.join(sorted(FAMILIES))})"
+        )
+    for parent, name, child, family in swaps:
+        setattr(parent, name, swap_block(child, family, router, backend, router_options))
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        config.output_router_logits = False
+    return model
+
+
+def swapped_routings(model: nn.Module) -> list[Routing]:
+    """The routings of the last forward of every swapped block of ``model``, in module order."""
+    blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+    missing = [i for i, b in enumerate(blocks) if b.routing is None]
+    if missing:
+        raise ValueError(f"swapped blocks {missing} have not run a forward yet")
+    return [b.routing for b in blocks]

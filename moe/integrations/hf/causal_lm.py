@@ -1,0 +1,120 @@
+"""A swapped transformers causal LM behind this package's model interface, and the models the
+training loop builds from ``--hf-model`` (a local directory or a built-in tiny random config;
+never a download).
+
+Shape legend: B batch, T sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe.integrations.hf.blocks import HFMoEBlock, swap_moe_blocks, swapped_routings
+from moe.model import ModelOutput
+
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "mixtral-tiny": ("mixtral", {"num_local_experts": 4, "intermediate_size": 64}),
+    "minimax-tiny": ("minimax", {"num_local_experts": 4, "intermediate_size": 64}),
+    "granitemoe-tiny": ("granitemoe", {"num_local_experts": 4, "intermediate_size": 64}),
+    "olmoe-tiny": ("olmoe", {"num_experts": 4, "intermediate_size": 64}),
+    "flexolmo-tiny": ("flex_olmo", {"num_experts": 4, "intermediate_size": 64}),
+    "qwen2-moe-tiny": ("qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 64, "intermediate_size": 64,
+                                     "shared_expert_intermediate_size": 96}),
+    "qwen3-moe-tiny": ("qwen3_moe", {"num_experts": 4, "moe_intermediate_size": 64, "intermediate_size": 64,
+                                     "head_dim": 16}),
+    "qwen3-next-tiny": ("qwen3_next", {"num_experts": 4, "moe_intermediate_size": 64, "intermediate_size": 64,
+                                       "shared_expert_intermediate_size": 96, "head_dim": 16}),
+}
+"""Name -> (transformers model_type, family-specific fields) of the built-in tiny random configs."""
+
+TINY_COMMON = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "num_experts_per_tok": 2, "max_position_embeddings": 1024, "pad_token_id": None,
+               "bos_token_id": None, "eos_token_id": None, "tie_word_embeddings": False}
+"""Fields every tiny config shares: d=64, 2 layers, 4 heads (2 KV), E=4 experts, K=2."""
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""A directory holding one of these is loaded with its weights; one with only config.json is random-initialised."""
+
+
+def tiny_config(name: str, vocab_size: int, **overrides):
+    """The built-in tiny random config ``name`` (see :data:`TINY_CONFIGS`) with ``vocab_size``."""
+    from transformers import AutoConfig
+
+    if name not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny config {name!r}; known: {', '.join(sorted(TINY_CONFIGS))}")
+    model_type, fields = TINY_CONFIGS[name]
+    return AutoConfig.for_model(model_type, **{**TINY_COMMON, **fields, "vocab_size": vocab_size, **overrides})
+
+
+def load_hf_model(spec: str, vocab_size: int, seed: int = 0) -> nn.Module:
+    """A transformers causal LM in fp32 from ``spec``: a built-in tiny config name (random
+    weights for ``vocab_size`` tokens), or a local directory (with weights: loaded; with only
+    ``config.json``: random weights). Random weights are drawn from ``seed``. Nothing is
+    downloaded; a model with fewer than ``vocab_size`` tokens is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    path = Path(spec)
+    if spec in TINY_CONFIGS:
+        model = AutoModelForCausalLM.from_config(tiny_config(spec, vocab_size), dtype=torch.float32)
+    elif path.is_dir() and any((path / f).exists() for f in WEIGHT_FILES):
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    elif (path / "config.json").exists():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True),
+                                                 dtype=torch.float32)
+    else:
+        raise ValueError(
+            f"hf model {spec!r} is neither a built-in tiny config ({', '.join(sorted(TINY_CONFIGS))}) "
+            "nor a local directory with a config.json"
+        )
+    if model.config.vocab_size < vocab_size:
+        raise ValueError(f"hf model {spec!r} has vocab_size={model.config.vocab_size} < the data's {vocab_size}")
+    return model
+
+
+class HFCausalLM(nn.Module):
+    """``out = HFCausalLM(swapped)(idx_BT, targets_BT)``: a transformers causal LM whose MoE
+    blocks were swapped (:func:`swap_moe_blocks`), with ``moe.model.MoETransformer``'s calling
+    convention, so this package's training loop, evaluation and audit take it as they take
+    ours. ``out.loss`` is the mean next-token cross-entropy against ``targets_BT`` (already
+    shifted, as the loop gives them), ``out.aux_loss`` the sum of the swapped blocks'
+    ``Routing.aux_loss``, ``out.routings`` their routings in block order. No KV cache: every
+    call is a full forward of the given tokens.
+    """
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        if not any(isinstance(m, HFMoEBlock) for m in hf_model.modules()):
+            raise ValueError("HFCausalLM needs a model whose MoE blocks were swapped (swap_moe_blocks)")
+        self.hf = hf_model
+
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None) -> ModelOutput:
+        if idx_BT.dim() != 2 or idx_BT.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"expected int64 token ids of shape [B, T], got {idx_BT.dtype} {tuple(idx_BT.shape)}")
+        for m in self.hf.modules():
+            if isinstance(m, HFMoEBlock):
+                m.routing = None
+        logits_BTV = self.hf(input_ids=idx_BT, use_cache=False).logits
+        routings = swapped_routings(self.hf)
+        aux = sum((r.aux_loss for r in routings), logits_BTV.new_zeros((), dtype=torch.float32))
+        loss = None
+        if targets_BT is not None:
+            loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+        return ModelOutput(logits=logits_BTV, aux_loss=aux, routings=routings, loss=loss)
+
+    def num_parameters(self) -> int:
+        """All parameters (shared ones once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_hf_model(spec: str, router: str, router_options: dict, vocab_size: int, seed: int = 0,
+                   backend: str = "torch") -> HFCausalLM:
+    """What ``experiments/train.py --hf-model SPEC --router R`` trains: :func:`load_hf_model`,
+    every MoE block swapped to ``router`` (``topk`` with no options keeps the family's routing),
+    wrapped in :class:`HFCausalLM`."""
+    model = load_hf_model(spec, vocab_size, seed)
+    return HFCausalLM(swap_moe_blocks(model, router, backend=backend, **router_options))
