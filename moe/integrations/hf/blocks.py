@@ -102,6 +102,11 @@ def family_router_options(router: str, top_k: int, normalize: bool) -> dict:
 def swap_block(block: nn.Module, family: Family, router: str, backend: str, router_options: dict) -> HFMoEBlock:
     """One :class:`HFMoEBlock` sharing ``block``'s gate, experts and shared expert."""
     gate, experts = getattr(block, family.gate_attr), block.experts
+    if not isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter):
+        raise ValueError(
+            f"{type(block).__name__}: experts are not stored as gate_up_proj [E, 2F, D] / down_proj [E, D, F] "
+            "(the transformers 5.x layout; older versions keep one module per expert)"
+        )
     act = type(getattr(experts, "act_fn", None)).__name__
     if act not in SILU_ACTIVATIONS:
         raise ValueError(f"{type(block).__name__}: expert activation {act} is not SiLU; only SwiGLU experts are supported")

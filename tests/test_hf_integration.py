@@ -1,0 +1,231 @@
+"""moe.integrations.hf: our routers inside transformers MoE models (tiny random configs, no downloads).
+
+Equivalence with router="topk" per family, shared (not copied) weights, the Triton backend
+inside a swapped model, training with this package's loop, and the audit's verdicts.
+"""
+
+import copy
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from moe.audit import audit  # noqa: E402
+from moe.audit import cli as audit_cli  # noqa: E402
+from moe.data import load_corpus  # noqa: E402
+from moe.integrations.hf import (  # noqa: E402
+    FAMILIES, TINY_CONFIGS, HFCausalLM, HFMoEBlock, build_hf_model, load_hf_model, swap_moe_blocks, swapped_routings,
+    tiny_config,
+)
+from moe.training import TrainConfig, train  # noqa: E402
+
+V = 64
+ROOT = Path(__file__).resolve().parents[1]
+# (tiny config, norm_topk_prob): families that read the renormalisation from their config run both ways
+CASES = [(name, norm) for name, (model_type, _) in TINY_CONFIGS.items()
+         for norm in ((False, True) if model_type not in ("mixtral", "minimax", "granitemoe") else (None,))]
+
+
+def tiny_model(name: str, norm: bool | None = None, seed: int = 0):
+    torch.manual_seed(seed)
+    overrides = {} if norm is None else {"norm_topk_prob": norm}
+    model = AutoModelForCausalLM.from_config(tiny_config(name, V, **overrides), dtype=torch.float32)
+    with torch.no_grad():  # transformers initialises with std 0.02; larger gates make the routing decisive
+        for block in model.modules():
+            if type(block).__name__ in FAMILIES:
+                getattr(block, FAMILIES[type(block).__name__].gate_attr).weight.normal_(0, 0.5)
+    return model.eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def assert_rel_close(got, want, rtol, what=""):
+    err = (got - want).abs()
+    assert err.max() <= rtol * want.abs().max(), f"{what} max {err.max():.2e} mean {err.mean():.2e} (scale {want.abs().max():.2e})"
+
+
+def test_every_tiny_config_is_a_supported_family():
+    for name in TINY_CONFIGS:
+        blocks = {type(m).__name__ for m in tiny_model(name).modules() if hasattr(m, "experts")}
+        assert blocks and blocks <= set(FAMILIES), (name, blocks)
+
+
+@pytest.mark.parametrize("name,norm", CASES)
+def test_topk_swap_reproduces_the_family(name, norm):
+    model = tiny_model(name, norm)
+    ids = torch.randint(0, V, (3, 12))
+    want = logits(model, ids)
+    swap_moe_blocks(model, "topk")
+    assert sum(isinstance(m, HFMoEBlock) for m in model.modules()) == 2
+    # fp32 both ways; the same matmuls on the same weights, summed in another order: rounding only
+    assert_rel_close(logits(model, ids), want, 1e-5, name)
+    routings = swapped_routings(model)
+    assert len(routings) == 2 and all(r.num_assignments == 3 * 12 * 2 for r in routings)
+    assert all((r.stats["tokens_per_expert"] > 0).sum() >= 2 for r in routings)  # routing really chooses
+
+
+def test_wrong_normalisation_is_visible():
+    # the equivalence test can fail: renormalising a family that does not changes the logits
+    model = tiny_model("olmoe-tiny", norm=False)
+    ids = torch.randint(0, V, (2, 12))
+    want = logits(model, ids)
+    swap_moe_blocks(model, "topk", normalize=True)
+    assert (logits(model, ids) - want).abs().max() > 1e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["olmoe-tiny", "qwen2-moe-tiny"])
+def test_topk_swap_gives_the_same_gradients(name):
+    original = tiny_model(name, norm=True).train()
+    swapped = swap_moe_blocks(copy.deepcopy(original), "topk").train()
+    ids = torch.randint(0, V, (2, 10))
+    for model in (original, swapped):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    rename = {".moe.router.gate.weight": ".gate.weight", ".moe.experts.": ".experts."}
+    grads = {}
+    for n, p in swapped.named_parameters():
+        for new, old in rename.items():
+            n = n.replace(new, old)
+        grads[n] = p.grad
+    for n, p in original.named_parameters():
+        assert_rel_close(grads[n], p.grad, 1e-5, n)
+
+
+def test_swap_shares_every_parameter_without_copying():
+    model = tiny_model("qwen2-moe-tiny", norm=True)
+    before = {id(p): p.data_ptr() for p in model.parameters()}
+    swap_moe_blocks(model, "ec_threshold")
+    after = {id(p): p.data_ptr() for p in model.parameters()}
+    assert after == before  # the same parameter objects on the same storage, none added
+    block = next(m for m in model.modules() if isinstance(m, HFMoEBlock))
+    experts = block.moe.experts
+    assert experts.w_gate.data_ptr() == experts.gate_up_proj.data_ptr()
+    assert experts.w_up.data_ptr() == experts.gate_up_proj[:, experts.d_ff:].data_ptr()
+    assert experts.w_down.data_ptr() == experts.down_proj.data_ptr()
+    assert block.shared_expert is not None and block.shared_expert_gate is not None
+
+
+def test_triton_backend_inside_a_swapped_model():
+    # the Triton interpreter on CPU is slow: one tiny model, a short sequence
+    model = tiny_model("olmoe-tiny", norm=True)
+    reference = swap_moe_blocks(copy.deepcopy(model), "topk", backend="torch")
+    swap_moe_blocks(model, "topk", backend="triton")
+    assert all(m.moe.backend == "triton" for m in model.modules() if isinstance(m, HFMoEBlock))
+    ids = torch.randint(0, V, (2, 6))
+    outs = []
+    for m in (reference, model):
+        out = m(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        outs.append((out.logits.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (want, want_grads), (got, got_grads) = outs
+    assert_rel_close(got, want, 1e-5, "logits")
+    for n, g in want_grads.items():
+        assert_rel_close(got_grads[n], g, 1e-4, n)  # fp32 sums in another order through backward
+
+
+def test_transformers_own_aux_loss_is_switched_off_and_the_core_never_imports_transformers():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("olmoe-tiny", V, output_router_logits=True))
+    swap_moe_blocks(model, "topk")
+    assert model.config.output_router_logits is False
+    ids = torch.randint(0, V, (2, 8))
+    assert torch.isfinite(model(input_ids=ids, labels=ids, use_cache=False).loss)
+    code = "import sys, moe, moe.training, moe.audit, moe.eval; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_hf_causal_lm_interface_and_aux_loss():
+    model = HFCausalLM(swap_moe_blocks(tiny_model("mixtral-tiny"), "ec_threshold", aux_loss_coef=0.1))
+    idx = torch.randint(0, V, (2, 9))
+    out = model(idx[:, :-1], idx[:, 1:])
+    assert out.logits.shape == (2, 8, V) and len(out.routings) == 2
+    torch.testing.assert_close(out.aux_loss, out.routings[0].aux_loss + out.routings[1].aux_loss)
+    assert out.aux_loss > 0
+    want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, V), idx[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, want)
+    (out.loss + out.aux_loss).backward()
+    gate = model.hf.model.layers[0].mlp.moe.router.gate.weight
+    assert gate.grad is not None and gate.grad.abs().sum() > 0
+
+
+def test_swap_errors():
+    with pytest.raises(ValueError, match="no sparse MoE block"):
+        swap_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="unknown router"):
+        swap_moe_blocks(tiny_model("olmoe-tiny"), "nope")
+    torch.manual_seed(0)
+    jittery = AutoModelForCausalLM.from_config(tiny_config("mixtral-tiny", V, router_jitter_noise=0.1))
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        swap_moe_blocks(jittery)
+    four_x = type("MixtralSparseMoeBlock", (torch.nn.Module,), {})()  # transformers 4.x: one module per expert
+    four_x.gate, four_x.experts = torch.nn.Linear(8, 4, bias=False), torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+    with pytest.raises(ValueError, match="5.x layout"):
+        swap_moe_blocks(torch.nn.Sequential(four_x))
+    with pytest.raises(ValueError, match="neither a built-in tiny config"):
+        load_hf_model("no/such/dir", V)
+    with pytest.raises(ValueError, match="no model overrides"):
+        TrainConfig(hf_model="olmoe-tiny", model={"d_model": 32})
+
+
+def test_local_directory_loads_weights_or_config(tmp_path):
+    original = tiny_model("qwen3-moe-tiny", norm=True)
+    original.save_pretrained(tmp_path / "weights")
+    original.config.save_pretrained(tmp_path / "config_only")
+    ids = torch.randint(0, V, (2, 8))
+    loaded = build_hf_model(str(tmp_path / "weights"), "topk", {}, V)
+    assert_rel_close(loaded(ids).logits.detach(), logits(original, ids), 1e-5, "loaded")
+    fresh = load_hf_model(str(tmp_path / "config_only"), V, seed=3)
+    assert type(fresh) is type(original) and not torch.equal(fresh.lm_head.weight, original.lm_head.weight)
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_hf_model(str(tmp_path / "weights"), V + 1)
+
+
+@pytest.mark.parametrize("router,options", [("ec_threshold", {}), ("capacity", {"capacity_scope": "prefix"})])
+def test_swapped_olmoe_trains_with_the_loop(router, options):
+    corpus = load_corpus("stdlib", 0.1, 100_000)
+    cfg = TrainConfig(hf_model="olmoe-tiny", router=router, router_options=options, steps=25, lr=1e-2,
+                      seq_len=32, batch_size=8, eval_windows=2, eval_batch_size=2, causal_stride=16,
+                      warmup_steps=2, log_every=0, progress=False)
+    res = train(cfg, corpus)
+    losses = [r["loss"] for r in res.history]
+    assert abs(losses[0] - math.log(256)) < 0.3, losses[0]  # random init: uniform over the bytes
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    assert all(r["aux_loss"] > 0 for r in res.history)
+    assert len(res.history[-1]["tokens_per_expert"]) == 2  # two swapped blocks' loads
+    assert isinstance(res.model, HFCausalLM)
+    # a causal, decode-consistent router: decoding (prefix forwards) sees what training saw
+    assert abs(res.final_eval["leakage_gap"]) < 1e-5
+
+
+@pytest.mark.parametrize("router,leaks", [("topk", False), ("ec_threshold", False), ("expert_choice", True)])
+def test_audit_of_a_swapped_model_reaches_the_routers_claims(router, leaks):
+    model = HFCausalLM(swap_moe_blocks(tiny_model("olmoe-tiny", norm=True), router))
+    report = audit(model, torch.randint(0, V, (2, 12)), trials=1, seed=0)
+    assert report.leaks is leaks and report.violations == []
+    assert report.decode_consistent is not leaks
+
+
+def test_audit_cli_with_a_factory(tmp_path, capsys):
+    target = tmp_path / "swapped.py"
+    target.write_text(
+        "from transformers import AutoModelForCausalLM\n"
+        "from moe.integrations.hf import HFCausalLM, swap_moe_blocks, tiny_config\n"
+        "def build(router='expert_choice'):\n"
+        "    model = AutoModelForCausalLM.from_config(tiny_config('qwen3-moe-tiny', 64))\n"
+        "    return HFCausalLM(swap_moe_blocks(model, router))\n"
+        "def causal():\n"
+        "    return build('ec_threshold')\n"
+    )
+    argv = ["--no-progress", "--trials", "1", "--input", "tokens:2,10,64"]
+    assert audit_cli.main([*argv, "--target", f"{target}:causal"]) == 0
+    assert audit_cli.main([*argv, "--target", f"{target}:build"]) == 1
+    assert "leak" in capsys.readouterr().out
