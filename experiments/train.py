@@ -6,6 +6,8 @@
     python experiments/train.py --router capacity --steps 600 --checkpoint-dir runs/cap --resume
     python experiments/train.py --data canary --seq-len 8 --batch-size 64 --router expert_choice --steps 2000
     python experiments/train.py --data path/to/my/texts --router topk
+    python experiments/train.py --hf-model olmoe-tiny --router ec_threshold --steps 300   # needs the [hf] extra
+    python experiments/train.py --hf-model path/to/local/olmoe --router capacity --router-option capacity_scope=prefix
     torchrun --nproc_per_node 2 experiments/train.py --preset tiny --router topk --batch-size 16
     torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2 --steps 12 \
         --metrics-jsonl runs/ep2/metrics.jsonl
@@ -14,6 +16,9 @@
 
 Every field of ``moe.training.TrainConfig`` is a flag (``--help`` lists them), and every field of
 ``moe.model.ModelConfig`` overrides the preset (``--d-model 128 --num-experts 8``).
+``--hf-model`` trains a Hugging Face transformers MoE model instead (a local directory or a
+built-in tiny random config, ``moe.integrations.hf.TINY_CONFIGS``; never a download), its MoE
+blocks routed by ``--router`` (``topk`` without options keeps the family's own routing).
 wandb logs on rank 0: offline unless $WANDB_API_KEY is set; $WANDB_MODE (or --wandb-mode) wins.
 """
 

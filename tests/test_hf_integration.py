@@ -6,6 +6,7 @@ inside a swapped model, training with this package's loop, and the audit's verdi
 
 import copy
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +207,17 @@ def test_swapped_olmoe_trains_with_the_loop(router, options):
     assert abs(res.final_eval["leakage_gap"]) < 1e-5
 
 
+def test_swapped_model_resumes_exactly_from_a_checkpoint(tmp_path):
+    # the swapped blocks' router state (ec_threshold's thresholds) lives in the checkpoint too
+    corpus = load_corpus("stdlib", 0.1, 100_000)
+    common = dict(hf_model="qwen2-moe-tiny", router="ec_threshold", seq_len=16, batch_size=4, eval_windows=2,
+                  eval_batch_size=2, causal_stride=8, warmup_steps=1, log_every=0, progress=False)
+    full = train(TrainConfig(steps=4, **common), corpus)
+    train(TrainConfig(steps=2, checkpoint_dir=str(tmp_path), **common), corpus)
+    resumed = train(TrainConfig(steps=4, checkpoint_dir=str(tmp_path), resume=True, **common), corpus)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history[2:]]
+
+
 @pytest.mark.parametrize("router,leaks", [("topk", False), ("ec_threshold", False), ("expert_choice", True)])
 def test_audit_of_a_swapped_model_reaches_the_routers_claims(router, leaks):
     model = HFCausalLM(swap_moe_blocks(tiny_model("olmoe-tiny", norm=True), router))
@@ -229,3 +241,13 @@ def test_audit_cli_with_a_factory(tmp_path, capsys):
     assert audit_cli.main([*argv, "--target", f"{target}:causal"]) == 0
     assert audit_cli.main([*argv, "--target", f"{target}:build"]) == 1
     assert "leak" in capsys.readouterr().out
+
+
+def test_readme_hf_example_runs():
+    # the README's ```python hf blocks (skipped by test_readme.py, which runs without transformers)
+    blocks = re.findall(r"```python hf\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert len(blocks) == 1
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md python hf block", "exec"), namespace)
+    report = namespace["report"]
+    assert report.leaks is False and report.decode_consistent is True and report.violations == []
