@@ -18,6 +18,8 @@ pytest.importorskip("transformers")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+import moe  # noqa: E402
+from moe import list_routers  # noqa: E402
 from moe.audit import audit  # noqa: E402
 from moe.audit import cli as audit_cli  # noqa: E402
 from moe.data import load_corpus  # noqa: E402
@@ -156,6 +158,17 @@ def test_hf_causal_lm_interface_and_aux_loss():
     (out.loss + out.aux_loss).backward()
     gate = model.hf.model.layers[0].mlp.moe.router.gate.weight
     assert gate.grad is not None and gate.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("router", list_routers())
+def test_every_router_swaps_in_and_trains_a_step(router):
+    model = HFCausalLM(swap_moe_blocks(tiny_model("qwen3-moe-tiny", norm=True), router)).train()
+    idx = torch.randint(0, V, (2, 12))
+    out = model(idx[:, :-1], idx[:, 1:])
+    (out.loss + out.aux_loss).backward()
+    gate = model.hf.model.layers[1].mlp.moe.router.gate.weight
+    assert torch.isfinite(out.aux_loss) and gate.grad is not None and gate.grad.abs().sum() > 0
+    moe.update_routers(model)
 
 
 def test_swap_errors():
