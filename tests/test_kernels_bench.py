@@ -196,7 +196,7 @@ def test_gpu_check_full_commands_without_dry_run(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_end_to_end(tmp_path):
-    """The real steps on the CPU (GPU tests skip; the benchmarks' --dry-run): about 30 s."""
+    """The real steps on the CPU (GPU tests skip; the benchmarks' --dry-run): under a minute when quiet."""
     out = tmp_path / "out"
     proc = run_gpu_check(out, {"DRY_RUN": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
