@@ -184,18 +184,30 @@ def timer(device: torch.device) -> Callable[[Callable], float]:
 
 
 def measure_floors(device: torch.device, bench: Callable, dry_run: bool) -> dict:
-    """HBM bandwidth (GB/s) from a device copy, bf16 matmul rate (TFLOP/s) from a square matmul."""
+    """HBM bandwidth (GB/s) from a device copy, bf16 matmul rate (TFLOP/s) from a square matmul.
+
+    Returns the rates with what they were measured from: bytes moved and ms of the copy,
+    size and ms of the matmul.
+    """
     numel = 2**20 if dry_run else 2**30  # 2 GiB of bf16 each way on the GPU
     src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    bandwidth = 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+    copy_ms = bench(lambda: dst.copy_(src))
+    copy_bytes = 2 * src.numel() * src.element_size()  # read once, written once
     n = 256 if dry_run else 8192
     dtype = torch.float32 if dry_run else torch.bfloat16
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    ms = bench(lambda: a @ b)
-    return {"hbm_bandwidth_GBps": bandwidth, "matmul_TFLOPs": 2 * n**3 / (ms * 1e-3) / 1e12, "matmul_dtype": str(dtype)}
+    matmul_ms = bench(lambda: a @ b)
+    return {
+        "hbm_bandwidth_GBps": copy_bytes / (copy_ms * 1e-3) / 1e9,
+        "matmul_TFLOPs": 2 * n**3 / (matmul_ms * 1e-3) / 1e12,
+        "matmul_dtype": str(dtype),
+        "copy_bytes": copy_bytes,
+        "copy_ms": copy_ms,
+        "matmul_size": n,
+        "matmul_ms": matmul_ms,
+    }
 
 
 # -- correctness ---------------------------------------------------------------------------
@@ -207,7 +219,11 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_correctness(device: torch.device, dtype: torch.dtype, dry_run: bool) -> dict:
-    """Each path against the fp32 reference on the same (dtype-rounded) inputs; bitwise rerun."""
+    """Each path against the fp32 reference on the same (dtype-rounded) inputs; bitwise rerun.
+
+    ``ok`` is False if any path that ran is off, or triton is not bitwise reproducible; a
+    baseline this torch or device lacks is reported as an error and does not count.
+    """
     shape = Shape("check", 32, 32, 32, 8, 2) if dry_run else Shape("check", 2048, 512, 384, 16, 4)
     inp = make_inputs(shape, dtype, device, seed=123)
     ref_inp = {k: (v.float() if v.is_floating_point() else v) for k, v in inp.items()}
@@ -229,7 +245,7 @@ def check_correctness(device: torch.device, dtype: torch.dtype, dry_run: bool) -
             again = ffn_call(fn, inp, backward=True)
             entry["bitwise_reproducible"] = all(torch.equal(a, b) for a, b in zip(got, again))
             entry["ok"] &= entry["bitwise_reproducible"]
-            ok &= entry["ok"]
+        ok &= entry["ok"]  # a wrong baseline makes its speed-up meaningless too
         report["paths"][path] = entry
     report["ok"] = ok
     return report
@@ -334,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
     for path_name, entry in results["correctness"]["paths"].items():
         print(f"  check {path_name:>17}: {json.dumps(entry)[:200]}")
     if not results["correctness"]["ok"]:
-        print("  WARNING: the triton path failed its correctness check; timings below are of wrong kernels")
+        print("  WARNING: a path failed its correctness check; its timings and ratios below are of wrong code")
     results["floors"] = measure_floors(device, bench, args.dry_run)
     print(f"  floors: {results['floors']}")
     results["shapes"] = {}

@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,7 @@ def time_fwd_bwd(fn, x: torch.Tensor, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096, help="N = B*T (B=8)")
     p.add_argument("--d-model", type=int, default=256)
@@ -62,27 +63,43 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    return p.parse_args(argv)
 
+
+def build(args: argparse.Namespace) -> tuple[moe.MoELayer, SwiGLU, torch.Tensor]:
+    """The MoE layer, the dense SwiGLU of width k*F, and the input x [8, N/8, D] (seed 0)."""
+    torch.manual_seed(0)
     layer = moe.MoELayer(args.d_model, args.d_ff, args.experts, router=args.router, top_k=args.top_k)
     dense = SwiGLU(args.d_model, args.top_k * args.d_ff)
-    x = torch.randn(8, args.tokens // 8, args.d_model)
+    return layer, dense, torch.randn(8, args.tokens // 8, args.d_model)
+
+
+def compared_paths(layer: moe.MoELayer, dense: SwiGLU, x_BTD: torch.Tensor) -> dict[str, tuple[Callable, torch.Tensor]]:
+    """name -> (function, its input): the computations whose forward+backward is timed.
+
+    ``dense``: the k*F-wide SwiGLU over all N tokens; ``expert_matmuls_only``: the per-expert
+    SwiGLU on x's rows already sorted by expert under the layer's routing; ``moe_layer``;
+    ``naive_mask_loop``.
+    """
     with torch.no_grad():
-        routing = layer.router(x)
-        order_A, counts_E = sort_by_expert(routing.expert, args.experts)
-        x_sorted_AD = x.reshape(-1, args.d_model)[routing.token[order_A]]
-    ex = layer.experts
-    results = {
-        "config": vars(args),
-        "dense_s": time_fwd_bwd(dense, x, args.reps),
-        "expert_matmuls_only_s": time_fwd_bwd(
-            lambda xi: grouped_swiglu(xi, counts_E.tolist(), ex.w_gate, ex.w_up, ex.w_down), x_sorted_AD, args.reps
-        ),
-        "moe_layer_s": time_fwd_bwd(layer, x, args.reps),
-        "naive_mask_loop_s": time_fwd_bwd(lambda xi: naive_mask_loop(layer, xi), x, args.reps),
+        routing = layer.router(x_BTD)
+        order_A, counts_E = sort_by_expert(routing.expert, layer.num_experts)
+        x_sorted_AD = x_BTD.reshape(-1, layer.d_model)[routing.token[order_A]]
+    ex, counts = layer.experts, counts_E.tolist()
+    return {
+        "dense": (dense, x_BTD),
+        "expert_matmuls_only": (lambda xi: grouped_swiglu(xi, counts, ex.w_gate, ex.w_up, ex.w_down), x_sorted_AD),
+        "moe_layer": (layer, x_BTD),
+        "naive_mask_loop": (lambda xi: naive_mask_loop(layer, xi), x_BTD),
     }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    paths = compared_paths(*build(args))
+    results = {"config": vars(args)}
+    results.update({f"{name}_s": time_fwd_bwd(fn, inp, args.reps) for name, (fn, inp) in paths.items()})
     results["moe_over_dense"] = results["moe_layer_s"] / results["dense_s"]
     results["expert_matmuls_over_dense"] = results["expert_matmuls_only_s"] / results["dense_s"]
     results["naive_over_dense"] = results["naive_mask_loop_s"] / results["dense_s"]

@@ -1,13 +1,30 @@
-"""Every Triton kernel variant compiles for an H100/H200 (sm_90), on a machine without a GPU.
+"""Every Triton kernel launch compiles for an H100/H200 (sm_90), on a machine without a GPU.
 
-The default tests run the kernels in the interpreter, which never sees the compiler: this
-compiles each (kernel, mode, dtype) the launchers use down to a cubin with triton's bundled
-ptxas, specialised the way a real launch is (unit strides as constants, 16-divisible
-pointers and sizes), and checks that the matmuls use Hopper's wgmma with cp.async
-pipelining. Slow (about a minute), so marked ``slow``.
+The default tests run the kernels in the interpreter, which never sees the compiler. Here
+the launchers run on CPU tensors while believing they are on CUDA (``interpreting`` patched
+to False), so they pick the GPU tile sizes, warps and stages, and each kernel launch is
+recorded instead of run (the routing-metadata kernels also run, interpreted, because the
+launchers index with their output). Triton's own launch binder turns each recorded launch
+into the signature, constants and specialisations a real launch would compile (types from
+the actual arguments, 16-divisibility, unit strides folded to constants): nothing is typed
+by hand, so a launcher and a kernel that disagree fail here. ``triton.compile`` then builds
+each for sm_90 with triton's bundled ptxas.
+
+Asserted on what compiling produces: TTGIR, PTX and a cubin; the PTX entry is the kernel's
+name; no ``atom.`` / ``red.`` instruction (the kernels are atomic-free); 16-bit matmuls use
+Hopper's wgmma with cp.async pipelining; fp32 matmuls use no tensor-core instruction (exact
+fp32 products, not TF32); shared memory fits an sm_90 block (227 KiB).
+
+Default (seconds): the binder check and the non-matmul kernels of a bf16 forward + backward.
+Slow (about 3 minutes on 2 cores with a cold triton cache): every launch of ``moe_ffn_triton``
+and of the standalone ``dispatch`` / ``combine`` / ``grouped_mm`` (gather and scatter fused),
+forward and backward, in fp32, fp16 and bf16, for training-sized and decode-sized expert loads.
 """
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -15,83 +32,154 @@ import torch
 triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from kernels.dispatch_combine import _combine_kernel, _gather_kernel  # noqa: E402
-from kernels.grouped_mm import DUAL, LINEAR, SWIGLU, SWIGLU_BWD, _gmm_kernel, _wgrad_kernel  # noqa: E402
-from kernels.launch import matmul_blocks  # noqa: E402
-from kernels.metadata import _histogram_kernel, _prefix_kernel, _scatter_kernel  # noqa: E402
+import kernels.dispatch_combine as dispatch_combine_mod  # noqa: E402
+import kernels.grouped_mm as grouped_mm_mod  # noqa: E402
+import kernels.launch as launch_mod  # noqa: E402
+from kernels.dispatch_combine import combine, dispatch  # noqa: E402
+from kernels.grouped_mm import DUAL, LINEAR, SWIGLU, SWIGLU_BWD, grouped_mm  # noqa: E402
+from kernels.metadata import routing_metadata  # noqa: E402
+from kernels.moe_ffn import moe_ffn_triton  # noqa: E402
+from test_determinism import triton_kernels  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
-CUDA = torch.device("cuda")
-TY = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+SM90_MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on an H100/H200
+MATMUL_KERNELS = {"_gmm_kernel", "_wgrad_kernel"}
+# (tokens, d_model, d_ff, experts, top_k): 128 rows per expert picks the 128-row tiles of
+# training shapes; 8 rows per expert the 64-row tiles of decoding.
+TRAIN, DECODE = (256, 256, 256, 4, 2), (16, 256, 256, 4, 2)
 
 
-def compile_sm90(fn, ptrs: dict, const: dict, ones=(), div16=(), num_warps=4, num_stages=3):
-    jf = JITFunction(fn)
-    sig = {p.name: "constexpr" if p.is_constexpr or p.name in ones else ptrs.get(p.name, "i32") for p in jf.params}
-    const = {**const, **{n: 1 for n in ones}}
-    attrs = {(jf.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
-    src = ASTSource(jf, sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+@dataclass
+class Launch:
+    """One recorded kernel launch: the plain kernel function, its arguments and options."""
+
+    fn: object
+    args: tuple
+    kwargs: dict
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("mode", [LINEAR, SWIGLU, SWIGLU_BWD, DUAL])
-def test_grouped_matmul_compiles_with_wgmma(mode, dtype):
-    t = TY[dtype]
-    ptrs = {n: t for n in ("x_ptr", "x2_ptr", "w_ptr", "w2_ptr", "y_ptr", "y2_ptr", "y3_ptr", "gate_ptr", "up_ptr")}
-    ptrs.update({n: "*i32" for n in ("gather_ptr", "scatter_ptr", "counts_ptr", "offsets_ptr")})
-    blk = matmul_blocks(CUDA, dtype, 2048, 2048, 1536, two_acc=mode == SWIGLU, two_operands=mode == DUAL)
-    const = dict(
-        GATHER=mode in (LINEAR, SWIGLU), SCATTER=mode == LINEAR, MODE=mode, DOT_FP32=False,
-        PRECISION="ieee" if dtype == torch.float32 else "tf32", BM=blk.bm, BN=blk.bn, BK=blk.bk, BLOCK_E=64,
-    )
-    kernel = compile_sm90(
-        _gmm_kernel, ptrs, const, ones=("stride_xk", "stride_wn", "stride_yn"),
-        div16=[*ptrs, "M", "K", "stride_xm", "stride_we", "stride_wk", "stride_ym"],
-        num_warps=blk.num_warps, num_stages=blk.num_stages,
-    )
+def record_launches(monkeypatch, run) -> list[Launch]:
+    """Run ``run()`` with CPU tensors as if on CUDA and return the kernel launches it made."""
+    launches: list[Launch] = []
+
+    def getitem(kernel, grid_and_device):
+        grid, _ = grid_and_device
+
+        def launch(*args, **kwargs):
+            launches.append(Launch(kernel.fn, args, kwargs))
+            if kernel.fn.__module__ == "kernels.metadata":  # launchers index with its output
+                options = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+                with launch_mod._nested_jit_interpreted():
+                    kernel.form(True)[grid](*args, **options)
+
+        return launch
+
+    with monkeypatch.context() as m:
+        m.setattr(launch_mod.Kernel, "__getitem__", getitem)
+        for module in (launch_mod, grouped_mm_mod, dispatch_combine_mod):
+            m.setattr(module, "interpreting", lambda device: False)
+        run()
+    return launches
+
+
+def moe_ffn_fwd_bwd(dtype: torch.dtype, shape: tuple) -> None:
+    n, d, f, e, k = shape
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=gen).to(dtype).requires_grad_()
+    ws = [torch.randn(*s, generator=gen).to(dtype).requires_grad_() for s in ((e, d, f), (e, d, f), (e, f, d))]
+    expert_A = torch.rand(n, e, generator=gen).topk(k, dim=1).indices.reshape(-1)
+    weight_A = torch.rand(n * k, generator=gen).requires_grad_()
+    y = moe_ffn_triton(x, torch.arange(n).repeat_interleave(k), expert_A, weight_A, *ws)
+    y.float().sum().backward()
+
+
+def standalone_ops(dtype: torch.dtype, shape: tuple) -> None:
+    """dispatch, combine and grouped_mm with fused gather and scatter, forward and backward."""
+    n, d, f, e, k = shape
+    gen = torch.Generator().manual_seed(0)
+    token_A = torch.arange(n).repeat_interleave(k)
+    meta = routing_metadata(token_A, torch.rand(n, e, generator=gen).topk(k, dim=1).indices.reshape(-1), n, e)
+    x = torch.randn(n, d, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(e, d, f, generator=gen).to(dtype).requires_grad_()
+    rows = dispatch(x, meta)
+    y = combine(rows, torch.rand(n * k, generator=gen).requires_grad_(), meta)
+    h = grouped_mm(x, w, meta, gather_tokens=True, scatter_assignments=True)
+    (y.float().sum() + h.float().sum()).backward()
+
+
+def compile_sm90(launch: Launch):
+    """Compile a recorded launch exactly as ``JITFunction.run`` would on an sm_90 device."""
+    jf = JITFunction(launch.fn)
+    backend = make_backend(SM90)
+    binder = create_function_from_signature(jf.signature, jf.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = jf._pack_args(backend, launch.kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(jf, signature, constexprs, attrs), target=SM90, options=options.__dict__), signature
+
+
+def distinct(launches: list[Launch]) -> dict[str, Launch]:
+    """One launch per distinct compiled variant (kernel, argument types, constants, options)."""
+    out = {}
+    for launch in launches:
+        consts = sorted((k, v) for k, v in launch.kwargs.items())
+        types = tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in launch.args)
+        out.setdefault(f"{launch.fn.__name__}{types}{consts}", launch)
+    return out
+
+
+def check_compiled(launch: Launch, dtype: torch.dtype) -> str:
+    """Compile one launch and assert on its output; returns the kernel name."""
+    name = launch.fn.__name__
+    kernel, signature = compile_sm90(launch)
     ptx = kernel.asm["ptx"]
-    if dtype != torch.float32:
-        assert "wgmma" in ptx and "cp.async" in ptx, "16-bit grouped matmul must use wgmma with cp.async pipelining"
+    assert kernel.asm["ttgir"] and kernel.asm["cubin"], name
+    entries = re.findall(r"\.entry\s+(\w+)", ptx)
+    assert entries == [name], f"{name}: PTX entries {entries}"
+    atomics = re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:atom|red)\.\S+)", ptx, re.MULTILINE)
+    assert atomics == [], f"{name}: atomic instructions {atomics[:5]}"
+    assert kernel.metadata.shared <= SM90_MAX_SHARED, f"{name}: {kernel.metadata.shared} bytes of shared memory"
+    if name in MATMUL_KERNELS:
+        operand = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+        assert signature["x_ptr"] == operand, f"{name}: x_ptr compiled as {signature['x_ptr']}, inputs are {dtype}"
+        if dtype == torch.float32:
+            assert not re.search(r"\b(wgmma|mma)\.", ptx), f"{name}: fp32 must not use tensor cores (TF32)"
+        else:
+            assert "wgmma.mma_async" in ptx and "cp.async" in ptx, f"{name}: 16-bit matmul without wgmma/cp.async"
+    return name
+
+
+def test_launch_binder_rejects_a_launcher_kernel_mismatch(monkeypatch):
+    """The derived signature is the launcher's: an argument the kernel lacks is an error."""
+    launches = record_launches(monkeypatch, lambda: moe_ffn_fwd_bwd(torch.bfloat16, DECODE))
+    gmm = next(launch for launch in launches if launch.fn.__name__ == "_gmm_kernel")
+    with pytest.raises(KeyError, match="unrecognised"):
+        compile_sm90(Launch(gmm.fn, gmm.args, {**gmm.kwargs, "x_scale_ptr": gmm.args[0]}))
+    with pytest.raises(TypeError):
+        compile_sm90(Launch(gmm.fn, gmm.args[:-1], gmm.kwargs))
+
+
+def test_data_movement_kernels_compile_for_sm90(monkeypatch):
+    """The cheap part by default: every launch of the bf16 forward + backward but the matmuls."""
+    launches = record_launches(monkeypatch, lambda: moe_ffn_fwd_bwd(torch.bfloat16, DECODE))
+    cheap = [launch for launch in distinct(launches).values() if launch.fn.__name__ not in MATMUL_KERNELS]
+    compiled = {check_compiled(launch, torch.bfloat16) for launch in cheap}
+    assert compiled == set(triton_kernels()) - MATMUL_KERNELS
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("two", [False, True])
-def test_weight_gradient_compiles_with_wgmma(two):
-    ptrs = {n: "*bf16" for n in ("x_ptr", "dy_ptr", "dy2_ptr", "dw_ptr", "dw2_ptr")}
-    ptrs.update({n: "*i32" for n in ("gather_ptr", "dy_gather_ptr", "counts_ptr", "offsets_ptr")})
-    blk = matmul_blocks(CUDA, torch.bfloat16, 1408, 2048, two_acc=two)
-    const = dict(GATHER=True, DY_GATHER=False, TWO=two, DOT_FP32=False, PRECISION="tf32", BM=blk.bm, BN=blk.bn, BK=blk.bk)
-    kernel = compile_sm90(
-        _wgrad_kernel, ptrs, const, ones=("stride_xk", "stride_dyn", "stride_wn"),
-        div16=[*ptrs, "K", "M", "stride_xm", "stride_dym", "stride_we", "stride_wk"],
-        num_warps=blk.num_warps, num_stages=blk.num_stages,
-    )
-    assert "wgmma" in kernel.asm["ptx"]
+@pytest.mark.parametrize("shape", [TRAIN, DECODE], ids=["train", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_every_launch_compiles_for_sm90(monkeypatch, dtype, shape):
+    def run():
+        moe_ffn_fwd_bwd(dtype, shape)
+        standalone_ops(dtype, shape)
 
-
-@pytest.mark.slow
-def test_dispatch_combine_and_metadata_compile():
-    compile_sm90(
-        _gather_kernel,
-        {"src_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16", "scale_ptr": "*fp32", "dot_ptr": "*bf16",
-         "dot_out_ptr": "*fp32", "dot_dst_ptr": "*i32"},
-        dict(SCALE=True, DOT=True, BR=4, BD=1024),
-    )
-    compile_sm90(
-        _combine_kernel, {"rows_ptr": "*bf16", "w_ptr": "*fp32", "pos_ptr": "*i32", "out_ptr": "*bf16"},
-        dict(WEIGHTED=True, BT=4, BLOCK_E=64, BD=1024),
-    )
-    compile_sm90(_histogram_kernel, {"expert_ptr": "*i64", "hist_ptr": "*i32"}, dict(BLOCK=256, BLOCK_E=64))
-    compile_sm90(
-        _prefix_kernel, {n: "*i32" for n in ("hist_ptr", "base_ptr", "counts_ptr", "offsets_ptr")}, dict(CHUNK=64, BLOCK_E=64)
-    )
-    compile_sm90(
-        _scatter_kernel,
-        {"expert_ptr": "*i64", "token_ptr": "*i64", **{n: "*i32" for n in ("base_ptr", "offsets_ptr", "perm_ptr", "token_sorted_ptr", "pos_ptr")}},
-        dict(BLOCK=256, BLOCK_E=64),
-    )
+    launches = distinct(record_launches(monkeypatch, run))
+    gmm_variants = {(v.kwargs["MODE"], v.kwargs["GATHER"], v.kwargs["SCATTER"]) for v in launches.values()
+                    if v.fn.__name__ == "_gmm_kernel"}
+    assert {(LINEAR, True, True), (SWIGLU, True, False), (SWIGLU_BWD, False, False), (DUAL, False, False)} <= gmm_variants
+    compiled = [check_compiled(launch, dtype) for launch in launches.values()]
+    assert set(compiled) == set(triton_kernels())

@@ -1,5 +1,7 @@
 """MoELayer against a naive per-assignment loop (float64), a dense SwiGLU, and itself."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -151,12 +153,44 @@ def test_expert_without_tokens_gets_exactly_zero_gradient():
         assert w.grad[:2].abs().sum() > 0
 
 
-def test_bench_layer_runs_and_reports_ratios(tmp_path):
-    from experiments.bench_layer import main
+def test_bench_layer_times_equal_flops_and_equivalent_paths(tmp_path):
+    """experiments/bench_layer.py times what it says: the dense baseline does the MoE's expert
+    FLOPs, the layer and the naive loop compute the same function, the expert-only row runs
+    the experts on the layer's own sorted rows; and the script runs end to end."""
+    from torch.utils.flop_counter import FlopCounterMode
 
-    out = tmp_path / "bench.json"
-    res = main(["--tokens", "64", "--d-model", "16", "--d-ff", "32", "--experts", "4", "--reps", "1",
-                "--threads", "1", "--json", str(out)])
-    assert out.exists()
-    assert res["moe_over_dense"] == res["moe_layer_s"] / res["dense_s"] > 0
-    assert res["naive_over_dense"] > 0 and res["expert_matmuls_over_dense"] > 0
+    from experiments import bench_layer
+
+    n, d, f, e, k = 64, 16, 32, 4, 2
+    argv = ["--tokens", str(n), "--d-model", str(d), "--d-ff", str(f), "--experts", str(e), "--top-k", str(k),
+            "--reps", "1", "--threads", "1"]
+    layer, dense, x = bench_layer.build(bench_layer.parse_args(argv))
+    paths = bench_layer.compared_paths(layer, dense, x)
+    assert set(paths) == {"dense", "expert_matmuls_only", "moe_layer", "naive_mask_loop"}
+
+    flops = {}
+    for name, (fn, inp) in paths.items():
+        with FlopCounterMode(display=False) as counter:
+            fn(inp.detach().requires_grad_(True)).square().mean().backward()
+        flops[name] = counter.get_total_flops()
+    expert_flops = 9 * 2 * (n * k) * d * f  # 3 matmuls forward, 6 backward, over N*k assignments
+    router_flops = 3 * 2 * n * d * e  # the gate: forward, input and weight gradients
+    assert flops["dense"] == flops["expert_matmuls_only"] == expert_flops, flops
+    assert flops["moe_layer"] == flops["naive_mask_loop"] == expert_flops + router_flops, flops
+
+    with torch.no_grad():
+        routing = layer.router(x)
+        want = naive_moe(layer, x, routing)
+        for name in ("moe_layer", "naive_mask_loop"):
+            diff = (paths[name][0](x) - want).abs().max()
+            assert diff < 1e-5, f"{name}: max diff {diff:.3e}"
+        fn, x_sorted_AD = paths["expert_matmuls_only"]
+        order_A = torch.argsort(routing.expert, stable=True)
+        rows_AD = fn(x_sorted_AD) * routing.weight[order_A, None]
+        y_ND = torch.zeros(n, d).index_add(0, routing.token[order_A], rows_AD)
+        assert (y_ND.view_as(want) - want).abs().max() < 1e-5
+
+    res = bench_layer.main([*argv, "--json", str(tmp_path / "bench.json")])
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    for name in paths:
+        assert saved[f"{name}_s"] == res[f"{name}_s"] > 0, name
