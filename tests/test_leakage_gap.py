@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from moe.train import evaluate
+from moe.eval import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "experiments" / "leakage_gap.py")
