@@ -21,7 +21,7 @@ from moe.training.metrics import resolve_wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(seq_len=32, batch_size=8, max_bytes=200_000, eval_windows=4, eval_batch_size=4, causal_stride=8,
-             warmup_steps=2, log_every=0, progress=False, model={"d_model": 32, "d_ff": 64, "moe_d_ff": 64})
+             warmup_steps=2, log_every=0, progress=False, model={"d_model": 32, "moe_d_ff": 64})
 
 
 @pytest.fixture(autouse=True)
