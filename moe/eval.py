@@ -42,11 +42,15 @@ def evaluate(
     positions. Causal: the loss at t computed as decoding computes it, the windows of a chunk
     batched together as batched decoding would run them. ``causal_method``:
 
-    * ``"cache"``: incremental decoding, one token at a time through the model's KV cache and
-      its routers' decode states (``model.init_cache``); every position is decoded, the loss
-      read at the evaluated ones. Needs a model whose routers can decode (``decode_support()``).
+    * ``"cache"``: incremental decoding through the model's KV cache and its routers' decode
+      states (``model.init_cache``): one token at a time when k = 1; otherwise each cached
+      forward takes the next k tokens (a chunk, as a prompt is prefilled) and the loss is read
+      at its last position, an evaluated one. A decode-consistent router routes a chunk exactly
+      as token-by-token decoding would (``tests/test_decode.py``). Needs a model whose routers
+      can decode (``decode_support()``). Cost: T/k cached forwards of k tokens.
     * ``"recompute"``: for each evaluated t, a forward of the prefix 0..t alone, the loss of
-      its last position (quadratic in T; what a router that cannot decode from a state needs).
+      its last position (T/k forwards of up to T tokens; what a router that cannot decode
+      from a state needs).
     * ``"auto"`` (default): ``"cache"`` where the model supports it, else ``"recompute"``.
 
     Both give the same numbers (to rounding) where both apply. Returns
@@ -72,11 +76,12 @@ def evaluate(
         return F.cross_entropy(logits_BTV.float().transpose(1, 2), targets_BT, reduction="none").double().cpu()
 
     def decoded_nll(idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
+        # chunks of k new tokens through the cache, each ending at an evaluated position
         cache = model.init_cache(idx_BT.shape[0], seq_len)
         rows = []
-        for t in range(seq_len):
+        for t in pos_P.tolist():
             with autocast(device):
-                logits_BV = model(idx_BT[:, t : t + 1], cache=cache).logits[:, 0]
+                logits_BV = model(idx_BT[:, t + 1 - causal_stride : t + 1], cache=cache).logits[:, -1]
             rows.append(F.cross_entropy(logits_BV.float(), targets_BT[:, t], reduction="none").double().cpu())
         return torch.stack(rows, 1)
 
@@ -85,6 +90,7 @@ def evaluate(
         support = getattr(model, "decode_support", None)
         reason = "the model has no KV cache" if support is None else support()
         if reason is not None and causal_method == "cache":
+            model.train(was_training)
             raise ValueError(f"causal_method='cache' impossible: {reason}")
         causal_method = "recompute" if reason is not None else "cache"
 
@@ -95,7 +101,7 @@ def evaluate(
         model.eval()
         tf_WT.append(nll(idx_BT, targets_BT))
         if causal and causal_method == "cache":
-            causal_WP.append(decoded_nll(idx_BT, targets_BT)[:, pos_P])
+            causal_WP.append(decoded_nll(idx_BT, targets_BT))
         elif causal:
             causal_WP.append(torch.cat([nll(idx_BT[:, : t + 1], targets_BT[:, : t + 1])[:, -1:] for t in pos_P.tolist()], 1))
         if with_train_mode:

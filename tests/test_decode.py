@@ -221,13 +221,14 @@ def test_generate_sampling_is_seeded_and_checks_its_arguments():
 def test_causal_loss_by_cache_equals_prefix_recomputation(name, options):
     model = tiny_model(name, options)
     val = torch.randint(0, 256, (2000,))
-    kw = dict(seq_len=24, num_windows=5, causal_stride=3, batch_size=3)
-    cached = evaluate(model, val, causal_method="cache", **kw)
-    recomputed = evaluate(model, val, causal_method="recompute", **kw)
-    assert cached["eval_positions"] == recomputed["eval_positions"] == 5 * 8
-    for key in ("teacher_forced_loss", "causal_loss", "leakage_gap"):
-        assert cached[key] == pytest.approx(recomputed[key], abs=1e-6), key
-    assert evaluate(model, val, **kw)["causal_loss"] == pytest.approx(cached["causal_loss"], abs=1e-12)  # auto: cache
+    for stride in (1, 3):  # one token per cached forward, and chunks of 3 ending at the evaluated positions
+        kw = dict(seq_len=24, num_windows=5, causal_stride=stride, batch_size=3)
+        cached = evaluate(model, val, causal_method="cache", **kw)
+        recomputed = evaluate(model, val, causal_method="recompute", **kw)
+        assert cached["eval_positions"] == recomputed["eval_positions"] == 5 * 24 // stride
+        for key in ("teacher_forced_loss", "causal_loss", "leakage_gap"):
+            assert cached[key] == pytest.approx(recomputed[key], abs=1e-6), (key, stride)
+        assert evaluate(model, val, **kw)["causal_loss"] == cached["causal_loss"]  # auto: the cache
 
 
 def test_causal_loss_of_a_router_that_cannot_decode_recomputes_prefixes():
