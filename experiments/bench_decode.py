@@ -4,12 +4,12 @@ loss both ways. Every ratio is against a baseline measured in the same run.
 
     python experiments/bench_decode.py                  # tiny and small, T = 128 and 512 (~4 min on 2 CPU cores)
     python experiments/bench_decode.py --presets tiny --lengths 128 --routers topk capacity_prefix
-    python experiments/bench_decode.py --json experiments/results/bench_decode-2026-11-29-cpu1.json
+    python experiments/bench_decode.py --json experiments/results/bench_decode-2026-11-29-cpu1.json   # the committed run
 
 Generation: batch ``--batch`` of prompts of 8 tokens, greedy, until T tokens; decode tokens/s
 = new tokens of the batch / wall time. The two ways must give the same tokens (checked).
 Causal loss: ``moe.eval.evaluate`` with ``causal_method="cache"`` and ``"recompute"`` on the
-``tiny`` preset with the quick leakage study's evaluation settings per corpus.
+``tiny`` preset (random weights) with the leakage study's evaluation settings per corpus.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ ROUTERS = {
     "capacity_prefix": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "capacity_scope": "prefix"}),
     "ec_threshold": ("ec_threshold", {"capacity_factor": 1.0}),
 }
-# The quick leakage study's evaluation (experiments/leakage_gap.py: QUICK and corpus_config).
+# The leakage study's evaluations (experiments/leakage_gap.py: QUICK, FULL and corpus_config);
+# the full canary evaluation is the quick one with twice the windows.
 EVALS = {
     "canary": dict(vocab=8, seq_len=8, num_windows=1024, causal_stride=1, batch_size=64),
-    "text": dict(vocab=256, seq_len=128, num_windows=32, causal_stride=8, batch_size=16),
+    "text_quick": dict(vocab=256, seq_len=128, num_windows=32, causal_stride=8, batch_size=16),
+    "text_full": dict(vocab=256, seq_len=128, num_windows=64, causal_stride=1, batch_size=16),
 }
 PROMPT = 8
 
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--presets", nargs="+", default=["tiny", "small"])
     p.add_argument("--lengths", nargs="+", type=int, default=[128, 512], help="T: prompt + generated tokens")
     p.add_argument("--routers", nargs="+", default=["topk", "capacity_prefix"], choices=list(ROUTERS))
-    p.add_argument("--batch", type=int, default=4, help="sequences decoded together")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-eval", action="store_true", help="skip the causal-loss comparison")
     p.add_argument("--json", help="write the results here")
@@ -99,13 +101,13 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{r['recompute_tokens_per_s']:16.0f} {r['speedup']:7.1f}x {r['same_tokens']}", flush=True)
     causal = []
     if not args.no_eval:
-        print("\ncausal loss of the quick leakage study's evaluation (tiny preset), cache vs recomputed prefixes")
-        print(f"{'corpus':>7} {'router':>16} {'cache s':>8} {'recompute s':>12} {'speedup':>8} {'|diff|':>8}")
+        print("\ncausal loss of the leakage study's evaluations (tiny preset), cache vs recomputed prefixes")
+        print(f"{'corpus':>10} {'router':>16} {'cache s':>8} {'recompute s':>12} {'speedup':>8} {'|diff|':>8}")
         for corpus in EVALS:
             for router in args.routers:
                 r = bench_causal_loss(corpus, router)
                 causal.append(r)
-                print(f"{corpus:>7} {router:>16} {r['cache_s']:8.2f} {r['recompute_s']:12.2f} {r['speedup']:7.1f}x "
+                print(f"{corpus:>10} {router:>16} {r['cache_s']:8.2f} {r['recompute_s']:12.2f} {r['speedup']:7.1f}x "
                       f"{r['causal_loss_abs_diff']:8.1e}", flush=True)
     result = {"torch": torch.__version__, "threads": args.threads, "generate": gen, "causal_loss": causal}
     if args.json:

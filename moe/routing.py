@@ -137,8 +137,9 @@ class Router(nn.Module):
 
     Decoding (see :class:`DecodeState`): ``state = router.init_decode_state(B)``, then
     ``router(x_BTD, decode_state=state)`` routes the next T tokens of each sequence exactly as
-    the full-sequence forward routes them. Subclasses that need state beyond the position
-    override :meth:`init_decode_state` and :meth:`route_decode`.
+    the full-sequence forward routes them. Decode-consistent subclasses implement
+    :meth:`route_decode`, and override :meth:`init_decode_state` if they need state beyond the
+    position.
     """
 
     name: str = ""
@@ -233,9 +234,10 @@ class Router(nn.Module):
 
     def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
         """Route the next T tokens of each sequence (positions ``state.position ...``); called
-        only when :meth:`decode_support` allows it. Default: :meth:`route`, right for routers
-        whose routing of a token depends on that token alone. ``forward`` advances the state."""
-        return self.route(logits_NE, x_BTD, batch_shape)
+        only when :meth:`decode_support` allows it; ``forward`` advances the state. Every
+        decode-consistent router implements it (a router whose routing of a token depends on
+        that token alone can return :meth:`route`)."""
+        raise NotImplementedError(f"{type(self).__name__} claims to be decode-consistent but implements no route_decode")
 
     def update_after_step(self) -> None:
         """Apply state learned from past batches (balancing bias, thresholds). Call after each

@@ -11,7 +11,7 @@ import torch
 import moe
 from moe.eval import evaluate
 from moe.model import MoETransformer, preset
-from tests.helpers import ROUTER_CONFIGS, identity_router
+from helpers import ROUTER_CONFIGS, identity_router
 
 # Decode-consistent configurations; capacity factor 0.5 so that capacity routers drop.
 DECODE_CONFIGS: list[tuple[str, dict]] = [
@@ -248,7 +248,7 @@ def test_causal_loss_of_a_router_that_cannot_decode_recomputes_prefixes():
 SYNC_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 
 
-@pytest.mark.parametrize("name,options", ROUTER_CONFIGS + DECODE_CONFIGS[2:4], ids=lambda v: str(v))
+@pytest.mark.parametrize("name,options", ROUTER_CONFIGS + DECODE_CONFIGS[1:4])
 def test_router_training_step_reads_nothing_on_the_host(name, options, monkeypatch):
     # On an accelerator each of these waits for the device (torch.bincount too: it reads the
     # maximum to size its output). Counted on CPU by wrapping them: no CUDA needed.

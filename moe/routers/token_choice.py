@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe.routing import Claims, Router, Routing, count_indices, register_router, softmax_or_sigmoid
+from moe.routing import Claims, DecodeState, Router, Routing, count_indices, register_router, softmax_or_sigmoid
 
 
 class TokenChoiceBase(Router):
@@ -83,6 +83,9 @@ class TopKRouter(TokenChoiceBase):
     @property
     def claims(self) -> Claims:
         return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+
+    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+        return self.route(logits_NE, x_BTD, batch_shape)  # a token's experts depend on that token alone
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n = logits_NE.shape[0]
