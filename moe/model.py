@@ -194,7 +194,8 @@ class Attention(nn.Module):
             cache.values[layer][:, :, start : start + t] = v
             k_BHSd, v_BHSd = cache.keys[layer][:, :, : start + t], cache.values[layer][:, :, : start + t]
             # query i (position start+i) sees keys 0..start+i
-            mask_TS = torch.arange(start + t, device=x_BTD.device) <= torch.arange(start, start + t, device=x_BTD.device)[:, None]
+            pos_S = torch.arange(start + t, device=x_BTD.device)
+            mask_TS = pos_S <= pos_S[start:, None]
             y_BHTd = F.scaled_dot_product_attention(q, k_BHSd, v_BHSd, attn_mask=mask_TS)
         return self.proj(y_BHTd.transpose(1, 2).reshape(b, t, d))
 
@@ -355,7 +356,9 @@ class MoETransformer(nn.Module):
         decode-consistent router, a full forward of those S tokens gives the same, up to rounding).
         """
         if isinstance(idx, Tensor) and idx.dim() != 2:
-            raise ValueError(f"expected int64 token ids of shape [B, T] or a list of 1-D prompts, got shape {tuple(idx.shape)}")
+            raise ValueError(
+                f"expected int64 token ids of shape [B, T] or a list of 1-D prompts, got shape {tuple(idx.shape)}"
+            )
         prompts = list(idx)
         if not prompts or any(not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype != torch.long
                               for p in prompts):
@@ -386,17 +389,17 @@ class MoETransformer(nn.Module):
                 forced_BS[row, : p.numel()] = True
             gen = None if seed is None else torch.Generator(device).manual_seed(seed)
             cache = None if recompute else self.init_cache(b, total)
-            logits = [self(seq_BS[:, :shortest], cache=cache).logits.float()]
+            chunks_BTV = [self(seq_BS[:, :shortest], cache=cache).logits.float()]  # logits, chunk by chunk
             for s in range(shortest, total):
-                next_B = _sample(logits[-1][:, -1], temperature, top_k, gen)
+                next_B = _sample(chunks_BTV[-1][:, -1], temperature, top_k, gen)
                 seq_BS[:, s] = torch.where(forced_BS[:, s], seq_BS[:, s], next_B)
                 if s + 1 < total:
                     step_BT = seq_BS[:, : s + 1] if recompute else seq_BS[:, s : s + 1]
-                    logits.append(self(step_BT, cache=cache).logits[:, -1:].float())
+                    chunks_BTV.append(self(step_BT, cache=cache).logits[:, -1:].float())
         finally:
             self.train(was_training)
         out = seq_BS if isinstance(idx, Tensor) else [seq_BS[row, : n + max_new_tokens] for row, n in enumerate(lengths)]
-        return (out, torch.cat(logits, 1)[:, : total - 1]) if return_logits else out
+        return (out, torch.cat(chunks_BTV, 1)[:, : total - 1]) if return_logits else out
 
     def num_parameters(self, active: bool = False) -> int:
         """All parameters, or those one token uses (experts counted as top_k of E when active)."""

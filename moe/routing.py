@@ -224,7 +224,9 @@ class Router(nn.Module):
         if reason is not None:
             raise ValueError(reason)
         if decode_state.batch_size != b:
-            raise ValueError(f"decode state is for batch size {decode_state.batch_size}, got input of shape {tuple(x_BTD.shape)}")
+            raise ValueError(
+                f"decode state is for batch size {decode_state.batch_size}, got input of shape {tuple(x_BTD.shape)}"
+            )
         routing = self.route_decode(logits_NE, x_BTD, (b, t), decode_state)
         decode_state.position += t
         return routing
