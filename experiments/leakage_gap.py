@@ -12,9 +12,11 @@ does). Their difference is the leakage gap.
 
 Two corpora: ``text`` (byte-level Python standard library source, or ``--data PATH``) and
 ``canary`` (uniformly random tokens over V=8: no causal model can beat log 8 nats, so any
-teacher-forced loss below it is information taken from the future). The causal loss batches
-the prefixes of equal length across the evaluation windows; on text it is read at every k-th
-position (``--text-causal-stride``), on the canary at every position.
+teacher-forced loss below it is information taken from the future). The causal loss is what
+decoding computes: through the KV cache for routers that can decode from a state, by
+recomputing every prefix for those that cannot (``moe.eval.evaluate``; the row's
+``causal_method``), the evaluation windows batched. On text it is read at every 8th position
+in the quick run and at every position in the full run; on the canary at every position.
 
 Writes ``--json`` (``{"routers": [{"router", "corpus", "teacher_forced_loss", "causal_loss",
 "leakage_gap", ...}]}``), a markdown table and a figure (loss curves and gap bars) next to it.
@@ -95,6 +97,7 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
                           causal=False, with_train_mode=True)
     ev = {**res.final_eval, "train_mode_loss": train_mode["train_mode_loss"]}
     claims = res.model.blocks[0].ffn.router.claims
+    causal_method = "cache" if res.model.eval().decode_support() is None else "recompute"
     return {
         "router": label,
         "router_name": name,
@@ -102,6 +105,7 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
         "corpus": corpus,
         "claims_causal_eval": claims.causal_eval,
         "claims_causal_train": claims.causal_train,
+        "causal_method": causal_method,
         **{k: ev[k] for k in ("teacher_forced_loss", "causal_loss", "leakage_gap", "leakage_gap_se",
                               "train_mode_loss", "eval_positions")},
         "final_train_loss": sum(r["loss"] for r in res.history[-50:]) / len(res.history[-50:]),

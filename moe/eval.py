@@ -33,14 +33,28 @@ def evaluate(
     device: torch.device | None = None,
     causal: bool = True,
     with_train_mode: bool = False,
+    causal_method: str = "auto",
 ) -> dict:
     """Teacher-forced and causal loss (eval mode) on the same validation positions.
 
     W evenly spaced windows of T tokens; evaluated positions t = k-1, 2k-1, ... (k =
     ``causal_stride``). Teacher-forced: one full-window forward, the loss read at those
-    positions. Causal: for each evaluated t, a forward of the prefix 0..t alone (the windows
-    of a chunk batched together, as batched decoding would run them), the loss of its last
-    position. Returns ``teacher_forced_loss``, ``causal_loss``, ``leakage_gap`` (causal minus
+    positions. Causal: the loss at t computed as decoding computes it, the windows of a chunk
+    batched together as batched decoding would run them. ``causal_method``:
+
+    * ``"cache"``: incremental decoding through the model's KV cache and its routers' decode
+      states (``model.init_cache``): one token at a time when k = 1; otherwise each cached
+      forward takes the next k tokens (a chunk, as a prompt is prefilled) and the loss is read
+      at its last position, an evaluated one. A decode-consistent router routes a chunk exactly
+      as token-by-token decoding would (``tests/test_decode.py``). Needs a model whose routers
+      can decode (``decode_support()``). Cost: T/k cached forwards of k tokens.
+    * ``"recompute"``: for each evaluated t, a forward of the prefix 0..t alone, the loss of
+      its last position (T/k forwards of up to T tokens; what a router that cannot decode
+      from a state needs).
+    * ``"auto"`` (default): ``"cache"`` where the model supports it, else ``"recompute"``.
+
+    Both give the same numbers (to rounding) where both apply. Returns
+    ``teacher_forced_loss``, ``causal_loss``, ``leakage_gap`` (causal minus
     teacher-forced) with its standard error ``leakage_gap_se`` (over positions),
     ``teacher_forced_loss_all`` (every position) and ``eval_positions``.
 
@@ -49,6 +63,8 @@ def evaluate(
     routing, which is what the training curve reports. Routers that learn from batches record
     statistics in training mode, so ask for it only when training is over.
     """
+    if causal_method not in ("auto", "cache", "recompute"):
+        raise ValueError(f"causal_method must be 'auto', 'cache' or 'recompute', got {causal_method!r}")
     device = device or next(model.parameters()).device
     was_training = model.training
     idx_WT, targets_WT = windows(val_tokens, eval_offsets(val_tokens.numel(), seq_len, num_windows), seq_len)
@@ -59,13 +75,34 @@ def evaluate(
             logits_BTV = model(idx_BT).logits
         return F.cross_entropy(logits_BTV.float().transpose(1, 2), targets_BT, reduction="none").double().cpu()
 
+    def decoded_nll(idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
+        # chunks of k new tokens through the cache, each ending at an evaluated position
+        cache = model.init_cache(idx_BT.shape[0], seq_len)
+        rows = []
+        for t in pos_P.tolist():
+            with autocast(device):
+                logits_BV = model(idx_BT[:, t + 1 - causal_stride : t + 1], cache=cache).logits[:, -1]
+            rows.append(F.cross_entropy(logits_BV.float(), targets_BT[:, t], reduction="none").double().cpu())
+        return torch.stack(rows, 1)
+
+    model.eval()
+    if causal and causal_method != "recompute":
+        support = getattr(model, "decode_support", None)
+        reason = "the model has no KV cache" if support is None else support()
+        if reason is not None and causal_method == "cache":
+            model.train(was_training)
+            raise ValueError(f"causal_method='cache' impossible: {reason}")
+        causal_method = "recompute" if reason is not None else "cache"
+
     tf_WT, causal_WP, train_WT = [], [], []
     for start in range(0, num_windows, batch_size):
         idx_BT = idx_WT[start : start + batch_size].to(device)
         targets_BT = targets_WT[start : start + batch_size].to(device)
         model.eval()
         tf_WT.append(nll(idx_BT, targets_BT))
-        if causal:
+        if causal and causal_method == "cache":
+            causal_WP.append(decoded_nll(idx_BT, targets_BT))
+        elif causal:
             causal_WP.append(torch.cat([nll(idx_BT[:, : t + 1], targets_BT[:, : t + 1])[:, -1:] for t in pos_P.tolist()], 1))
         if with_train_mode:
             model.train()

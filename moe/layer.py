@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from moe.experts import BACKENDS, SwiGLUExperts
 from moe.parallel.exchange import expert_parallel_ffn, local_expert_range
 from moe.routers import build_router
-from moe.routing import Router, Routing, check_input
+from moe.routing import DecodeState, Router, Routing, check_input
 
 
 class MoELayer(nn.Module):
@@ -80,10 +80,14 @@ class MoELayer(nn.Module):
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.backend = backend
 
-    def forward(self, x_BTD: Tensor, return_routing: bool = False) -> Tensor | tuple[Tensor, Routing]:
+    def forward(
+        self, x_BTD: Tensor, return_routing: bool = False, decode_state: DecodeState | None = None
+    ) -> Tensor | tuple[Tensor, Routing]:
+        """``decode_state`` (from ``self.router.init_decode_state(B)``): x holds the next tokens
+        of the state's sequences, routed as in the full-sequence forward (see ``moe.routing``)."""
         check_input(x_BTD, self.d_model)
         b, t, d = x_BTD.shape
-        routing = self.router(x_BTD)
+        routing = self.router(x_BTD, decode_state=decode_state)
         x_ND = x_BTD.reshape(b * t, d)
         if self.ep_group is None:
             y_ND = self.experts(x_ND, routing.token, routing.expert, routing.weight, self.backend)

@@ -4,7 +4,13 @@ RMSNorm (pre-norm), rotary positions, causal attention through
 ``scaled_dot_product_attention``, SwiGLU feed-forwards, no bias terms anywhere. Any router,
 by name, in place of some or all feed-forwards.
 
-Shape legend: B batch, T sequence, D model width, H heads, Dh head width, V vocabulary.
+Decoding: ``model(idx, cache=cache)`` processes only new tokens given a :class:`KVCache`
+(``model.init_cache(B)``), and :meth:`MoETransformer.generate` samples with it. The cache holds
+every block's keys and values and every MoE router's decode state; routers that are not
+decode-consistent cannot be cached and are decoded by recomputing the prefix instead.
+
+Shape legend: B batch, T sequence (new tokens), S cache length, D model width, H heads,
+Dh head width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.layer import MoELayer
-from moe.routing import Routing
+from moe.routing import DecodeState, Router, Routing
 
 
 @dataclass
@@ -33,15 +39,17 @@ class ModelConfig:
     n_heads: int = 4
     """H: attention heads; must divide d_model."""
     d_ff: int = 128
-    """Hidden width of the dense SwiGLU in blocks without MoE."""
+    """Hidden width of the dense SwiGLU feed-forward of the blocks *without* MoE (see moe_every);
+    unused when every block is an MoE block (moe_every=1, the default), whose width is moe_d_ff."""
     moe_d_ff: int = 128
-    """F: hidden width of each expert."""
+    """F: hidden width of each expert: the feed-forward width of the MoE blocks."""
     num_experts: int = 4
     """E: experts per MoE block."""
     router: str = "topk"
     """Router name (``moe.list_routers()``)."""
     router_options: dict = field(default_factory=dict)
-    """Options for the router, e.g. ``{"top_k": 2}`` or ``{"capacity_factor": 1.0}``."""
+    """Options for the router, e.g. ``{"top_k": 2}`` or ``{"capacity_factor": 1.0}``
+    (``preset`` says which of a preset's options carry over to another router)."""
     moe_every: int = 1
     """Block i uses MoE iff (i + 1) % moe_every == 0; 1 = every block, 0 = dense model."""
     max_seq_len: int = 256
@@ -72,6 +80,10 @@ class ModelConfig:
     def is_moe_block(self, i: int) -> bool:
         return self.moe_every > 0 and (i + 1) % self.moe_every == 0
 
+    def uses_d_ff(self) -> bool:
+        """Whether some block is dense, i.e. whether ``d_ff`` matters."""
+        return not all(self.is_moe_block(i) for i in range(self.n_layers))
+
 
 PRESETS: dict[str, ModelConfig] = {
     # Trains a few hundred steps on 2 CPU cores in about a minute.
@@ -87,14 +99,23 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """A named preset with fields overridden: ``preset("tiny", router="expert_choice")``."""
+    """A named preset with fields overridden: ``preset("tiny", router="expert_choice")``.
+
+    Router options follow one rule (the trainer builds its model through this function too):
+    the preset's ``router_options`` belong to the preset's router, so they carry over only when
+    the router is unchanged; another router starts from its own defaults. ``router_options``
+    given here are merged on top of what carries over (``preset("gpu100m",
+    router_options={"gate": "sigmoid"})`` keeps the preset's ``top_k``)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
     known = {f.name for f in fields(ModelConfig)}
     bad = set(overrides) - known
     if bad:
         raise ValueError(f"unknown ModelConfig fields {sorted(bad)}")
-    return replace(PRESETS[name], **overrides)
+    base = PRESETS[name]
+    carried = dict(base.router_options) if overrides.get("router", base.router) == base.router else {}
+    overrides["router_options"] = {**carried, **overrides.get("router_options", {})}
+    return replace(base, **overrides)
 
 
 @dataclass
@@ -109,8 +130,29 @@ class ModelOutput:
     """Mean next-token cross-entropy when targets were given (aux loss not included)."""
 
 
+@dataclass
+class KVCache:
+    """What :meth:`MoETransformer.forward` needs to process only new tokens: every block's keys
+    and values of the positions seen so far and every MoE block's router decode state. Made by
+    :meth:`MoETransformer.init_cache`, updated in place by each forward. All B sequences are at
+    the same position ``length``."""
+
+    batch_size: int
+    """B."""
+    max_len: int
+    """Positions the cache can hold."""
+    keys: list[Tensor | None]
+    """Per block [B, H, max_len, Dh] (allocated by the first forward, in its dtype)."""
+    values: list[Tensor | None]
+    """Per block, like ``keys``."""
+    router_states: list[DecodeState | None]
+    """Per block: its router's decode state (None for dense blocks)."""
+    length: int = 0
+    """Positions filled: the next token is at this absolute position."""
+
+
 class Rotary(nn.Module):
-    """Rotary position embedding tables; positions 0..T-1 of the input."""
+    """Rotary position embedding tables; positions start..start+T-1 of the input."""
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
@@ -119,9 +161,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles_TH.cos().float(), persistent=False)
         self.register_buffer("sin", angles_TH.sin().float(), persistent=False)
 
-    def forward(self, x_BHTd: Tensor) -> Tensor:
+    def forward(self, x_BHTd: Tensor, start: int = 0) -> Tensor:
         t = x_BHTd.shape[-2]
-        cos, sin = self.cos[:t].to(x_BHTd.dtype), self.sin[:t].to(x_BHTd.dtype)
+        cos, sin = self.cos[start : start + t].to(x_BHTd.dtype), self.sin[start : start + t].to(x_BHTd.dtype)
         x1, x2 = x_BHTd[..., 0::2], x_BHTd[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
         return out.flatten(-2)
@@ -135,11 +177,26 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rotary = Rotary(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
 
-    def forward(self, x_BTD: Tensor) -> Tensor:
+    def forward(self, x_BTD: Tensor, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        """Causal self-attention over x; with ``cache``, x holds positions cache.length.. and
+        attends to the cached keys and values of block ``layer`` too (which it extends)."""
         b, t, d = x_BTD.shape
+        start = 0 if cache is None else cache.length
         q, k, v = self.qkv(x_BTD).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        q, k = self.rotary(q), self.rotary(k)
-        y_BHTd = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k = self.rotary(q, start), self.rotary(k, start)
+        if cache is None:
+            y_BHTd = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            if cache.keys[layer] is None:
+                cache.keys[layer] = k.new_zeros(b, self.n_heads, cache.max_len, d // self.n_heads)
+                cache.values[layer] = torch.zeros_like(cache.keys[layer])
+            cache.keys[layer][:, :, start : start + t] = k
+            cache.values[layer][:, :, start : start + t] = v
+            k_BHSd, v_BHSd = cache.keys[layer][:, :, : start + t], cache.values[layer][:, :, : start + t]
+            # query i (position start+i) sees keys 0..start+i
+            pos_S = torch.arange(start + t, device=x_BTD.device)
+            mask_TS = pos_S <= pos_S[start:, None]
+            y_BHTd = F.scaled_dot_product_attention(q, k_BHSd, v_BHSd, attn_mask=mask_TS)
         return self.proj(y_BHTd.transpose(1, 2).reshape(b, t, d))
 
 
@@ -170,17 +227,21 @@ class Block(nn.Module):
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x_BTD: Tensor) -> tuple[Tensor, Routing | None]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD))
+    def forward(self, x_BTD: Tensor, cache: KVCache | None = None, layer: int = 0) -> tuple[Tensor, Routing | None]:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cache, layer)
         h = self.ffn_norm(x_BTD)
         if isinstance(self.ffn, MoELayer):
-            y, routing = self.ffn(h, return_routing=True)
+            state = None if cache is None else cache.router_states[layer]
+            y, routing = self.ffn(h, return_routing=True, decode_state=state)
             return x_BTD + y, routing
         return x_BTD + self.ffn(h), None
 
 
 class MoETransformer(nn.Module):
     """Decoder-only LM: ``out = model(idx_BT, targets_BT)``; ``out.loss + out.aux_loss`` to train.
+
+    Decoding: ``cache = model.init_cache(B)``, then ``model(new_BT, cache=cache)`` for each chunk
+    of new tokens (a prompt, then one token at a time); ``model.generate(idx, n)`` samples.
 
     ``ep_group`` shards every MoE block's experts over a process group (``moe.parallel``);
     initialise such a model from a single-process one with ``moe.parallel.load_full_state_dict``.
@@ -206,23 +267,139 @@ class MoETransformer(nn.Module):
                 with torch.no_grad():
                     p.mul_(1 / math.sqrt(2 * self.cfg.n_layers))
 
-    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None) -> ModelOutput:
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None) -> ModelOutput:
+        """Logits of every position of ``idx_BT``. With ``cache``, ``idx_BT`` holds the next T
+        tokens of the cached sequences (absolute positions cache.length..): they attend to the
+        cached positions, are routed from the routers' decode states, and the cache advances by T.
+        The result equals the corresponding rows of a full-sequence forward."""
         if idx_BT.dim() != 2 or idx_BT.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"expected int64 token ids of shape [B, T], got {idx_BT.dtype} {tuple(idx_BT.shape)}")
-        if idx_BT.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {idx_BT.shape[1]} exceeds max_seq_len={self.cfg.max_seq_len}")
+        b, t = idx_BT.shape
+        if cache is None and t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if cache is not None:
+            if b != cache.batch_size:
+                raise ValueError(f"cache is for batch size {cache.batch_size}, got token ids of shape {(b, t)}")
+            if cache.length + t > cache.max_len:
+                raise ValueError(f"cache holds {cache.length} of at most {cache.max_len} positions; cannot add {t}")
         x_BTD = self.embed(idx_BT)
         routings: list[Routing] = []
-        for block in self.blocks:
-            x_BTD, routing = block(x_BTD)
+        for i, block in enumerate(self.blocks):
+            x_BTD, routing = block(x_BTD, cache, i)
             if routing is not None:
                 routings.append(routing)
+        if cache is not None:
+            cache.length += t
         logits_BTV = self.head(self.norm(x_BTD))
         aux = sum((r.aux_loss for r in routings), logits_BTV.new_zeros((), dtype=torch.float32))
         loss = None
         if targets_BT is not None:
             loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
         return ModelOutput(logits=logits_BTV, aux_loss=aux, routings=routings, loss=loss)
+
+    def routers(self) -> list[Router]:
+        """The router of every MoE block, in block order."""
+        return [m.router for m in self.modules() if isinstance(m, MoELayer)]
+
+    def decode_support(self) -> str | None:
+        """None if every router can decode from a KV cache in the current mode, else why not."""
+        for i, router in enumerate(self.routers()):
+            reason = router.decode_support()
+            if reason is not None:
+                return f"MoE block {i}: {reason}"
+        return None
+
+    def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
+        """An empty cache for ``batch_size`` sequences of at most ``max_len`` (default
+        ``max_seq_len``) positions; ValueError if a router cannot decode in the current mode."""
+        max_len = self.cfg.max_seq_len if max_len is None else max_len
+        if not isinstance(max_len, int) or not 0 < max_len <= self.cfg.max_seq_len:
+            raise ValueError(f"max_len must be an integer in [1, max_seq_len={self.cfg.max_seq_len}], got {max_len!r}")
+        reason = self.decode_support()
+        if reason is not None:
+            raise ValueError(reason)
+        states = [
+            block.ffn.router.init_decode_state(batch_size) if isinstance(block.ffn, MoELayer) else None
+            for block in self.blocks
+        ]
+        n = len(self.blocks)
+        return KVCache(batch_size, max_len, [None] * n, [None] * n, states)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor | list[Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        recompute: bool = False,
+        return_logits: bool = False,
+    ) -> Tensor | list[Tensor] | tuple[Tensor | list[Tensor], Tensor]:
+        """Sample ``max_new_tokens`` tokens after each prompt, in eval mode, with a KV cache.
+
+        ``idx``: int64 [B, T] prompts, or a list of B 1-D prompts of different lengths. Returns
+        the prompts followed by their new tokens ([B, T + max_new_tokens], or a list). All rows
+        advance together, one position per step: a row whose prompt is longer than the shortest
+        one is fed its own next prompt token instead of a sample until its prompt is used up, so
+        every row sits at its own absolute positions with no padding in attention or routing
+        (rows of shorter prompts run past their budget; those tokens are cut off).
+
+        ``temperature`` 0 is greedy; ``top_k`` samples among the k most likely tokens; ``seed``
+        seeds a private generator. Routers that are not decode-consistent (e.g. expert choice,
+        sequence-sized capacity) cannot route from a cache: ValueError, unless ``recompute=True``,
+        which forwards the whole prefix at every step (what serving such a model really costs;
+        it also works for every other router). The longest prompt plus ``max_new_tokens`` must fit
+        in ``max_seq_len``. ``return_logits``: also return the float logits [B, S-1, V] computed
+        for positions 0..S-2 of the S = longest prompt + max_new_tokens positions decoded (for a
+        decode-consistent router, a full forward of those S tokens gives the same, up to rounding).
+        """
+        if isinstance(idx, Tensor) and idx.dim() != 2:
+            raise ValueError(
+                f"expected int64 token ids of shape [B, T] or a list of 1-D prompts, got shape {tuple(idx.shape)}"
+            )
+        prompts = list(idx)
+        if not prompts or any(not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype != torch.long
+                              for p in prompts):
+            raise ValueError("idx must be int64 [B, T] token ids or a list of non-empty 1-D int64 prompts")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+        lengths = [p.numel() for p in prompts]
+        b, shortest, total = len(prompts), min(lengths), max(lengths) + max_new_tokens
+        if total > self.cfg.max_seq_len:
+            raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds max_seq_len={self.cfg.max_seq_len}")
+        was_training = self.training
+        self.eval()
+        try:
+            if not recompute:
+                reason = self.decode_support()
+                if reason is not None:
+                    raise ValueError(f"cannot decode with a KV cache: {reason}. Pass recompute=True to reroute "
+                                     "the whole prefix at every step (slow; what this router needs at inference)")
+            device = self.embed.weight.device
+            seq_BS = torch.zeros(b, total, dtype=torch.long, device=device)
+            forced_BS = torch.zeros(b, total, dtype=torch.bool, device=device)
+            for row, p in enumerate(prompts):
+                seq_BS[row, : p.numel()] = p.to(device)
+                forced_BS[row, : p.numel()] = True
+            gen = None if seed is None else torch.Generator(device).manual_seed(seed)
+            cache = None if recompute else self.init_cache(b, total)
+            chunks_BTV = [self(seq_BS[:, :shortest], cache=cache).logits.float()]  # logits, chunk by chunk
+            for s in range(shortest, total):
+                next_B = _sample(chunks_BTV[-1][:, -1], temperature, top_k, gen)
+                seq_BS[:, s] = torch.where(forced_BS[:, s], seq_BS[:, s], next_B)
+                if s + 1 < total:
+                    step_BT = seq_BS[:, : s + 1] if recompute else seq_BS[:, s : s + 1]
+                    chunks_BTV.append(self(step_BT, cache=cache).logits[:, -1:].float())
+        finally:
+            self.train(was_training)
+        out = seq_BS if isinstance(idx, Tensor) else [seq_BS[row, : n + max_new_tokens] for row, n in enumerate(lengths)]
+        return (out, torch.cat(chunks_BTV, 1)[:, : total - 1]) if return_logits else out
 
     def num_parameters(self, active: bool = False) -> int:
         """All parameters, or those one token uses (experts counted as top_k of E when active)."""
@@ -235,3 +412,14 @@ class MoETransformer(nn.Module):
                 per_expert = sum(p[0].numel() for p in m.experts.parameters())
                 total -= per_expert * (m.num_experts - k)
         return total
+
+
+def _sample(logits_BV: Tensor, temperature: float, top_k: int | None, gen: torch.Generator | None) -> Tensor:
+    """int64 [B]: the next token of each row; temperature 0 is greedy."""
+    if temperature == 0:
+        return logits_BV.argmax(-1)
+    logits_BV = logits_BV / temperature
+    if top_k is not None and top_k < logits_BV.shape[-1]:
+        kth_B1 = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth_B1, float("-inf"))
+    return torch.multinomial(F.softmax(logits_BV, dim=-1), 1, generator=gen).squeeze(-1)

@@ -4,11 +4,24 @@ Shape legend (used in names as suffixes, e.g. ``logits_NE``):
     B batch, T sequence length, N = B*T flattened tokens (row-major: n = b*T + t),
     D model width, E experts, K top-k, C capacity per expert and group,
     G number of routing groups, A kept (token, expert) assignments.
+
+Decoding: a router routes a chunk of new tokens given what it routed before through an
+explicit :class:`DecodeState` (``state = router.init_decode_state(B)``, then
+``router(x_BTD, decode_state=state)`` for each chunk). Routers whose claims say they are not
+decode-consistent refuse with a ValueError.
+
+Host synchronisation: the default forward, backward and ``update_after_step`` read no tensor
+value on the host (no ``.item()``, ``bool(tensor)``, ``.tolist()``, ``int()``/``float()``
+of a tensor, ``torch.bincount``). What remains is inherent to the Routing contract: a router
+whose number of kept assignments A depends on the data (capacity drops, thresholds, the
+predictor) learns A on the host when it selects the kept rows. Checking the logits for
+NaN/inf needs a read too; it runs only with ``check_finite=True`` or ``MOE_DEBUG=1``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -74,7 +87,7 @@ class Routing:
 
     def experts_per_token(self) -> Tensor:
         """int64 [N]: how many experts each token was routed to (0 = dropped)."""
-        return torch.bincount(self.token, minlength=self.num_tokens)
+        return count_indices(self.token, self.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,23 @@ class Claims:
     decode_consistent: bool = False
     """In every mode where it is causal, routing the prefix 0..t alone gives position t the
     same experts and weights as routing the whole sequence (what decoding sees). Causal is not
-    enough: a capacity sized from the sequence length T changes with the prefix length."""
+    enough: a capacity sized from the sequence length T changes with the prefix length.
+    A decode-consistent router routes new tokens from a :class:`DecodeState`
+    (:meth:`Router.init_decode_state`)."""
+
+
+@dataclass
+class DecodeState:
+    """What a router keeps between the chunks of B sequences decoded together: every sequence
+    of the batch is at the same absolute position. Created by :meth:`Router.init_decode_state`
+    and updated in place by each ``router(x_BTD, decode_state=state)``. Routers whose routing
+    of a token depends on that token alone (``topk``, ``ec_threshold``, ``ec_predictor`` in eval
+    mode) need nothing more; others subclass it (``capacity`` keeps per-expert kept counts)."""
+
+    batch_size: int
+    """B: sequences decoded together."""
+    position: int = 0
+    """Tokens of each sequence routed so far: the next chunk starts at this absolute position."""
 
 
 class Router(nn.Module):
@@ -100,6 +129,17 @@ class Router(nn.Module):
     Aux-loss coefficients: ``aux_loss_coef`` weights the Switch load-balancing loss
     ``E * sum_e f_e * P_e`` (f_e: fraction of assignments to e, P_e: mean router probability),
     ``z_loss_coef`` the router z-loss ``mean(logsumexp(logits)^2)``.
+
+    ``check_finite`` raises a ValueError on NaN/inf router logits. It reads a tensor value on
+    the host (a GPU->CPU synchronisation on every call), so it is off by default; None (the
+    default) turns it on iff the environment variable ``MOE_DEBUG`` is ``1`` when the router is
+    built.
+
+    Decoding (see :class:`DecodeState`): ``state = router.init_decode_state(B)``, then
+    ``router(x_BTD, decode_state=state)`` routes the next T tokens of each sequence exactly as
+    the full-sequence forward routes them. Decode-consistent subclasses implement
+    :meth:`route_decode`, and override :meth:`init_decode_state` if they need state beyond the
+    position.
     """
 
     name: str = ""
@@ -116,7 +156,7 @@ class Router(nn.Module):
         *,
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 1e-3,
-        check_finite: bool = True,
+        check_finite: bool | None = None,
     ) -> None:
         super().__init__()
         _require_positive_int("d_model", d_model)
@@ -127,7 +167,7 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
-        self.check_finite = check_finite
+        self.check_finite = os.environ.get("MOE_DEBUG") == "1" if check_finite is None else bool(check_finite)
         self.gate = nn.Linear(d_model, num_experts, bias=False)
         nn.init.normal_(self.gate.weight, std=d_model**-0.5)
 
@@ -142,8 +182,32 @@ class Router(nn.Module):
         c = self.claims
         return c.causal_train if self.training else c.causal_eval
 
+    def decode_support(self) -> str | None:
+        """None if this router can route new tokens from a :class:`DecodeState` in the current
+        mode, else why not (the claims say it is not decode-consistent, or not causal here)."""
+        c = self.claims
+        mode = "training" if self.training else "eval"
+        if not c.decode_consistent:
+            return (f"router {self.name!r} ({type(self).__name__}) is not decode-consistent: routing a prefix alone "
+                    "does not reproduce the full-sequence routing, so it cannot route new tokens from a decode state")
+        if not self.causal:
+            return f"router {self.name!r} ({type(self).__name__}) is not causal in {mode} mode, so it cannot decode there"
+        return None
+
+    def init_decode_state(self, batch_size: int) -> DecodeState:
+        """A fresh decode state for ``batch_size`` sequences at position 0; ValueError if this
+        router cannot decode in the current mode (see :meth:`decode_support`)."""
+        reason = self.decode_support()
+        if reason is not None:
+            raise ValueError(reason)
+        _require_positive_int("batch_size", batch_size)
+        return DecodeState(batch_size)
+
     # -- forward ------------------------------------------------------------------------
-    def forward(self, x_BTD: Tensor) -> Routing:
+    def forward(self, x_BTD: Tensor, decode_state: DecodeState | None = None) -> Routing:
+        """Route x [B, T, D]. With ``decode_state``, x holds the next T tokens of each of the
+        state's B sequences (absolute positions ``state.position ...``): the routing is that of
+        those rows in a full-sequence forward, and the state advances by T."""
         check_input(x_BTD, self.d_model)
         b, t, _ = x_BTD.shape
         logits_NE = self.gate(x_BTD.reshape(b * t, -1))
@@ -154,11 +218,28 @@ class Router(nn.Module):
                 f"{type(self).__name__}: router logits contain NaN or inf "
                 f"(input has {int((~torch.isfinite(x_BTD)).sum())} non-finite values)"
             )
-        routing = self.route(logits_NE, x_BTD, (b, t))
+        if decode_state is None:
+            return self.route(logits_NE, x_BTD, (b, t))
+        reason = self.decode_support()
+        if reason is not None:
+            raise ValueError(reason)
+        if decode_state.batch_size != b:
+            raise ValueError(
+                f"decode state is for batch size {decode_state.batch_size}, got input of shape {tuple(x_BTD.shape)}"
+            )
+        routing = self.route_decode(logits_NE, x_BTD, (b, t), decode_state)
+        decode_state.position += t
         return routing
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         raise NotImplementedError
+
+    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+        """Route the next T tokens of each sequence (positions ``state.position ...``); called
+        only when :meth:`decode_support` allows it; ``forward`` advances the state. Every
+        decode-consistent router implements it (a router whose routing of a token depends on
+        that token alone can return :meth:`route`)."""
+        raise NotImplementedError(f"{type(self).__name__} claims to be decode-consistent but implements no route_decode")
 
     def update_after_step(self) -> None:
         """Apply state learned from past batches (balancing bias, thresholds). Call after each
@@ -168,7 +249,7 @@ class Router(nn.Module):
     def _aux_loss(self, logits_NE: Tensor, probs_NE: Tensor, expert_A: Tensor) -> Tensor:
         loss = logits_NE.new_zeros(())
         if self.aux_loss_coef > 0:
-            count_E = torch.bincount(expert_A, minlength=self.num_experts).to(probs_NE.dtype)
+            count_E = count_indices(expert_A, self.num_experts).to(probs_NE.dtype)
             if self.stats_group is not None:
                 torch.distributed.all_reduce(count_E, group=self.stats_group)
             frac_E = count_E / count_E.sum().clamp_min(1.0)
@@ -181,12 +262,13 @@ class Router(nn.Module):
         return self.z_loss_coef * torch.logsumexp(logits_NE, dim=-1).square().mean()
 
     def _stats(self, expert_A: Tensor, num_slots: int) -> dict[str, Tensor]:
-        tokens_per_expert_E = torch.bincount(expert_A, minlength=self.num_experts)
+        tokens_per_expert_E = count_indices(expert_A, self.num_experts)
         kept = expert_A.numel()
         dropped = 1.0 - kept / num_slots if num_slots > 0 else 0.0
         return {
             "tokens_per_expert": tokens_per_expert_E,
-            "dropped_fraction": torch.tensor(max(dropped, 0.0), device=expert_A.device),
+            # torch.full, not torch.tensor: a host-to-device copy would wait for the device
+            "dropped_fraction": torch.full((), max(dropped, 0.0), device=expert_A.device),
         }
 
     def extra_repr(self) -> str:
@@ -210,6 +292,13 @@ def check_input(x_BTD: Tensor, d_model: int) -> None:
         raise ValueError(f"expected input of shape [B, T, D={d_model}], got {tuple(x_BTD.shape)}")
     if x_BTD.shape[-1] != d_model:
         raise ValueError(f"expected last dimension D={d_model}, got input of shape {tuple(x_BTD.shape)}")
+
+
+def count_indices(index_A: Tensor, size: int) -> Tensor:
+    """int64 [size]: how often each value in [0, size) occurs in ``index_A``. Unlike
+    ``torch.bincount`` (which reads the maximum on the host to size its output), no device
+    synchronisation."""
+    return torch.zeros(size, dtype=torch.long, device=index_A.device).index_add_(0, index_A, torch.ones_like(index_A))
 
 
 def _require_positive_int(name: str, value: int) -> None:

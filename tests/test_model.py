@@ -69,6 +69,18 @@ def test_presets_are_valid_and_overridable():
     assert big.num_parameters(active=True) < 0.4 * big.num_parameters()
 
 
+def test_preset_router_options_carry_over_only_to_the_presets_router():
+    assert preset("gpu100m").router_options == {"top_k": 2}
+    assert preset("gpu100m", router_options={"gate": "sigmoid"}).router_options == {"top_k": 2, "gate": "sigmoid"}
+    assert preset("gpu100m", router="capacity").router_options == {}
+    cfg = preset("gpu100m", router="expert_choice", router_options={"capacity_factor": 2.0})
+    assert cfg.router_options == {"capacity_factor": 2.0}
+    with torch.device("meta"):  # used to fail: unexpected keyword argument 'top_k'
+        model = MoETransformer(preset("gpu100m", router="expert_choice"))
+    assert model.routers()[0].capacity_factor == 1.0
+    assert PRESETS["gpu100m"].router_options == {"top_k": 2}  # the preset itself is untouched
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

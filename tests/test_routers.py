@@ -291,7 +291,7 @@ def test_bad_router_options(kwargs, match):
 
 
 def test_bad_router_inputs():
-    r = moe.build_router("topk", d_model=8, num_experts=4)
+    r = moe.build_router("topk", d_model=8, num_experts=4, check_finite=True)
     with pytest.raises(ValueError, match=r"expected input of shape \[B, T, D=8\]"):
         r(torch.randn(4, 8))
     with pytest.raises(ValueError, match="expected last dimension D=8"):
@@ -302,3 +302,15 @@ def test_bad_router_inputs():
     x[1, 2, 0] = float("nan")
     with pytest.raises(ValueError, match="router logits contain NaN or inf"):
         r(x)
+
+
+def test_nan_check_is_a_debug_option(monkeypatch):
+    # Off by default (it synchronises with the device on every call); MOE_DEBUG=1 turns it on.
+    x = torch.randn(2, 3, 8)
+    x[1, 2, 0] = float("nan")
+    monkeypatch.delenv("MOE_DEBUG", raising=False)
+    moe.build_router("topk", d_model=8, num_experts=4)(x)
+    monkeypatch.setenv("MOE_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"router logits contain NaN or inf \(input has 1 non-finite values\)"):
+        moe.build_router("topk", d_model=8, num_experts=4)(x)
+    moe.build_router("topk", d_model=8, num_experts=4, check_finite=False)(x)

@@ -15,13 +15,14 @@ import torch.nn.functional as F
 import moe.training.loop as mt
 from moe.data import eval_offsets, load_corpus, windows
 from moe.eval import evaluate
+from moe.model import MoETransformer, preset
 from moe.training import TrainConfig, build_model, config_from_args, lr_at, model_config, train
 from moe.training.cli import build_parser
 from moe.training.metrics import resolve_wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(seq_len=32, batch_size=8, max_bytes=200_000, eval_windows=4, eval_batch_size=4, causal_stride=8,
-             warmup_steps=2, log_every=0, progress=False, model={"d_model": 32, "d_ff": 64, "moe_d_ff": 64})
+             warmup_steps=2, log_every=0, progress=False, model={"d_model": 32, "moe_d_ff": 64})
 
 
 @pytest.fixture(autouse=True)
@@ -181,6 +182,22 @@ def test_cli_flags_come_from_the_configs():
         train(TrainConfig(expert_parallel=2, **SMALL))
     with pytest.raises(ValueError, match="unknown model overrides"):
         TrainConfig(model={"d_modle": 3})
+
+
+def test_model_config_follows_the_preset_router_options_rule_and_refuses_a_useless_d_ff():
+    # gpu100m's top_k belongs to its topk router: expert choice (no top_k option) starts from its defaults
+    ec = model_config(TrainConfig(preset="gpu100m", router="expert_choice"), 256)
+    assert ec.router_options == {}
+    with torch.device("meta"):
+        assert len(MoETransformer(ec).routers()) == 6
+    topk = model_config(TrainConfig(preset="gpu100m", router="topk", router_options={"gate": "sigmoid"}), 256)
+    assert topk.router_options == {"top_k": 2, "gate": "sigmoid"}
+    assert topk == preset("gpu100m", vocab_size=256, router="topk", router_options={"gate": "sigmoid"})
+    with pytest.raises(ValueError, match="d_ff=64 has no effect: every block is an MoE block"):
+        model_config(config_from_args(["--d-ff", "64"]), 256)
+    assert model_config(config_from_args(["--d-ff", "64", "--moe-every", "2"]), 256).d_ff == 64
+    help_text = " ".join(build_parser().format_help().split())
+    assert "unused when every block is an MoE block (moe_every=1, the default), whose width is moe_d_ff" in help_text
 
 
 def test_lr_schedule_warms_up_then_decays_to_min():

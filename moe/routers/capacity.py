@@ -27,8 +27,12 @@ capacity of the prefix 0..t, ``C_t = ceil(capacity_factor * (t+1) * K / E)`` per
 (``(t+1) * B`` tokens with ``group="batch"``): an assignment keeps its slot iff fewer than
 ``C_t`` earlier assignments to that expert were kept. The decisions are the same whether the
 sequence is routed whole or prefix by prefix, so training sees exactly what decoding sees.
-Vectorised with the identity for a counter capped by a non-decreasing ceiling: after the
-r-th request, kept = r + min(0, min over earlier requests s of (C_s - s)).
+Vectorised with the identity for a counter capped by a non-decreasing ceiling: starting from
+k_0 kept, after the r-th request kept = r + min(k_0, min over requests s <= r of (C_s - s)).
+
+Decoding (``capacity_scope="prefix"`` only): the decode state holds each group's per-expert
+kept counts (``kept_GE``: G = B for ``group="sequence"``, 1 for ``group="batch"``) and the
+position; a new chunk continues the counters from there.
 """
 
 from __future__ import annotations
@@ -36,19 +40,43 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dataclasses import dataclass
+
 from moe.routers.token_choice import TokenChoiceBase
-from moe.routing import Claims, Routing, capacity_per_group, rank_within_segments, register_router, sort_into_segments
+from moe.routing import (
+    Claims,
+    DecodeState,
+    Routing,
+    capacity_per_group,
+    rank_within_segments,
+    register_router,
+    sort_into_segments,
+)
 
 
-def kept_under_ceiling(segment_A: Tensor, priority_A: Tensor, ceiling_A: Tensor) -> Tensor:
+@dataclass
+class CapacityDecodeState(DecodeState):
+    """Decode state of a prefix-scoped capacity router."""
+
+    kept_GE: Tensor | None = None
+    """int64 [G, E]: assignments kept so far per group (sequence b, or the whole batch) and expert."""
+
+
+def kept_under_ceiling(segment_A: Tensor, priority_A: Tensor, ceiling_A: Tensor, start_A: Tensor | None = None) -> Tensor:
     """bool [A]: walking each segment in priority order, keep an assignment iff the number kept
-    so far is below its ceiling (non-decreasing along the walk). No Python loop: with r the
-    1-based request count, kept_r = r + min(0, cummin_s (ceiling_s - s)), per segment."""
+    so far is below its ceiling (non-decreasing along the walk). ``start_A``: the count already
+    kept in the segment of each assignment before this walk (default 0; at most the ceilings).
+    No Python loop: with r the 1-based request count and ceilings taken relative to the start,
+    kept_r - start = r + min(0, cummin_s (ceiling_s - start - s)), per segment."""
     order_S, is_start_S, rank_S = sort_into_segments(segment_A, priority_A)
     requests_S = rank_S + 1
+    rel_ceiling_A = ceiling_A if start_A is None else ceiling_A - start_A
+    # a ceiling above the number of requests keeps everything, like that number: this bounds
+    # the values for the shift below
+    rel_ceiling_S = rel_ceiling_A[order_S].clamp_max(order_S.numel())
     # a segmented cummin: shifting each later segment far below the earlier ones resets it
     shift_S = torch.cumsum(is_start_S.long(), 0) * (2 * order_S.numel() + 2)
-    slack_S = torch.cummin(ceiling_A[order_S] - requests_S - shift_S, dim=0).values + shift_S
+    slack_S = torch.cummin(rel_ceiling_S - requests_S - shift_S, dim=0).values + shift_S
     kept_count_S = requests_S + slack_S.clamp_max(0)
     before_S = torch.where(is_start_S, torch.zeros_like(kept_count_S), kept_count_S.roll(1))
     keep_A = torch.empty_like(is_start_S)
@@ -106,7 +134,22 @@ class CapacityRouter(TokenChoiceBase):
             decode_consistent=self.capacity_scope == "prefix",
         )
 
+    def init_decode_state(self, batch_size: int) -> CapacityDecodeState:
+        """Position 0 and no kept assignments, per sequence (``group="sequence"``) or for the batch."""
+        state = super().init_decode_state(batch_size)
+        g = batch_size if self.group == "sequence" else 1
+        kept_GE = torch.zeros(g, self.num_experts, dtype=torch.long, device=self.gate.weight.device)
+        return CapacityDecodeState(state.batch_size, kept_GE=kept_GE)
+
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        return self._route(logits_NE, batch_shape, None)
+
+    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+        return self._route(logits_NE, batch_shape, state)
+
+    def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], state: CapacityDecodeState | None) -> Routing:
+        """Route B sequences of T tokens; with ``state`` (prefix scope only) they are positions
+        ``state.position ...`` and the kept counts continue from (and update) ``state.kept_GE``."""
         b, t = batch_shape
         n, e, k = logits_NE.shape[0], self.num_experts, self.top_k
         dev = logits_NE.device
@@ -135,13 +178,20 @@ class CapacityRouter(TokenChoiceBase):
         if self.capacity_scope == "group":
             keep_A = rank_within_segments(segment_A, priority_A) < capacity
         else:
-            # the capacity of the prefix 0..t: tokens that precede (or share) position t
-            prefix_A = (t_A + 1) * (1 if self.group == "sequence" else b)
-            keep_A = kept_under_ceiling(segment_A, priority_A, capacity_per_group(self.capacity_factor, prefix_A, k, e))
+            # the capacity of the prefix 0..t: tokens that precede (or share) absolute position t
+            position = 0 if state is None else state.position
+            prefix_A = (t_A + position + 1) * (1 if self.group == "sequence" else b)
+            ceiling_A = capacity_per_group(self.capacity_factor, prefix_A, k, e)
+            # segment ids b*E + e (sequence) or e (batch) index the flattened kept_GE directly
+            start_A = None if state is None else state.kept_GE.view(-1)[segment_A]
+            keep_A = kept_under_ceiling(segment_A, priority_A, ceiling_A, start_A)
+            if state is not None:
+                kept_segment_A = segment_A[keep_A]
+                state.kept_GE.view(-1).index_add_(0, kept_segment_A, torch.ones_like(kept_segment_A))
         kept_expert_A = expert_A[keep_A]
         self.record_load(kept_expert_A)
         stats = self._stats(kept_expert_A, n * k)
-        stats["capacity"] = torch.tensor(capacity, device=dev)
+        stats["capacity"] = torch.full((), capacity, device=dev)
         return Routing(
             token=token_A[keep_A],
             expert=kept_expert_A,

@@ -6,7 +6,8 @@ Training routes by expert choice (non-causal, like ``expert_choice``) and trains
 predictor beside it, on stop-gradient inputs, to tell from token n alone whether each expert
 would pick it (binary cross-entropy against expert choice's selections, added to
 ``aux_loss``). Eval mode routes token n to expert e iff the predictor says so, with the
-router's softmax score as weight: causal and batch-invariant at inference only.
+router's softmax score as weight: causal and batch-invariant at inference only, where it
+decodes with no state beyond the position.
 
 The train/inference mismatch this creates is exactly what ``experiments/leakage_gap.py``
 measures.
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.routers.expert_choice import ExpertChoiceRouter
-from moe.routing import Claims, Routing, register_router
+from moe.routing import Claims, DecodeState, Routing, register_router
 
 
 @register_router("ec_predictor")
@@ -58,6 +59,9 @@ class ExpertChoicePredictorRouter(ExpertChoiceRouter):
         return Claims(
             causal_train=False, causal_eval=True, batch_invariant=self.group == "sequence", decode_consistent=True
         )
+
+    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+        return self.route(logits_NE, x_BTD, batch_shape)  # eval mode only: the predictor reads one token
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n, e = logits_NE.shape

@@ -12,6 +12,10 @@ The statistics of each training forward are accumulated and folded into the aver
 :meth:`update_after_step` (call it after the optimiser step, e.g. via
 ``moe.update_routers(model)``), so the thresholds used by a forward come from earlier
 batches only. Before the first update the thresholds are 1/E.
+
+Decoding needs only the thresholds, which do not change while decoding (no state beyond the
+position). A forward with a decode state routes like any other but records no statistics,
+even in training mode: a chunk of new tokens is not an expert-choice group.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe.routers.expert_choice import ExpertChoiceRouter
-from moe.routing import Claims, Routing, capacity_per_group, register_router
+from moe.routing import Claims, DecodeState, Routing, capacity_per_group, register_router
 
 
 @register_router("ec_threshold")
@@ -49,16 +53,21 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
 
     @property
     def threshold(self) -> Tensor:
-        """float64 [E]: the current per-expert score cut-off."""
-        if self.ema_weight > 0:
-            return self.ema_sum / self.ema_weight
-        return torch.full_like(self.ema_sum, 1.0 / self.num_experts)
+        """float64 [E]: the current per-expert score cut-off (chosen on the device: no sync)."""
+        average_E = self.ema_sum / self.ema_weight.clamp_min(torch.finfo(torch.float64).tiny)
+        return torch.where(self.ema_weight > 0, average_E, 1.0 / self.num_experts)
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        return self._route(logits_NE, batch_shape, record=self.training)
+
+    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+        return self._route(logits_NE, batch_shape, record=False)
+
+    def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
         probs_NE = F.softmax(logits_NE, dim=-1)
         mask_NE = probs_NE.detach() >= self.threshold.to(probs_NE.dtype)
         token_A, expert_A = mask_NE.nonzero(as_tuple=True)
-        if self.training:
+        if record:
             self._record_cutoffs(probs_NE.detach(), batch_shape)
         routing = self.make_routing(
             logits_NE, probs_NE, token_A, expert_A, batch_shape, aux=self._aux_loss(logits_NE, probs_NE, expert_A)
@@ -78,9 +87,10 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
 
     @torch.no_grad()
     def update_after_step(self) -> None:
-        if self.pending_count == 0:
-            return
-        self.ema_sum.mul_(self.momentum).add_((1 - self.momentum) * self.pending_sum / self.pending_count)
-        self.ema_weight.mul_(self.momentum).add_(1 - self.momentum)
+        # without pending statistics the average stays as it is; chosen on the device (no sync)
+        seen = self.pending_count > 0
+        mean_E = self.pending_sum / self.pending_count.clamp_min(1.0)
+        self.ema_sum.copy_(torch.where(seen, self.momentum * self.ema_sum + (1 - self.momentum) * mean_E, self.ema_sum))
+        self.ema_weight.copy_(torch.where(seen, self.momentum * self.ema_weight + (1 - self.momentum), self.ema_weight))
         self.pending_sum.zero_()
         self.pending_count.zero_()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.routing import Claims, Router, Routing, capacity_per_group, register_router
+from moe.routing import Claims, Router, Routing, capacity_per_group, count_indices, register_router
 
 
 @register_router("expert_choice")
@@ -77,9 +77,9 @@ class ExpertChoiceRouter(Router):
         aux: Tensor,
     ) -> Routing:
         n, e = probs_NE.shape
-        served = torch.bincount(token_A, minlength=n) > 0
+        served = count_indices(token_A, n) > 0
         stats = {
-            "tokens_per_expert": torch.bincount(expert_A, minlength=e),
+            "tokens_per_expert": count_indices(expert_A, e),
             "dropped_fraction": 1.0 - served.float().mean(),
         }
         return Routing(

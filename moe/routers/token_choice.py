@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moe.routing import Claims, Router, Routing, register_router, softmax_or_sigmoid
+from moe.routing import Claims, DecodeState, Router, Routing, count_indices, register_router, softmax_or_sigmoid
 
 
 class TokenChoiceBase(Router):
@@ -18,7 +18,8 @@ class TokenChoiceBase(Router):
     for *selection only* (combine weights use the unbiased scores). Loads seen in training
     forwards are accumulated; :meth:`update_after_step` moves each bias by ``balance_rate``
     towards the mean load (``b_e += rate * sign(mean_load - load_e)``). The bias comes from
-    past batches only, so it never makes routing depend on future tokens.
+    past batches only, so it never makes routing depend on future tokens, and decoding needs
+    no state for it: it does not change while decoding.
     """
 
     def __init__(
@@ -59,11 +60,12 @@ class TokenChoiceBase(Router):
     def record_load(self, expert_A: Tensor) -> None:
         if self.training and self.balance_rate > 0:
             with torch.no_grad():
-                self.load_seen += torch.bincount(expert_A, minlength=self.num_experts).to(self.load_seen)
+                self.load_seen += count_indices(expert_A, self.num_experts).to(self.load_seen)
 
     @torch.no_grad()
     def update_after_step(self) -> None:
-        if self.balance_rate > 0 and self.load_seen.sum() > 0:
+        # no load seen leaves the bias as it is (sign(0) = 0): no host-side test needed
+        if self.balance_rate > 0:
             self.balance_bias += self.balance_rate * torch.sign(self.load_seen.mean() - self.load_seen)
             self.load_seen.zero_()
 
@@ -81,6 +83,9 @@ class TopKRouter(TokenChoiceBase):
     @property
     def claims(self) -> Claims:
         return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+
+    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+        return self.route(logits_NE, x_BTD, batch_shape)  # a token's experts depend on that token alone
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n = logits_NE.shape[0]

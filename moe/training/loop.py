@@ -65,10 +65,19 @@ class TrainResult:
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The preset with the run's router, vocabulary and overrides (max_seq_len grows to seq_len)."""
+    """The preset with the run's router, vocabulary and overrides (max_seq_len grows to seq_len).
+    Router options follow ``moe.model.preset``'s rule: the preset's carry over only to the
+    preset's own router, and the run's are merged on top. A ``d_ff`` override on a model
+    without dense blocks is refused: it would change nothing (the expert width is ``moe_d_ff``)."""
     overrides = dict(cfg.model)
     overrides.setdefault("max_seq_len", max(preset(cfg.preset).max_seq_len, cfg.seq_len))
-    return preset(cfg.preset, vocab_size=vocab_size, router=cfg.router, router_options=dict(cfg.router_options), **overrides)
+    mcfg = preset(cfg.preset, vocab_size=vocab_size, router=cfg.router, router_options=dict(cfg.router_options),
+                  **overrides)
+    if "d_ff" in cfg.model and not mcfg.uses_d_ff():
+        raise ValueError(f"d_ff={cfg.model['d_ff']} has no effect: every block is an MoE block (moe_every="
+                         f"{mcfg.moe_every}); the expert width is moe_d_ff (--moe-d-ff), or make some blocks dense "
+                         "with --moe-every N > 1")
+    return mcfg
 
 
 def build_model(mcfg: ModelConfig, seed: int, device: torch.device, ep_group=None) -> MoETransformer:
