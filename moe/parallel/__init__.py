@@ -2,10 +2,10 @@
 
     import torch.distributed as dist
     from moe import MoELayer
-    from moe.parallel import load_full_state_dict, reduce_gradients
+    from moe.parallel import ExpertParallel, load_full_state_dict, reduce_gradients
 
     dist.init_process_group("gloo")                       # under torchrun
-    layer = MoELayer(512, 1024, 8, router="topk", ep_group=dist.group.WORLD)
+    layer = MoELayer(512, 1024, 8, router="topk", expert_parallel=ExpertParallel(dist.group.WORLD))
     load_full_state_dict(layer, single_process_layer.state_dict())
     y_BTD = layer(x_BTD)                                  # x_BTD: this rank's own tokens
     loss.backward(); reduce_gradients(layer)              # before the optimiser step
@@ -16,6 +16,7 @@ uses all of it under ``--expert-parallel N``.
 """
 
 from moe.parallel.exchange import (
+    ExpertParallel,
     all_to_all_rows,
     exchange_counts,
     expert_parallel_ffn,
@@ -37,6 +38,7 @@ from moe.parallel.state import (
 from moe.parallel.timing import PhaseTimer
 
 __all__ = [
+    "ExpertParallel",
     "PhaseTimer",
     "all_to_all_rows",
     "clip_grad_norm_",

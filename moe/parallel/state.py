@@ -2,8 +2,8 @@
 
 Two kinds of parameters:
 
-* **expert parameters** (``experts.w_gate / w_up / w_down`` of every ``MoELayer`` built with
-  an ``ep_group``): sharded, rank r holds experts [r*L, (r+1)*L). Their gradients already
+* **expert parameters** (``experts.w_gate / w_up / w_down`` of every ``MoELayer`` given an
+  ``ExpertParallel``): sharded, rank r holds experts [r*L, (r+1)*L). Their gradients already
   hold every rank's tokens (the backward of the exchange brings them home), so they are
   never all-reduced.
 * **replicated parameters** (everything else: embeddings, attention, norms, routers):
@@ -23,13 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe.parallel.exchange import group_rank_size, guarded
+from moe.parallel.exchange import ExpertParallel, group_rank_size, guarded
+
 
 def expert_parallel_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Name -> every ``MoELayer`` in ``model`` whose experts are sharded over a group."""
-    from moe.layer import MoELayer  # moe.layer imports moe.parallel: import lazily
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer) and m.ep_group is not None}
+    """Name -> every module of ``model`` given an :class:`ExpertParallel` (its experts are
+    sharded over that object's group): found by the injected object, not by class."""
+    return {
+        name: m for name, m in model.named_modules() if isinstance(getattr(m, "expert_parallel", None), ExpertParallel)
+    }
 
 
 def share_router_statistics(model: nn.Module, group=None) -> None:
@@ -94,9 +96,9 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     for key, layer in _expert_keys(model).items():
         local = model.get_parameter(key).detach().contiguous()
-        _, size = group_rank_size(layer.ep_group)
+        _, size = group_rank_size(layer.expert_parallel.group)
         parts = [torch.empty_like(local) for _ in range(size)]
-        guarded("state gather", layer.ep_group, lambda: dist.all_gather(parts, local, group=layer.ep_group))
+        guarded("state gather", layer.expert_parallel.group, lambda: dist.all_gather(parts, local, group=layer.expert_parallel.group))
         state[key] = torch.cat(parts).cpu()
     return state
 
@@ -135,7 +137,7 @@ def reduce_gradients(model: nn.Module, group=None, reduce_dtype: torch.dtype = t
     _, size = group_rank_size(group)
     expert, replicated = split_parameters(model)
     for layer in expert_parallel_layers(model).values():
-        if group_rank_size(layer.ep_group)[1] != size:
+        if group_rank_size(layer.expert_parallel.group)[1] != size:
             raise ValueError("the expert-parallel group must span the data-parallel group (EP size = DP size)")
     for p in expert:
         if p.grad is not None:
@@ -197,12 +199,12 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     and in a single-process model built from the same config."""
     state = optimizer.state_dict()
     for i, layer in _optimizer_expert_entries(model, optimizer).items():
-        _, size = group_rank_size(layer.ep_group)
+        _, size = group_rank_size(layer.expert_parallel.group)
         for key, value in state["state"].get(i, {}).items():
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == layer.experts.num_experts:
                 local = value.contiguous()
                 parts = [torch.empty_like(local) for _ in range(size)]
-                guarded("optimizer-state gather", layer.ep_group, lambda: dist.all_gather(parts, local, group=layer.ep_group))
+                guarded("optimizer-state gather", layer.expert_parallel.group, lambda: dist.all_gather(parts, local, group=layer.expert_parallel.group))
                 state["state"][i] = {**state["state"][i], key: torch.cat(parts)}
     return state
 

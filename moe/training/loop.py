@@ -43,7 +43,7 @@ from moe.data import Corpus, batch_offsets, load_corpus, windows
 from moe.eval import autocast, evaluate
 from moe.layer import update_routers
 from moe.model import ModelConfig, MoETransformer, preset
-from moe.parallel import clip_grad_norm_, load_full_state_dict, reduce_gradients, share_router_statistics
+from moe.parallel import ExpertParallel, clip_grad_norm_, load_full_state_dict, reduce_gradients, share_router_statistics
 from moe.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, truncate_jsonl
 from moe.training.config import REDUCE_DTYPES, TrainConfig
 from moe.training.distributed import DistInfo, check_expert_parallel, setup_distributed, sync_router_state
@@ -71,14 +71,15 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     return preset(cfg.preset, vocab_size=vocab_size, router=cfg.router, router_options=dict(cfg.router_options), **overrides)
 
 
-def build_model(mcfg: ModelConfig, seed: int, device: torch.device, ep_group=None) -> MoETransformer:
+def build_model(mcfg: ModelConfig, seed: int, device: torch.device, expert_parallel=None) -> MoETransformer:
     """The model, initialised from ``seed`` (identically on every rank) and moved to ``device``.
-    With ``ep_group`` the full model is built and this rank's expert shard cut from it, so the
-    initialisation is the single-process one whatever the number of processes."""
+    With ``expert_parallel`` (a ``moe.parallel.ExpertParallel``) the full model is built and
+    this rank's expert shard cut from it, so the initialisation is the single-process one
+    whatever the number of processes."""
     torch.manual_seed(seed)
     model = MoETransformer(mcfg)
-    if ep_group is not None:
-        full, model = model, MoETransformer(mcfg, ep_group=ep_group)
+    if expert_parallel is not None:
+        full, model = model, MoETransformer(mcfg, expert_parallel=expert_parallel)
         load_full_state_dict(model, full.state_dict())
     return model.to(device)
 
@@ -125,7 +126,8 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
     mcfg = model_config(cfg, corpus.vocab_size)
-    model = build_model(mcfg, cfg.seed, info.device, dist.group.WORLD if cfg.expert_parallel > 1 else None)
+    model = build_model(mcfg, cfg.seed, info.device,
+                        ExpertParallel(dist.group.WORLD) if cfg.expert_parallel > 1 else None)
     if info.world_size > 1:
         share_router_statistics(model, dist.group.WORLD)
     optimizer = make_optimizer(model, cfg)
