@@ -179,12 +179,17 @@ class ExpertParallel:
         layer = MoELayer(512, 1024, 8, expert_parallel=ep)
 
     ``moe.parallel`` finds expert-parallel layers by this object (see
-    ``moe.parallel.state.expert_parallel_layers``), never by their class.
+    ``moe.parallel.state.expert_parallel_layers``), never by their class. ``mesh`` (optional):
+    the run's full DeviceMesh, whose ``"ep"`` dim is ``group``; sharded checkpoints describe
+    the experts on it (``moe.parallel.checkpoint``).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, mesh=None) -> None:
         group_rank_size(group)  # a clear error when torch.distributed is not initialised
+        if mesh is not None and "ep" not in (mesh.mesh_dim_names or ()):
+            raise ValueError(f"the mesh of an ExpertParallel needs an 'ep' dim, got {mesh.mesh_dim_names}")
         self.group = group
+        self.mesh = mesh
 
     def local_range(self, num_experts: int) -> tuple[int, int]:
         """[start, stop) of the experts this rank holds."""

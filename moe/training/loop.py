@@ -14,13 +14,13 @@ single-process batch; gradients (and the router statistics that ``update_after_s
 in) are averaged over ranks before they are used. Logging, wandb and checkpoints happen on
 rank 0 only; every rank evaluates (the same windows), so a sharded model can join in.
 
-Expert parallel (``--expert-parallel N``, N = world size): every MoE block's experts are
-sharded over the N ranks (``moe.parallel``); everything else stays data-parallel. The model
-is built whole from the seed and each rank keeps its shard, so initialisation, batches and
-(with the routers counting load-balancing fractions over all ranks) every step's loss match
-the single-process run to fp32 rounding. Replicated gradients are averaged, expert gradients
-only scaled by 1/N (they already hold every rank's tokens), clipping uses the whole model's
-norm, and checkpoints are gathered into a single-process checkpoint, loadable on any N.
+On more than one process the model lives on a DeviceMesh (``moe.parallel.mesh``) built from
+``--dp-replicate R --expert-parallel P``: dense weights FSDP2-sharded over the data-parallel
+ranks (HSDP when R > 1), experts split over P expert-parallel ranks and FSDP2-sharded over what
+remains, gradients reduced by FSDP2. The model is built whole from the seed and then sharded,
+so initialisation, batches and (with the routers counting load-balancing fractions over all
+ranks) every step's loss match the single-process run to fp32 rounding. Clipping uses the
+whole model's norm.
 
 Shape legend: B batch (local to a rank unless named global), T sequence, V vocabulary,
 E experts, L MoE layers, W evaluation windows, P evaluated positions per window.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +44,18 @@ from moe.data import Corpus, batch_offsets, load_corpus, windows
 from moe.eval import autocast, evaluate
 from moe.layer import update_routers
 from moe.model import ModelConfig, MoETransformer, preset
-from moe.parallel import ExpertParallel, clip_grad_norm_, load_full_state_dict, reduce_gradients, share_router_statistics
-from moe.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, truncate_jsonl
+from moe.parallel import clip_grad_norm_, load_full_state_dict, share_router_statistics
+from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
+from moe.training.checkpoint import (
+    EXPORT_NAME,
+    complete_checkpoints,
+    export_model,
+    load_checkpoint,
+    save_checkpoint,
+    truncate_jsonl,
+)
 from moe.training.config import REDUCE_DTYPES, TrainConfig
-from moe.training.distributed import DistInfo, check_expert_parallel, setup_distributed, sync_router_state
+from moe.training.distributed import DistInfo, inject_fault, setup_distributed, sync_router_state
 from moe.training.metrics import RouterEntropy, init_wandb, step_metrics, wandb_flat
 
 
@@ -55,6 +64,7 @@ class TrainResult:
     """What :func:`train` returns (on every rank)."""
 
     model: MoETransformer
+    optimizer: torch.optim.Optimizer
     model_config: ModelConfig
     history: list[dict]
     """The per-step metric records (rank 0; empty elsewhere), as written to the metrics JSONL."""
@@ -113,9 +123,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
     """Train one model as ``cfg`` says (see the module docstring for the distributed contract)."""
-    info = setup_distributed(cfg.device)
+    info = setup_distributed(cfg.device, cfg.collective_timeout_s)
     try:
-        check_expert_parallel(cfg, info)
         return _train(cfg, corpus, info)
     finally:
         if info.owns_group:
@@ -126,13 +135,19 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
     mcfg = model_config(cfg, corpus.vocab_size)
-    model = build_model(mcfg, cfg.seed, info.device,
-                        ExpertParallel(dist.group.WORLD) if cfg.expert_parallel > 1 else None)
-    if info.world_size > 1:
+    layout = Layout.from_world(info.world_size, cfg.dp_replicate, cfg.expert_parallel)
+    layout.check_experts(mcfg.num_experts)
+    pmesh = ParallelMesh(layout, info.device.type) if info.world_size > 1 else None
+    model = build_model(mcfg, cfg.seed, info.device, pmesh.expert_parallel() if pmesh is not None else None)
+    if pmesh is not None:
+        # Blocks return views (reshapes); nothing here modifies a block's output in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        shard_model(model, pmesh, list(model.blocks), mixed_precision(info.device, REDUCE_DTYPES[cfg.grad_reduce_dtype]))
         share_router_statistics(model, dist.group.WORLD)
     optimizer = make_optimizer(model, cfg)
-    ckpt = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir else None
-    start, run_id = load_checkpoint(ckpt, model, optimizer, mcfg) if cfg.resume and ckpt.exists() else (0, None)
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    found = complete_checkpoints(ckpt_dir) if cfg.resume else []
+    start, run_id = load_checkpoint(found[-1], model, optimizer, mcfg) if found else (0, None)
     jsonl = Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and info.is_main else None
     if jsonl is not None:
         jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -157,6 +172,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc=f"train {cfg.router}",
                disable=not (info.is_main and cfg.progress), dynamic_ncols=True)
     for step in bar:
+        inject_fault(step, info)
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg)
         for group in optimizer.param_groups:
@@ -168,8 +184,6 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         loss = out.loss + out.aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        reduce_info = (reduce_gradients(model, reduce_dtype=REDUCE_DTYPES[cfg.grad_reduce_dtype])
-                       if info.world_size > 1 else {})
         grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         optimizer.step()
         sync_router_state(model, info)
@@ -179,7 +193,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
             torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
         train_time += dt
-        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt, **reduce_info)
+        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt)
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             ev = run_eval()
             record.update({f"eval/{k}": v for k, v in ev.items()})
@@ -200,9 +214,12 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
                     line += (f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
                              f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}")
                 tqdm.write(line)
-        if ckpt is not None and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg, info, run.id if run is not None else None)
+        if ckpt_dir is not None and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            save_checkpoint(ckpt_dir, model, optimizer, step, cfg, mcfg, info, cfg.keep_checkpoints,
+                            run.id if run is not None else None)
     bar.close()
+    if cfg.export_model:
+        export_model(ckpt_dir / EXPORT_NAME, model, mcfg, info)
     entropy.close()
     if not final_eval:
         final_eval = run_eval()
@@ -212,4 +229,4 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if info.world_size > 1:
         share_router_statistics(model, None)  # the returned model's routers count locally again
         dist.barrier()  # no rank tears the group down while rank 0 still writes its checkpoint
-    return TrainResult(model, mcfg, history, final_eval, train_time)
+    return TrainResult(model, optimizer, mcfg, history, final_eval, train_time)
