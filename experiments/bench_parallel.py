@@ -132,6 +132,7 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     opts = {k: getattr(args, k) for k in ("preset", "batch_size", "seq_len", "max_bytes", "iters", "warmup")}
     rows = []
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"  # the spawned ranks: FSDP2 / DeviceMesh notices
     for world in args.world_sizes:
         if args.batch_size % world:
             raise SystemExit(f"--batch-size {args.batch_size} must be divisible by every world size ({world})")

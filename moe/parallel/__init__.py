@@ -10,9 +10,11 @@
     y_BTD = layer(x_BTD)                                  # x_BTD: this rank's own tokens
     loss.backward(); reduce_gradients(layer)              # before the optimiser step
 
-See :mod:`moe.parallel.exchange` for the data path and :mod:`moe.parallel.state` for
-sharded checkpoints (model and optimizer), gradient scaling and clipping. ``moe.training``
-uses all of it under ``--expert-parallel N``.
+See :mod:`moe.parallel.exchange` for the data path, :mod:`moe.parallel.state` for
+single-process state dicts (model and optimizer), gradient scaling and clipping,
+:mod:`moe.parallel.mesh` for the DeviceMesh (replicate x FSDP2 shard x expert parallel) and
+:mod:`moe.parallel.checkpoint` for sharded DCP checkpoints. ``moe.training`` runs every
+layout under ``--dp-replicate R --expert-parallel P``.
 """
 
 from moe.parallel.exchange import (
