@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from moe.layer import MoELayer
-from moe.parallel import PhaseTimer, expert_parallel_ffn, load_full_state_dict
+from moe.parallel import ExpertParallel, PhaseTimer, load_full_state_dict
 from moe.parallel.exchange import BACKWARD_PHASES
 from moe.parallel.launch import ok_values, run_local
 
@@ -52,9 +52,8 @@ def step_phases(layer: MoELayer, x_ND: torch.Tensor, timer: PhaseTimer) -> dict[
     start = timer.now()
     with timer.phase("router"):
         routing = layer.router(x_ND.unsqueeze(0))
-    y_ND = expert_parallel_ffn(
-        x_ND, routing.token, routing.expert, routing.weight, layer.experts, layer.num_experts, layer.ep_group,
-        layer.backend, timer,
+    y_ND = layer.expert_parallel(
+        x_ND, routing.token, routing.expert, routing.weight, layer.experts, layer.num_experts, layer.backend, timer
     )
     loss = y_ND.float().square().mean() + routing.aux_loss
     mid = timer.now()
@@ -76,7 +75,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict[str, float]:
     torch.manual_seed(0)
     kwargs = dict(router="topk", top_k=opts["top_k"], backend=opts["backend"])
     full = MoELayer(opts["d_model"], opts["d_ff"], opts["experts"], **kwargs)
-    ep = MoELayer(opts["d_model"], opts["d_ff"], opts["experts"], ep_group=dist.group.WORLD, **kwargs)
+    ep = MoELayer(opts["d_model"], opts["d_ff"], opts["experts"], expert_parallel=ExpertParallel(dist.group.WORLD), **kwargs)
     load_full_state_dict(ep, full.state_dict())
     full, ep = full.to(device), ep.to(device)
     n_local = opts["tokens"] // world

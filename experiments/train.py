@@ -1,4 +1,5 @@
-"""Train a small MoE language model with any router; single process or torchrun data parallel.
+"""Train a small MoE language model with any router; one process, or torchrun on any DeviceMesh
+layout (FSDP2 x expert parallel, ``moe.parallel.mesh``).
 
     python experiments/train.py --preset tiny --router topk --steps 300
     python experiments/train.py --router capacity --router-option top_k=2 --router-option capacity_factor=1.0 \
@@ -11,8 +12,11 @@
     torchrun --nproc_per_node 2 experiments/train.py --preset tiny --router topk --batch-size 16
     torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2 --steps 12 \
         --metrics-jsonl runs/ep2/metrics.jsonl
-    torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --expert-parallel 2 \
-        --grad-reduce-dtype bf16 --metrics-jsonl runs/ep2_bf16/metrics.jsonl
+    torchrun --standalone --nproc-per-node 4 experiments/train.py --preset tiny --router topk --steps 12 \
+        --batch-size 8 --seq-len 64 --expert-parallel 2 --metrics-jsonl runs/ep2x2/metrics.jsonl
+    torchrun --standalone --nproc-per-node 4 experiments/train.py --preset tiny --dp-replicate 2 --expert-parallel 2
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 experiments/train.py --preset small \
+        --checkpoint-dir runs/small --checkpoint-every 50 --resume      # a crashed rank restarts the job
 
 Every field of ``moe.training.TrainConfig`` is a flag (``--help`` lists them), and every field of
 ``moe.model.ModelConfig`` overrides the preset (``--d-model 128 --num-experts 8``).

@@ -18,7 +18,6 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from moe.experts import BACKENDS, SwiGLUExperts
-from moe.parallel.exchange import expert_parallel_ffn, local_expert_range
 from moe.routers import build_router
 from moe.routing import DecodeState, Router, Routing, check_input
 
@@ -31,10 +30,11 @@ class MoELayer(nn.Module):
     "torch" (reference, any device), "triton" (GPU kernels) or "auto". Results do not
     depend on the backend beyond floating-point rounding.
 
-    ``ep_group`` (a ``torch.distributed`` process group, e.g. ``dist.group.WORLD``) shards the
-    experts over its ranks: this rank holds experts ``local_experts = [start, stop)``, routes
-    its own tokens and exchanges rows with the other ranks (see ``moe.parallel``). Every rank
-    of the group must run the layer in the same step. ``None`` (default): all experts local.
+    ``expert_parallel`` (a ``moe.parallel.ExpertParallel``, which carries the process group
+    and the data path) shards the experts over the group's ranks: this rank holds experts
+    ``local_experts = [start, stop)``, routes its own tokens and exchanges rows with the other
+    ranks. Every rank of the group must run the layer in the same step. ``None`` (default):
+    all experts local.
 
     ``experts`` (optional) is a prebuilt expert module to use instead of a fresh
     ``SwiGLUExperts``, e.g. a ``FusedSwiGLUExperts`` sharing another model's weights; it must
@@ -48,7 +48,7 @@ class MoELayer(nn.Module):
         num_experts: int,
         router: str | Router = "topk",
         backend: str = "torch",
-        ep_group=None,
+        expert_parallel=None,
         experts: nn.Module | None = None,
         **router_options,
     ) -> None:
@@ -66,8 +66,8 @@ class MoELayer(nn.Module):
             self.router = router
         else:
             self.router = build_router(router, d_model=d_model, num_experts=num_experts, **router_options)
-        self.ep_group = ep_group
-        self.local_experts = (0, num_experts) if ep_group is None else local_expert_range(num_experts, ep_group)
+        self.expert_parallel = expert_parallel
+        self.local_experts = (0, num_experts) if expert_parallel is None else expert_parallel.local_range(num_experts)
         num_local = self.local_experts[1] - self.local_experts[0]
         if experts is None:
             experts = SwiGLUExperts(num_local, d_model, d_ff)
@@ -89,17 +89,17 @@ class MoELayer(nn.Module):
         b, t, d = x_BTD.shape
         routing = self.router(x_BTD, decode_state=decode_state)
         x_ND = x_BTD.reshape(b * t, d)
-        if self.ep_group is None:
+        if self.expert_parallel is None:
             y_ND = self.experts(x_ND, routing.token, routing.expert, routing.weight, self.backend)
         else:
-            y_ND = expert_parallel_ffn(
-                x_ND, routing.token, routing.expert, routing.weight, self.experts, self.num_experts, self.ep_group, self.backend
+            y_ND = self.expert_parallel(
+                x_ND, routing.token, routing.expert, routing.weight, self.experts, self.num_experts, self.backend
             )
         y_BTD = y_ND.view(b, t, d).to(x_BTD.dtype)
         return (y_BTD, routing) if return_routing else y_BTD
 
     def extra_repr(self) -> str:
-        ep = "" if self.ep_group is None else f", local_experts={self.local_experts}"
+        ep = "" if self.expert_parallel is None else f", local_experts={self.local_experts}"
         return f"backend={self.backend!r}{ep}"
 
 

@@ -214,7 +214,7 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, use_moe: bool, ep_group=None) -> None:
+    def __init__(self, cfg: ModelConfig, use_moe: bool, expert_parallel=None) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
@@ -222,7 +222,7 @@ class Block(nn.Module):
         if use_moe:
             self.ffn = MoELayer(
                 cfg.d_model, cfg.moe_d_ff, cfg.num_experts, router=cfg.router, backend=cfg.backend,
-                ep_group=ep_group, **cfg.router_options,
+                expert_parallel=expert_parallel, **cfg.router_options,
             )
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
@@ -243,15 +243,16 @@ class MoETransformer(nn.Module):
     Decoding: ``cache = model.init_cache(B)``, then ``model(new_BT, cache=cache)`` for each chunk
     of new tokens (a prompt, then one token at a time); ``model.generate(idx, n)`` samples.
 
-    ``ep_group`` shards every MoE block's experts over a process group (``moe.parallel``);
-    initialise such a model from a single-process one with ``moe.parallel.load_full_state_dict``.
+    ``expert_parallel`` (a ``moe.parallel.ExpertParallel``) shards every MoE block's experts
+    over its process group; initialise such a model from a single-process one with
+    ``moe.parallel.load_full_state_dict``.
     """
 
-    def __init__(self, cfg: ModelConfig, ep_group=None) -> None:
+    def __init__(self, cfg: ModelConfig, expert_parallel=None) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), ep_group) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), expert_parallel) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights()

@@ -27,6 +27,7 @@ from kernels.reference import moe_ffn_reference
 from moe import MoELayer, update_routers
 from moe.model import ModelConfig, MoETransformer
 from moe.parallel import (
+    ExpertParallel,
     expert_parallel_ffn,
     full_state_dict,
     load_full_state_dict,
@@ -84,7 +85,7 @@ def _layer_pair(name: str, opts: dict, skewed: bool, group) -> tuple[MoELayer, M
     if skewed:
         with torch.no_grad():
             full.router.gate.weight[:, 0] = torch.tensor([1.0, 0.8, -1.0, -1.0])
-    ep = MoELayer(D, F, E, router=name, ep_group=group, **opts).double()
+    ep = MoELayer(D, F, E, router=name, expert_parallel=ExpertParallel(group), **opts).double()
     load_full_state_dict(ep, full.state_dict())
     return full, ep
 
@@ -126,7 +127,7 @@ def _equivalence_worker(rank: int, world: int) -> dict[str, float]:
     # through the data path directly (hand-built assignments; expert 3 gets none).
     torch.manual_seed(3)
     full = MoELayer(D, F, E).double()
-    ep = MoELayer(D, F, E, ep_group=group).double()
+    ep = MoELayer(D, F, E, expert_parallel=ExpertParallel(group)).double()
     load_full_state_dict(ep, full.state_dict())
     x0 = torch.randn(3, D, dtype=torch.float64)
     token0, expert0 = torch.tensor([0, 0, 1, 2, 2]), torch.tensor([0, 2, 1, 1, 0])
@@ -203,7 +204,7 @@ def _training_worker(rank: int, world: int) -> dict[str, float]:
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=32, moe_d_ff=16, num_experts=E, max_seq_len=16)
     torch.manual_seed(4)
     full_model = MoETransformer(cfg).double()
-    ep_model = MoETransformer(cfg, ep_group=group).double()
+    ep_model = MoETransformer(cfg, expert_parallel=ExpertParallel(group)).double()
     load_full_state_dict(ep_model, full_model.state_dict())
     idx = torch.randint(0, 32, (2 * world, 8), generator=torch.Generator().manual_seed(5))
     out["model/logits"] = _max_diff(ep_model(idx[rows]).logits, full_model(idx).logits[rows])
@@ -286,6 +287,30 @@ def test_dead_rank_gives_clear_error_not_a_hang():
     assert results[1][0] == "missing"
 
 
-def test_ep_group_needs_initialised_distributed():
+def test_expert_parallel_needs_initialised_distributed():
     with pytest.raises(ValueError, match="torch.distributed"):
-        MoELayer(D, F, E, ep_group=object())
+        ExpertParallel(object())
+
+
+def _imported_modules(path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_layer_and_parallel_do_not_import_each_other():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "moe"
+    layer_imports = _imported_modules(root / "layer.py")
+    assert not any(m.startswith("moe.parallel") for m in layer_imports), layer_imports
+    for path in (root / "parallel").glob("*.py"):
+        bad = {m for m in _imported_modules(path) if m in ("moe", "moe.layer", "moe.model") or m.startswith("moe.training")}
+        assert not bad, f"{path.name} imports {bad}"

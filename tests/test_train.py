@@ -72,7 +72,7 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
         train(TrainConfig(checkpoint_dir=str(run_dir), checkpoint_every=3, metrics_jsonl=jsonl, **common))
     monkeypatch.setattr(mt, "local_batch", real_batch)
     assert [r["step"] for r in read_jsonl(jsonl)] == [1, 2, 3, 4]
-    assert sorted(p.name for p in run_dir.iterdir()) == ["ckpt.pt"]  # no temporary file left behind
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-00000003"]  # no temporary directory left behind
     resumed = train(TrainConfig(checkpoint_dir=str(run_dir), checkpoint_every=3, metrics_jsonl=jsonl, resume=True,
                                 **common))
 

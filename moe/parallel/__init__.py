@@ -2,20 +2,23 @@
 
     import torch.distributed as dist
     from moe import MoELayer
-    from moe.parallel import load_full_state_dict, reduce_gradients
+    from moe.parallel import ExpertParallel, load_full_state_dict, reduce_gradients
 
     dist.init_process_group("gloo")                       # under torchrun
-    layer = MoELayer(512, 1024, 8, router="topk", ep_group=dist.group.WORLD)
+    layer = MoELayer(512, 1024, 8, router="topk", expert_parallel=ExpertParallel(dist.group.WORLD))
     load_full_state_dict(layer, single_process_layer.state_dict())
     y_BTD = layer(x_BTD)                                  # x_BTD: this rank's own tokens
     loss.backward(); reduce_gradients(layer)              # before the optimiser step
 
-See :mod:`moe.parallel.exchange` for the data path and :mod:`moe.parallel.state` for
-sharded checkpoints (model and optimizer), gradient scaling and clipping. ``moe.training``
-uses all of it under ``--expert-parallel N``.
+See :mod:`moe.parallel.exchange` for the data path, :mod:`moe.parallel.state` for
+single-process state dicts (model and optimizer), gradient scaling and clipping,
+:mod:`moe.parallel.mesh` for the DeviceMesh (replicate x FSDP2 shard x expert parallel) and
+:mod:`moe.parallel.checkpoint` for sharded DCP checkpoints. ``moe.training`` runs every
+layout under ``--dp-replicate R --expert-parallel P``.
 """
 
 from moe.parallel.exchange import (
+    ExpertParallel,
     all_to_all_rows,
     exchange_counts,
     expert_parallel_ffn,
@@ -29,6 +32,7 @@ from moe.parallel.state import (
     full_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
+    rank_state_bytes,
     reduce_gradients,
     shard_state_dict,
     share_router_statistics,
@@ -37,6 +41,7 @@ from moe.parallel.state import (
 from moe.parallel.timing import PhaseTimer
 
 __all__ = [
+    "ExpertParallel",
     "PhaseTimer",
     "all_to_all_rows",
     "clip_grad_norm_",
@@ -49,6 +54,7 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "local_expert_range",
+    "rank_state_bytes",
     "reduce_gradients",
     "shard_state_dict",
     "share_router_statistics",

@@ -170,6 +170,49 @@ def expert_parallel_ffn(
     return y_ND
 
 
+class ExpertParallel:
+    """The expert-parallel data path handed to an ``MoELayer`` (``moe.layer`` never imports
+    this package): the process group the experts are split over and the dispatch ->
+    exchange -> experts -> exchange -> combine path (:func:`expert_parallel_ffn`).
+
+        ep = ExpertParallel(dist.group.WORLD)
+        layer = MoELayer(512, 1024, 8, expert_parallel=ep)
+
+    ``moe.parallel`` finds expert-parallel layers by this object (see
+    ``moe.parallel.state.expert_parallel_layers``), never by their class. ``mesh`` (optional):
+    the run's full DeviceMesh, whose ``"ep"`` dim is ``group``; sharded checkpoints describe
+    the experts on it (``moe.parallel.checkpoint``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, mesh=None) -> None:
+        group_rank_size(group)  # a clear error when torch.distributed is not initialised
+        if mesh is not None and "ep" not in (mesh.mesh_dim_names or ()):
+            raise ValueError(f"the mesh of an ExpertParallel needs an 'ep' dim, got {mesh.mesh_dim_names}")
+        self.group = group
+        self.mesh = mesh
+
+    def local_range(self, num_experts: int) -> tuple[int, int]:
+        """[start, stop) of the experts this rank holds."""
+        return local_expert_range(num_experts, self.group)
+
+    def __call__(
+        self,
+        x_ND: Tensor,
+        token_A: Tensor,
+        expert_A: Tensor,
+        weight_A: Tensor,
+        experts: SwiGLUExperts,
+        num_experts: int,
+        backend: str = "torch",
+        timer: PhaseTimer | None = None,
+    ) -> Tensor:
+        return expert_parallel_ffn(x_ND, token_A, expert_A, weight_A, experts, num_experts, self.group, backend, timer)
+
+    def __repr__(self) -> str:
+        rank, size = group_rank_size(self.group)
+        return f"ExpertParallel(rank {rank} of {size})"
+
+
 def _no_phase(name: str) -> nullcontext:
     return nullcontext()
 

@@ -2,8 +2,8 @@
 
 Two kinds of parameters:
 
-* **expert parameters** (``experts.w_gate / w_up / w_down`` of every ``MoELayer`` built with
-  an ``ep_group``): sharded, rank r holds experts [r*L, (r+1)*L). Their gradients already
+* **expert parameters** (``experts.w_gate / w_up / w_down`` of every ``MoELayer`` given an
+  ``ExpertParallel``): sharded, rank r holds experts [r*L, (r+1)*L). Their gradients already
   hold every rank's tokens (the backward of the exchange brings them home), so they are
   never all-reduced.
 * **replicated parameters** (everything else: embeddings, attention, norms, routers):
@@ -22,14 +22,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from moe.parallel.exchange import group_rank_size, guarded
+from moe.parallel.exchange import ExpertParallel, group_rank_size, guarded
+
 
 def expert_parallel_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """Name -> every ``MoELayer`` in ``model`` whose experts are sharded over a group."""
-    from moe.layer import MoELayer  # moe.layer imports moe.parallel: import lazily
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoELayer) and m.ep_group is not None}
+    """Name -> every module of ``model`` given an :class:`ExpertParallel` (its experts are
+    sharded over that object's group): found by the injected object, not by class."""
+    return {
+        name: m for name, m in model.named_modules() if isinstance(getattr(m, "expert_parallel", None), ExpertParallel)
+    }
 
 
 def share_router_statistics(model: nn.Module, group=None) -> None:
@@ -86,17 +89,23 @@ def load_full_state_dict(model: nn.Module, full_state: dict[str, Tensor], strict
     return model.load_state_dict(shard_state_dict(full_state, model), strict=strict)
 
 
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor of an FSDP2 DTensor (a collective on its mesh); a plain tensor as is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The single-process state dict of an expert-parallel ``model``: expert tensors are
-    all-gathered over their group (a collective: every rank of the group must call it) and
-    returned on every rank, on the CPU. Loadable by a single-process model or, through
+    """The single-process state dict of a sharded ``model``: FSDP2 DTensors gathered over their
+    mesh, expert-parallel experts all-gathered over their group (collectives: every rank must
+    call it), returned on every rank, on the CPU. Loadable by a single-process model or, through
     :func:`load_full_state_dict`, by one on any number of ranks."""
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    state = {k: _full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
     for key, layer in _expert_keys(model).items():
-        local = model.get_parameter(key).detach().contiguous()
-        _, size = group_rank_size(layer.ep_group)
+        local = state[key].to(model.get_parameter(key).device).contiguous()
+        _, size = group_rank_size(layer.expert_parallel.group)
         parts = [torch.empty_like(local) for _ in range(size)]
-        guarded("state gather", layer.ep_group, lambda: dist.all_gather(parts, local, group=layer.ep_group))
+        group = layer.expert_parallel.group
+        guarded("state gather", group, lambda: dist.all_gather(parts, local, group=group))
         state[key] = torch.cat(parts).cpu()
     return state
 
@@ -135,7 +144,7 @@ def reduce_gradients(model: nn.Module, group=None, reduce_dtype: torch.dtype = t
     _, size = group_rank_size(group)
     expert, replicated = split_parameters(model)
     for layer in expert_parallel_layers(model).values():
-        if group_rank_size(layer.ep_group)[1] != size:
+        if group_rank_size(layer.expert_parallel.group)[1] != size:
             raise ValueError("the expert-parallel group must span the data-parallel group (EP size = DP size)")
     for p in expert:
         if p.grad is not None:
@@ -160,25 +169,42 @@ def reduce_gradients(model: nn.Module, group=None, reduce_dtype: torch.dtype = t
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, group=None) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for an expert-parallel model: the norm of the
-    *whole* model's gradient (replicated parameters counted once, every rank's expert shard
-    included), so every rank scales by the same factor, the one a single process would use.
-    Call after :func:`reduce_gradients`. ``max_norm=inf`` only measures. Returns the norm."""
-    expert, replicated = split_parameters(model)
-    norm_of = lambda ps: torch.linalg.vector_norm(  # noqa: E731
-        torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in ps if p.grad is not None] or [torch.zeros(())])
-    )
-    sq = norm_of(replicated).square()
-    if expert_parallel_layers(model):
-        expert_sq = norm_of(expert).square()
-        guarded("gradient-norm all-reduce", group, lambda: dist.all_reduce(expert_sq, group=group))
-        sq = sq + expert_sq
-    total = sq.sqrt()
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a sharded model: the norm of the *whole* model's
+    gradient, so every rank scales by the same factor, the one a single process would use.
+
+    Gradients may be plain tensors or FSDP2 DTensors on any mesh, mixed. Each kind is summed
+    where it lives: a DTensor's squared norm over the shard dims of its mesh (replicas counted
+    once), an expert-parallel layer's experts additionally over its expert-parallel group,
+    and a plain non-expert gradient counts as it is (identical on every rank after reduction).
+    Call after the gradients are reduced. ``max_norm=inf`` only measures. Returns the norm."""
+    owner = {id(p): layer for layer in expert_parallel_layers(model).values() for p in layer.experts.parameters()}
+    buckets: dict[tuple, Tensor] = {}
+    grads = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        grads.append(g)
+        layer = owner.get(id(p))
+        ep_group = layer.expert_parallel.group if layer is not None else None
+        local, placement = (g.to_local(), (g.device_mesh, tuple(g.placements))) if isinstance(g, DTensor) else (g, None)
+        key = (placement, ep_group)
+        sq = torch.linalg.vector_norm(local.float()).square()
+        buckets[key] = buckets[key] + sq if key in buckets else sq
+    total_sq = torch.zeros(())
+    for (placement, ep_group), sq in buckets.items():
+        if placement is not None:
+            mesh, placements = placement
+            partial = [Partial() if pl.is_shard() else Replicate() for pl in placements]
+            sq = DTensor.from_local(sq, mesh, partial, run_check=False).full_tensor()
+        if ep_group is not None:
+            guarded("gradient-norm all-reduce", ep_group, lambda: dist.all_reduce(sq, group=ep_group))
+        total_sq = total_sq + sq.cpu()
+    total = total_sq.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in expert + replicated:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad))
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
     return total
 
 
@@ -197,12 +223,12 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     and in a single-process model built from the same config."""
     state = optimizer.state_dict()
     for i, layer in _optimizer_expert_entries(model, optimizer).items():
-        _, size = group_rank_size(layer.ep_group)
+        _, size = group_rank_size(layer.expert_parallel.group)
         for key, value in state["state"].get(i, {}).items():
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == layer.experts.num_experts:
                 local = value.contiguous()
                 parts = [torch.empty_like(local) for _ in range(size)]
-                guarded("optimizer-state gather", layer.ep_group, lambda: dist.all_gather(parts, local, group=layer.ep_group))
+                guarded("optimizer-state gather", layer.expert_parallel.group, lambda: dist.all_gather(parts, local, group=layer.expert_parallel.group))
                 state["state"][i] = {**state["state"][i], key: torch.cat(parts)}
     return state
 
@@ -221,3 +247,21 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
             for k, v in entry.items()
         }
     optimizer.load_state_dict(state)
+
+
+def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state (the local shards of
+    DTensors; a tied parameter counted once): ``{"params", "grads", "optimizer", "total"}``."""
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+    nbytes = lambda t: local(t).numel() * local(t).element_size()  # noqa: E731
+    params = list(model.parameters())
+    out = {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(
+            nbytes(v) for state in (optimizer.state.values() if optimizer is not None else ())
+            for v in state.values() if isinstance(v, Tensor)
+        ),
+    }
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out

@@ -67,11 +67,19 @@ class TrainConfig:
     metrics_jsonl: str | None = None
     """Write one JSON object per step here (rank 0)."""
     checkpoint_dir: str | None = None
-    """Write ``ckpt.pt`` here (atomically) every ``checkpoint_every`` steps and after the last step."""
+    """Write sharded checkpoints (``step-NNNNNNNN/``, DCP: every rank writes its shards) here,
+    atomically, every ``checkpoint_every`` steps and after the last step."""
     checkpoint_every: int = 0
     """Checkpoint every N steps (0 = only after the last step)."""
+    keep_checkpoints: int = 2
+    """K: keep the last K complete checkpoints."""
+    export_model: bool = False
+    """After the last step also write ``checkpoint_dir/model.pt``, the consolidated single-process
+    state dict (every rank gathers the whole model: for small models)."""
     resume: bool = False
-    """Continue from ``checkpoint_dir/ckpt.pt`` if it exists."""
+    """Continue from the last complete checkpoint in ``checkpoint_dir`` if there is one (written on
+    any layout or number of processes); start afresh if there is none (so a run restarted by
+    ``torchrun --max-restarts`` resumes)."""
     wandb_project: str = "causal-moe-routing"
     """wandb project."""
     wandb_run_name: str | None = None
@@ -82,13 +90,19 @@ class TrainConfig:
     """Directory for wandb's files (default: ``checkpoint_dir``, else the current directory)."""
     device: str = "auto"
     """auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, cuda, cuda:N."""
+    dp_replicate: int = 1
+    """R: replicated data-parallel degree (HSDP: each weight shard kept on R ranks); must divide
+    the number of processes together with ``expert_parallel`` (``moe.parallel.mesh``)."""
     expert_parallel: int = 1
-    """Expert-parallel group size: 1 = experts replicated; N = the world size (torchrun
-    --nproc-per-node N): experts sharded over all N ranks (``moe.parallel``), the rest data-parallel."""
+    """P: expert-parallel degree: the experts are split into P blocks, one per rank of an
+    expert-parallel group, and FSDP2-sharded over what remains; P must divide the number of
+    processes and num_experts. 1 = plain FSDP2 on more than one process."""
+    collective_timeout_s: float = 600.0
+    """Every collective of the process group (joined by the loop) fails after this many seconds
+    instead of hanging when a peer stops answering."""
     grad_reduce_dtype: str = "fp32"
-    """Precision of the data-parallel gradient all-reduce: fp32, or bf16 to measure the bias low
-    precision adds (bf16 is applied; its difference from fp32 on the same step is logged as
-    grad_reduce_rel_diff and grad_reduce_max_abs_diff)."""
+    """Precision of FSDP2's gradient reduction (``MixedPrecisionPolicy.reduce_dtype``): fp32, or
+    bf16 to measure the bias low precision adds."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
     hf_model: str | None = None
@@ -99,7 +113,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_bytes", "seq_len", "batch_size", "steps", "eval_windows", "eval_batch_size", "causal_stride",
-                    "expert_parallel", "canary_vocab")
+                    "dp_replicate", "expert_parallel", "canary_vocab")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -108,6 +122,8 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be an integer >= 0, got {v!r}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
         if self.weight_decay < 0 or self.grad_clip < 0 or not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -118,8 +134,10 @@ class TrainConfig:
             raise ValueError(f"wandb_mode must be online, offline or disabled, got {self.wandb_mode!r}")
         if self.grad_reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"grad_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}")
-        if self.resume and not self.checkpoint_dir:
-            raise ValueError("resume needs checkpoint_dir")
+        if (self.resume or self.export_model) and not self.checkpoint_dir:
+            raise ValueError("resume and export_model need checkpoint_dir")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be an integer >= 1, got {self.keep_checkpoints!r}")
         if self.hf_model and (self.expert_parallel > 1 or set(self.model) - {"backend"}):
             raise ValueError("hf_model takes its architecture from its transformers config: no model overrides "
                              "(except backend) and no expert_parallel")

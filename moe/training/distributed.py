@@ -3,6 +3,7 @@ CUDA) and the synchronisation of router state across ranks."""
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -11,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.routing import Router
-from moe.training.config import TrainConfig
 
 
 @dataclass
@@ -28,9 +28,10 @@ class DistInfo:
         return self.rank == 0
 
 
-def setup_distributed(device: str = "auto") -> DistInfo:
+def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; join the process group (gloo on CPU,
-    NCCL on CUDA) when WORLD_SIZE > 1 and none exists; pick the device."""
+    NCCL on CUDA, every collective bounded by ``timeout_s``) when WORLD_SIZE > 1 and none
+    exists; pick the device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -43,20 +44,32 @@ def setup_distributed(device: str = "auto") -> DistInfo:
         torch.cuda.set_device(dev)
     owns = False
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        # torchrun --max-restarts keeps the store of the first attempt: without a fresh prefix a
+        # restarted rank reads the dead attempt's addresses and fails to connect (measured).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", timeout=timeout,
+                                store=dist.PrefixStore(f"moe/attempt{attempt}", store), rank=rank, world_size=world)
         owns = True
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank, world, local_rank, dev, owns)
 
 
-def check_expert_parallel(cfg: TrainConfig, info: DistInfo) -> None:
-    """``--expert-parallel N`` shards the experts over every rank: N must be the world size."""
-    if cfg.expert_parallel not in (1, info.world_size):
-        raise ValueError(
-            f"--expert-parallel {cfg.expert_parallel} must equal the number of processes ({info.world_size}): "
-            f"launch with torchrun --nproc-per-node {cfg.expert_parallel}"
-        )
+FAULT_STEP_ENV = "MOE_FAULT_AT_STEP"
+FAULT_RANK_ENV = "MOE_FAULT_RANK"
+
+
+def inject_fault(step: int, info: DistInfo) -> None:
+    """Fault injection for restart tests: when $MOE_FAULT_AT_STEP equals ``step`` and this is
+    rank $MOE_FAULT_RANK (default 1) on torchrun's first attempt ($TORCHELASTIC_RESTART_COUNT
+    0 or unset), the process dies at once (exit code 17), as a crashed rank would."""
+    at = os.environ.get(FAULT_STEP_ENV)
+    if at is None or int(at) != step or int(os.environ.get(FAULT_RANK_ENV, "1")) != info.rank:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        os._exit(17)
 
 
 def sync_router_state(model: nn.Module, info: DistInfo) -> None:

@@ -14,13 +14,13 @@ single-process batch; gradients (and the router statistics that ``update_after_s
 in) are averaged over ranks before they are used. Logging, wandb and checkpoints happen on
 rank 0 only; every rank evaluates (the same windows), so a sharded model can join in.
 
-Expert parallel (``--expert-parallel N``, N = world size): every MoE block's experts are
-sharded over the N ranks (``moe.parallel``); everything else stays data-parallel. The model
-is built whole from the seed and each rank keeps its shard, so initialisation, batches and
-(with the routers counting load-balancing fractions over all ranks) every step's loss match
-the single-process run to fp32 rounding. Replicated gradients are averaged, expert gradients
-only scaled by 1/N (they already hold every rank's tokens), clipping uses the whole model's
-norm, and checkpoints are gathered into a single-process checkpoint, loadable on any N.
+On more than one process the model lives on a DeviceMesh (``moe.parallel.mesh``) built from
+``--dp-replicate R --expert-parallel P``: dense weights FSDP2-sharded over the data-parallel
+ranks (HSDP when R > 1), experts split over P expert-parallel ranks and FSDP2-sharded over what
+remains, gradients reduced by FSDP2. The model is built whole from the seed and then sharded,
+so initialisation, batches and (with the routers counting load-balancing fractions over all
+ranks) every step's loss match the single-process run to fp32 rounding. Clipping uses the
+whole model's norm.
 
 Shape legend: B batch (local to a rank unless named global), T sequence, V vocabulary,
 E experts, L MoE layers, W evaluation windows, P evaluated positions per window.
@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +44,18 @@ from moe.data import Corpus, batch_offsets, load_corpus, windows
 from moe.eval import autocast, evaluate
 from moe.layer import update_routers
 from moe.model import ModelConfig, MoETransformer, preset
-from moe.parallel import clip_grad_norm_, load_full_state_dict, reduce_gradients, share_router_statistics
-from moe.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint, truncate_jsonl
+from moe.parallel import clip_grad_norm_, load_full_state_dict, share_router_statistics
+from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
+from moe.training.checkpoint import (
+    EXPORT_NAME,
+    complete_checkpoints,
+    export_model,
+    load_checkpoint,
+    save_checkpoint,
+    truncate_jsonl,
+)
 from moe.training.config import REDUCE_DTYPES, TrainConfig
-from moe.training.distributed import DistInfo, check_expert_parallel, setup_distributed, sync_router_state
+from moe.training.distributed import DistInfo, inject_fault, setup_distributed, sync_router_state
 from moe.training.metrics import RouterEntropy, init_wandb, step_metrics, wandb_flat
 
 
@@ -55,6 +64,7 @@ class TrainResult:
     """What :func:`train` returns (on every rank)."""
 
     model: MoETransformer
+    optimizer: torch.optim.Optimizer
     model_config: ModelConfig
     history: list[dict]
     """The per-step metric records (rank 0; empty elsewhere), as written to the metrics JSONL."""
@@ -80,14 +90,15 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
     return mcfg
 
 
-def build_model(mcfg: ModelConfig, seed: int, device: torch.device, ep_group=None) -> MoETransformer:
+def build_model(mcfg: ModelConfig, seed: int, device: torch.device, expert_parallel=None) -> MoETransformer:
     """The model, initialised from ``seed`` (identically on every rank) and moved to ``device``.
-    With ``ep_group`` the full model is built and this rank's expert shard cut from it, so the
-    initialisation is the single-process one whatever the number of processes."""
+    With ``expert_parallel`` (a ``moe.parallel.ExpertParallel``) the full model is built and
+    this rank's expert shard cut from it, so the initialisation is the single-process one
+    whatever the number of processes."""
     torch.manual_seed(seed)
     model = MoETransformer(mcfg)
-    if ep_group is not None:
-        full, model = model, MoETransformer(mcfg, ep_group=ep_group)
+    if expert_parallel is not None:
+        full, model = model, MoETransformer(mcfg, expert_parallel=expert_parallel)
         load_full_state_dict(model, full.state_dict())
     return model.to(device)
 
@@ -121,9 +132,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
     """Train one model as ``cfg`` says (see the module docstring for the distributed contract)."""
-    info = setup_distributed(cfg.device)
+    info = setup_distributed(cfg.device, cfg.collective_timeout_s)
     try:
-        check_expert_parallel(cfg, info)
         return _train(cfg, corpus, info)
     finally:
         if info.owns_group:
@@ -134,18 +144,27 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
     mcfg = model_config(cfg, corpus.vocab_size)
+    layout = Layout.from_world(info.world_size, cfg.dp_replicate, cfg.expert_parallel)
+    pmesh = ParallelMesh(layout, info.device.type) if info.world_size > 1 else None
     if cfg.hf_model:
+        if pmesh is not None:
+            raise ValueError("--hf-model runs on one process (sharding a transformers model is not supported yet)")
         from moe.integrations.hf import build_hf_model  # the [hf] extra, imported only when asked for
 
         model = build_hf_model(cfg.hf_model, cfg.router, cfg.router_options, corpus.vocab_size, cfg.seed,
                                mcfg.backend).to(info.device)
     else:
-        model = build_model(mcfg, cfg.seed, info.device, dist.group.WORLD if cfg.expert_parallel > 1 else None)
-    if info.world_size > 1:
+        layout.check_experts(mcfg.num_experts)
+        model = build_model(mcfg, cfg.seed, info.device, pmesh.expert_parallel() if pmesh is not None else None)
+    if pmesh is not None:
+        # Blocks return views (reshapes); nothing here modifies a block's output in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        shard_model(model, pmesh, list(model.blocks), mixed_precision(info.device, REDUCE_DTYPES[cfg.grad_reduce_dtype]))
         share_router_statistics(model, dist.group.WORLD)
     optimizer = make_optimizer(model, cfg)
-    ckpt = Path(cfg.checkpoint_dir) / CHECKPOINT_NAME if cfg.checkpoint_dir else None
-    start, run_id = load_checkpoint(ckpt, model, optimizer, mcfg) if cfg.resume and ckpt.exists() else (0, None)
+    ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    found = complete_checkpoints(ckpt_dir) if cfg.resume else []
+    start, run_id = load_checkpoint(found[-1], model, optimizer, mcfg) if found else (0, None)
     jsonl = Path(cfg.metrics_jsonl) if cfg.metrics_jsonl and info.is_main else None
     if jsonl is not None:
         jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -170,6 +189,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     bar = tqdm(range(start + 1, cfg.steps + 1), initial=start, total=cfg.steps, desc=f"train {cfg.router}",
                disable=not (info.is_main and cfg.progress), dynamic_ncols=True)
     for step in bar:
+        inject_fault(step, info)
         t0 = time.perf_counter()
         lr = lr_at(step - 1, cfg)
         for group in optimizer.param_groups:
@@ -181,8 +201,6 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         loss = out.loss + out.aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        reduce_info = (reduce_gradients(model, reduce_dtype=REDUCE_DTYPES[cfg.grad_reduce_dtype])
-                       if info.world_size > 1 else {})
         grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         optimizer.step()
         sync_router_state(model, info)
@@ -192,7 +210,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
             torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
         train_time += dt
-        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt, **reduce_info)
+        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt)
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             ev = run_eval()
             record.update({f"eval/{k}": v for k, v in ev.items()})
@@ -213,9 +231,12 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
                     line += (f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
                              f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}")
                 tqdm.write(line)
-        if ckpt is not None and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
-            save_checkpoint(ckpt, model, optimizer, step, cfg, mcfg, info, run.id if run is not None else None)
+        if ckpt_dir is not None and (step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+            save_checkpoint(ckpt_dir, model, optimizer, step, cfg, mcfg, info, cfg.keep_checkpoints,
+                            run.id if run is not None else None)
     bar.close()
+    if cfg.export_model:
+        export_model(ckpt_dir / EXPORT_NAME, model, mcfg, info)
     entropy.close()
     if not final_eval:
         final_eval = run_eval()
@@ -225,4 +246,4 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if info.world_size > 1:
         share_router_statistics(model, None)  # the returned model's routers count locally again
         dist.barrier()  # no rank tears the group down while rank 0 still writes its checkpoint
-    return TrainResult(model, mcfg, history, final_eval, train_time)
+    return TrainResult(model, optimizer, mcfg, history, final_eval, train_time)

@@ -1,0 +1,156 @@
+"""Training step of the MoE model on every DeviceMesh layout: step time, exposed communication,
+and parameter + gradient + optimizer bytes per rank against one process.
+
+    python experiments/bench_parallel.py                              # CPU: 1, 2 and 4 gloo processes
+    python experiments/bench_parallel.py --preset small --batch-size 16 --iters 5
+    python experiments/bench_parallel.py --out experiments/results/bench_parallel-2026-11-29-cpu2
+
+One step = forward, backward, gradient clipping and AdamW step of ``moe.training``'s model on
+a fixed *global* batch split over the W ranks (strong scaling), with the layout's FSDP2 /
+expert-parallel sharding (``moe.parallel.mesh``). Per layout (``--dp-replicate R
+--expert-parallel P``; FSDP2 over the rest) and world size:
+
+* step ms: median over ``--iters`` steps after ``--warmup`` of the slowest rank;
+* compute ms: the same rank's step on its local batch with the *unsharded* single-process
+  model (no communication at all), measured in the same process just before: the work a rank
+  cannot avoid;
+* exposed comm ms: step - compute, i.e. communication and waiting not hidden behind compute
+  (on CPU, gloo collectives block the calling thread, so nearly all of it is exposed);
+* bytes/rank: parameters + gradients + AdamW state this rank holds (largest rank), and its
+  ratio to the single-process figure (1/W for plain FSDP2).
+
+With fewer free cores than processes (the 2-core machine these results come from) the
+processes share cores, so step times measure overhead, not speed-up; bytes are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moe.data import load_corpus
+from moe.parallel import clip_grad_norm_, rank_state_bytes, share_router_statistics
+from moe.parallel.launch import ok_values, run_local
+from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
+from moe.training import TrainConfig, build_model, model_config
+from moe.training.distributed import DistInfo
+from moe.training.loop import local_batch, make_optimizer
+
+
+def layouts_for(world: int, num_experts: int) -> list[tuple[int, int]]:
+    """Every (R, P) with R*P dividing ``world`` and P dividing ``num_experts``."""
+    return [(r, p) for r in range(1, world + 1) for p in range(1, world + 1)
+            if world % (r * p) == 0 and num_experts % p == 0]
+
+
+def _timed_steps(model, optimizer, corpus, cfg: TrainConfig, info: DistInfo, n: int) -> list[float]:
+    times = []
+    for step in range(1, n + 1):
+        idx_BT, targets_BT = local_batch(corpus, cfg, step, info)
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        out = model(idx_BT, targets_BT)
+        (out.loss + out.aux_loss).backward()
+        clip_grad_norm_(model, cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bench_rank(rank: int, world: int, opts: dict) -> dict:
+    cfg = TrainConfig(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
+                      max_bytes=opts["max_bytes"], progress=False)
+    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
+    mcfg = model_config(cfg, corpus.vocab_size)
+    device = torch.device("cpu")
+    info = DistInfo(rank, world, rank, device)
+    n = opts["warmup"] + opts["iters"]
+
+    plain = build_model(mcfg, cfg.seed, device)
+    plain_opt = make_optimizer(plain, cfg)
+    compute = statistics.median(_timed_steps(plain, plain_opt, corpus, cfg, info, n)[opts["warmup"]:])
+    rows = {}
+    for r, p in layouts_for(world, mcfg.num_experts) if world > 1 else [(1, 1)]:
+        layout = Layout.from_world(world, r, p)
+        pmesh = ParallelMesh(layout, "cpu") if world > 1 else None
+        model = build_model(mcfg, cfg.seed, device, pmesh.expert_parallel() if pmesh is not None else None)
+        if pmesh is not None:
+            shard_model(model, pmesh, list(model.blocks), mixed_precision(device))
+            share_router_statistics(model, dist.group.WORLD)
+        optimizer = make_optimizer(model, cfg)
+        step = statistics.median(_timed_steps(model, optimizer, corpus, cfg, info, n)[opts["warmup"]:])
+        mine = torch.tensor([step, compute, float(rank_state_bytes(model, optimizer)["total"])], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        if world > 1:
+            dist.all_gather(every, mine)
+        else:
+            every = [mine]
+        slowest = max(every, key=lambda v: float(v[0]))
+        rows[str(layout)] = {
+            "world": world, "dp_replicate": r, "dp_shard": layout.dp_shard, "expert_parallel": p,
+            "step_s": float(slowest[0]), "compute_s": float(slowest[1]),
+            "exposed_comm_s": max(float(slowest[0] - slowest[1]), 0.0),
+            "bytes_per_rank": int(max(float(v[2]) for v in every)),
+        }
+    return rows
+
+
+def format_table(rows: list[dict], single_bytes: int) -> str:
+    lines = ["| W | R (replicate) | S (shard) | P (expert) | step ms | compute ms | exposed comm ms | bytes/rank | vs 1 process |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['world']} | {r['dp_replicate']} | {r['dp_shard']} | {r['expert_parallel']} | {r['step_s'] * 1e3:.1f} | "
+            f"{r['compute_s'] * 1e3:.1f} | {r['exposed_comm_s'] * 1e3:.1f} | {r['bytes_per_rank']:,} | "
+            f"{r['bytes_per_rank'] / single_bytes:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--batch-size", type=int, default=8, help="global sequences per step")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--max-bytes", type=int, default=200_000)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = parser.parse_args()
+    for name in ("batch_size", "seq_len", "iters"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    opts = {k: getattr(args, k) for k in ("preset", "batch_size", "seq_len", "max_bytes", "iters", "warmup")}
+    rows = []
+    os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"  # the spawned ranks: FSDP2 / DeviceMesh notices
+    for world in args.world_sizes:
+        if args.batch_size % world:
+            raise SystemExit(f"--batch-size {args.batch_size} must be divisible by every world size ({world})")
+        t0 = time.perf_counter()
+        res = ok_values(run_local(bench_rank, world, opts, timeout_s=1800.0, pg_timeout_s=600.0))[0]
+        rows.extend(res.values())
+        print(f"W={world}: {len(res)} layouts ({time.perf_counter() - t0:.0f}s)", flush=True)
+    single = next(r for r in rows if r["world"] == 1) if 1 in args.world_sizes else rows[0]
+    header = (f"preset {args.preset}, global batch {args.batch_size} x {args.seq_len} tokens, "
+              f"median of {args.iters} steps after {args.warmup}, gloo, {os.cpu_count()} CPU cores, 1 thread per process")
+    table = format_table(rows, single["bytes_per_rank"])
+    print(f"\n{header}\n\n{table}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps({"setup": header, "rows": rows}, indent=1))
+        out.with_suffix(".md").write_text(f"{header}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
