@@ -350,6 +350,20 @@ def test_target_that_always_fails_is_reported_not_raised():
     assert report.probes == []
 
 
+def test_no_future_probe_ran_is_an_error():
+    """A target that runs on the example only: nothing to compare, so no verdict."""
+    x = example(0)
+
+    def only_the_example(y: Tensor) -> Tensor:
+        if not torch.equal(y, x):
+            raise ValueError("unknown input")
+        return y * 2
+
+    report = audit(only_the_example, x, modes=("eval",))
+    assert report.error is not None and report.error.startswith("no future-perturbation probe ran"), report.error
+    assert "ValueError: unknown input" in report.error and not report.probe("random_future", "eval").ran
+
+
 class Counting(nn.Module):
     """Changes its state in every forward: a non-persistent buffer, a parameter, a new buffer."""
 

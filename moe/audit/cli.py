@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     except AuditUsageError as e:
         print(f"moe-audit: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # whatever else went wrong: one line and exit 2, never a traceback
+        print(f"moe-audit: error: the audit itself failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     elapsed = time.perf_counter() - start
     _print(reports, args, elapsed)
     if args.json:

@@ -304,7 +304,7 @@ class Comparator:
         by_dist = [v for v in variants if self._by_distribution(v)]
         direct = [v for v in variants if not self._by_distribution(v)]
         batched = [v for v in direct if self.batchable and tuple(v.x.shape) == tuple(self.x.shape) and v.rows is None]
-        single = [v for v in direct if not any(v is w for w in batched)]
+        single = [v for v in direct if all(v is not w for w in batched)]
         for v in single:
             self._judge_one(v, tally)
         self._judge_batched(batched, tally)
@@ -345,7 +345,7 @@ class Comparator:
     def _draws_KBSF(self, x: Tensor, upto: int, rows: int | None) -> Tensor:
         r = slice(None) if rows is None else slice(0, rows)
         seeds = [self.runner.seed + 1 + k for k in range(DRAWS)]
-        return torch.stack([self._value(self.runner.forward(x, seed=s).out)[r, :upto] for s in seeds])
+        return torch.stack([self._value(self.runner.forward(x, seed=s).out)[r, :upto].cpu() for s in seeds])
 
     @staticmethod
     def _value(out: Outputs) -> Tensor:

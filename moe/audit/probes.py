@@ -191,7 +191,10 @@ class Probes:
                     except TargetFailure:
                         break
                     objective = sign * (value_BTF[:, cut + 1 :].nan_to_num(0.0, 0.0, 0.0) * d_BF[:, None].to(value_BTF)).sum()
-                    (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
+                    try:
+                        (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
+                    except RuntimeError:  # the target's graph cannot be differentiated after all
+                        break
                     if grad is None:
                         break
                     x[:, cut + 1 :] = (x[:, cut + 1 :] + self.sampler.std * grad[:, cut + 1 :].sign()).detach()
@@ -224,7 +227,7 @@ class Probes:
                 h.remove()
         chosen: list[int] = []
         for lg in logits:
-            probs = lg.float().softmax(-1).reshape(ids.numel(), -1, lg.shape[-1]).mean(1)
+            probs = lg.float().cpu().softmax(-1).reshape(ids.numel(), -1, lg.shape[-1]).mean(1)
             chosen += ids[probs.argmax(0)].tolist() + ids[probs.argmin(0)].tolist()
         return list(dict.fromkeys(chosen))[: 2 * MAX_EXPERTS_FLOODED]
 
@@ -245,7 +248,10 @@ class Probes:
             # the Jacobian entry itself where each input feature moves a single output feature.
             w = torch.randint(0, 2, value_BTF[:, s].shape, generator=gen).to(value_BTF) * 2 - 1
             row = (value_BTF[:, s] * w).nan_to_num(0.0, 0.0, 0.0).sum()  # a NaN output has no gradient to read
-            (g,) = torch.autograd.grad(row, wrt, retain_graph=True, allow_unused=True)
+            try:
+                (g,) = torch.autograd.grad(row, wrt, retain_graph=True, allow_unused=True)
+            except RuntimeError:  # e.g. a saved tensor changed in place: not differentiable as run
+                return None
             g = torch.zeros_like(wrt) if g is None else g.detach().double().abs().nan_to_num(0.0, 0.0, 0.0)
             future.append(float(g[:, s + 1 :].amax()) if g[:, s + 1 :].numel() else 0.0)
             own.append(float(g[:, : s + 1].amax()))
