@@ -277,7 +277,8 @@ class Comparator:
     # -- batching ----------------------------------------------------------------------------
     def allow_batching(self) -> None:
         """Concatenate perturbed copies along the batch from now on, if two copies of the example
-        in one forward give exactly what separate forwards give (deterministic targets only)."""
+        in one forward give what one forward of it gives (the same exact decisions, float changes
+        within the tolerance); only for deterministic targets that draw no random numbers."""
         if self.stochastic or self.regime != "deterministic":
             return
         try:
