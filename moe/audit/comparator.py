@@ -343,9 +343,10 @@ class Comparator:
             for j, v in enumerate(chunk):
                 self._record(tally, ref, out.rows((j + 1) * self.b, (j + 2) * self.b), v)
 
-    def _draws_KBSF(self, x: Tensor, upto: int, rows: int | None) -> Tensor:
+    def _draws_KBSF(self, x: Tensor, upto: int, rows: int | None, first_seed: int) -> Tensor:
+        """The outputs of ``DRAWS`` forwards under seeds first_seed, first_seed + 1, ..."""
         r = slice(None) if rows is None else slice(0, rows)
-        seeds = [self.runner.seed + 1 + k for k in range(DRAWS)]
+        seeds = [first_seed + k for k in range(DRAWS)]
         return torch.stack([self._value(self.runner.forward(x, seed=s).out)[r, :upto].cpu() for s in seeds])
 
     @staticmethod
@@ -356,9 +357,11 @@ class Comparator:
 
     def _judge_distribution(self, v: Variant, tally: Tally) -> None:
         try:
+            # Seeds of the variant's draws differ from the reference's: independent draws, so
+            # under "no change" all 2K are exchangeable, as the permutation test assumes.
             if self._reference is None:
-                self._reference = self._draws_KBSF(self.x, self.t, None)
-            var_KBSF = self._draws_KBSF(v.x, v.upto, v.rows)
+                self._reference = self._draws_KBSF(self.x, self.t, None, self.runner.seed + 1)
+            var_KBSF = self._draws_KBSF(v.x, v.upto, v.rows, self.runner.seed + 1 + DRAWS)
         except TargetFailure as e:
             tally.fail(e)
             return
