@@ -24,8 +24,8 @@ from moe.audit import audit  # noqa: E402
 from moe.audit import cli as audit_cli  # noqa: E402
 from moe.data import load_corpus  # noqa: E402
 from moe.integrations.hf import (  # noqa: E402
-    FAMILIES, TINY_CONFIGS, HFCausalLM, HFMoEBlock, build_hf_model, load_hf_model, swap_moe_blocks, swapped_routings,
-    tiny_config,
+    FAMILIES, TINY_CONFIGS, HFCausalLM, HFMoEBlock, build_hf_model, decoding, load_hf_model, swap_moe_blocks,
+    swapped_routings, tiny_config,
 )
 from moe.training import TrainConfig, train  # noqa: E402
 
@@ -171,6 +171,42 @@ def test_every_router_swaps_in_and_trains_a_step(router):
     moe.update_routers(model)
 
 
+def generate_with_logits(model, prompt_BT, n):
+    out = model.generate(prompt_BT, max_new_tokens=n, do_sample=False, use_cache=True, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, torch.stack(out.logits, 1)  # [B, T0 + n], [B, n, V]
+
+
+def full_forward_logits(model, seq_BT, n):
+    """The logits that chose each of the last n tokens, from one full-sequence forward."""
+    return logits(model, seq_BT)[:, -n - 1 : -1]
+
+
+@pytest.mark.parametrize("router, options", [("capacity", {"capacity_scope": "prefix", "capacity_factor": 0.5}),
+                                             ("ec_threshold", {}), ("topk", {})])
+def test_generate_inside_decoding_equals_the_full_forward(router, options):
+    model = swap_moe_blocks(tiny_model("olmoe-tiny", norm=True), router, **options)
+    prompt = torch.randint(0, V, (2, 5))
+    with decoding(model, batch_size=2):
+        seq, step_logits = generate_with_logits(model, prompt, 12)
+    assert all(b.decode_state is None for b in model.modules() if isinstance(b, HFMoEBlock))
+    full = full_forward_logits(model, seq, 12)
+    assert_rel_close(step_logits, full, 1e-5, f"{router}: generate inside decoding vs full forward")
+
+
+def test_generate_outside_decoding_misroutes_a_prefix_capacity_router():
+    # Each cached call routes its new token as a sequence of its own (position 0, capacity >= 1):
+    # nothing is dropped, while the full forward drops. The context is what makes it exact.
+    model = swap_moe_blocks(tiny_model("olmoe-tiny", norm=True), "capacity", capacity_scope="prefix",
+                            capacity_factor=0.5)
+    prompt = torch.randint(0, V, (2, 5))
+    seq, step_logits = generate_with_logits(model, prompt, 12)
+    assert (step_logits - full_forward_logits(model, seq, 12)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="not decode-consistent"):
+        with decoding(swap_moe_blocks(tiny_model("olmoe-tiny"), "expert_choice"), batch_size=2):
+            pass
+
+
 def test_swap_errors():
     with pytest.raises(ValueError, match="no sparse MoE block"):
         swap_moe_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)))
@@ -259,8 +295,10 @@ def test_audit_cli_with_a_factory(tmp_path, capsys):
 def test_readme_hf_example_runs():
     # the README's ```python hf blocks (skipped by test_readme.py, which runs without transformers)
     blocks = re.findall(r"```python hf\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    assert len(blocks) == 1
+    assert len(blocks) == 2
     namespace: dict = {}
-    exec(compile(blocks[0], "README.md python hf block", "exec"), namespace)
+    for i, block in enumerate(blocks):  # the second continues the first's session
+        exec(compile(block, f"README.md python hf block {i}", "exec"), namespace)
     report = namespace["report"]
     assert report.leaks is False and report.decode_consistent is True and report.violations == []
+    assert namespace["new"].shape == (2, 12) and torch.equal(namespace["new"][:, :4], namespace["ids"][:, :4])

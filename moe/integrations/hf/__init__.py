@@ -11,7 +11,15 @@ interface (training loop, evaluation, audit); ``build_hf_model`` is what
 core package never does.
 """
 
-from moe.integrations.hf.blocks import FAMILIES, Family, HFMoEBlock, family_router_options, swap_moe_blocks, swapped_routings
+from moe.integrations.hf.blocks import (
+    FAMILIES,
+    Family,
+    HFMoEBlock,
+    decoding,
+    family_router_options,
+    swap_moe_blocks,
+    swapped_routings,
+)
 from moe.integrations.hf.causal_lm import TINY_CONFIGS, HFCausalLM, build_hf_model, load_hf_model, tiny_config
 
 __all__ = [
@@ -21,6 +29,7 @@ __all__ = [
     "HFMoEBlock",
     "TINY_CONFIGS",
     "build_hf_model",
+    "decoding",
     "family_router_options",
     "load_hf_model",
     "swap_moe_blocks",

@@ -14,6 +14,8 @@ copied, and a swapped checkpoint keeps its parameter objects.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +24,7 @@ from torch import Tensor, nn
 from moe.experts import FusedSwiGLUExperts
 from moe.layer import MoELayer
 from moe.routers import ExpertChoiceRouter, TokenChoiceBase, build_router
-from moe.routing import Routing, registered_routers
+from moe.routing import DecodeState, Routing, registered_routers
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class HFMoEBlock(nn.Module):
     ``moe`` routes with any registered router and runs the original experts' weights; a
     shared expert, where the family has one, is the original module, added as the original
     adds it. After each forward, ``routing`` holds that forward's :class:`moe.Routing` (aux
-    loss, stats); :func:`swapped_routings` collects them over a model.
+    loss, stats); :func:`swapped_routings` collects them over a model. Inside
+    :func:`decoding`, ``decode_state`` is set and each call routes the next tokens of the
+    sequences being generated (transformers' ``generate`` with its KV cache passes only those).
     """
 
     def __init__(self, moe: MoELayer, shared_expert: nn.Module | None = None,
@@ -75,9 +79,10 @@ class HFMoEBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
         self.routing: Routing | None = None
+        self.decode_state: DecodeState | None = None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        y_BTD, self.routing = self.moe(hidden_states, return_routing=True)
+        y_BTD, self.routing = self.moe(hidden_states, return_routing=True, decode_state=self.decode_state)
         if self.shared_expert is not None:
             y_BTD = y_BTD + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
         return y_BTD
@@ -167,3 +172,31 @@ def swapped_routings(model: nn.Module) -> list[Routing]:
     if missing:
         raise ValueError(f"swapped blocks {missing} have not run a forward yet")
     return [b.routing for b in blocks]
+
+
+@contextmanager
+def decoding(model: nn.Module, batch_size: int) -> Iterator[nn.Module]:
+    """Route incrementally while transformers generates with its KV cache::
+
+        with decoding(model, batch_size=2):
+            out = model.generate(ids_BT, max_new_tokens=16, do_sample=False)
+
+    Every swapped block gets a fresh decode state of its router (``Router.init_decode_state``:
+    a ValueError for a router that cannot decode, e.g. expert choice) and routes each call's
+    tokens as the next ones of the ``batch_size`` sequences, so a decode-consistent router
+    (``topk``, ``ec_threshold``, ``capacity`` with ``capacity_scope="prefix"``) gives at every
+    step what the full-sequence forward of the generated text gives. Without it each call is
+    routed as a sequence of its own: exact only for routers that route every token alone
+    (``topk``, ``ec_threshold``); a prefix-scoped capacity router would see each new token at
+    position 0. Needs the cache (``use_cache=True``, transformers' default) and prompts of
+    equal length (all rows at the same position). The states are cleared on exit."""
+    blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no swapped MoE block: call swap_moe_blocks first")
+    try:
+        for block in blocks:
+            block.decode_state = block.moe.router.init_decode_state(batch_size)
+        yield model
+    finally:
+        for block in blocks:
+            block.decode_state = None
