@@ -165,8 +165,8 @@ def _train_judged(row: ZooRow) -> bool:
 def _disagreements(row: ZooRow) -> list[str]:
     expect = EXPECTED[row.entry.cls_name]
     if not expect.runs:
-        return [] if row.report is None and row.error else [f"expected not to run ({expect.why}), got a report"]
-    if row.report is None:
+        return [] if row.error else [f"expected not to run ({expect.why}), got a verdict"]
+    if row.report is None or row.error:
         return [f"could not run: {row.error}"]
     rep, out = row.report, []
     for mode in rep.modes if _train_judged(row) else [m for m in rep.modes if m != "train"]:

@@ -33,7 +33,8 @@ class ZooRow:
     """None when the entry could not be built."""
     report: AuditReport | None = None
     error: str | None = None
-    """Why it could not be built or audited (then ``report`` is None), or the audit's own error."""
+    """Why it could not be built or audited: then ``report`` is None, or holds the audit's own
+    error (a target it could not judge) and its verdicts mean nothing."""
     dropped: dict[str, float] = field(default_factory=dict)
     """Per mode: fraction of the example's tokens whose output row is exactly zero, i.e. served
     by no expert (blocks only; a lower bound on dropping with shared experts or top-k > 1)."""
@@ -46,7 +47,9 @@ class ZooRow:
 
     def to_dict(self) -> dict:
         e, r, b = self.entry, self.report, self.built
-        base = r.to_dict() if r is not None else {"name": e.name, "leaks": None, "leaks_in": None}
+        base = r.to_dict() if r is not None else {"name": e.name}
+        if self.error is not None:
+            base.update(leaks=None, leaks_in=None)
         return {
             **base,
             "library": self.library,
@@ -76,7 +79,7 @@ def audit_entry(entry: ZooEntry, modes: tuple[str, ...] = MODES, trials: int = 2
         row.dropped = _dropped(row.built.make(), x, modes)
         vocab = VOCAB if entry.kind == "causal LM" else None
         row.report = audit(row.built.make(), x, modes=modes, trials=trials, seed=seed, name=entry.name, vocab_size=vocab)
-        row.error = getattr(row.report, "error", None)
+        row.error = getattr(row.report, "error", None)  # the audit ran but could not judge the target
     except Exception as e:  # the row says why this entry could not be audited
         row.report, row.error = None, reason(e)
     row.seconds = time.perf_counter() - start
@@ -137,8 +140,8 @@ def _cells(r: ZooRow) -> list[str]:
     e, b, rep = r.entry, r.built, r.report
     head = [f"{r.library} {r.library_version}", f"`{e.cls_name}`", e.kind]
     head += ["-", "-", "-"] if b is None else [b.router_kind, b.capacity or "-", b.train_noise or "-"]
-    if rep is None:
-        return head + ["-", f"not run: {r.error}", "-", "-", "-", f"{r.seconds:.1f}s"]
+    if rep is None or r.error is not None:
+        return head + ["-", f"not run: {r.error}", "-", "-", r.regime or "-", f"{r.seconds:.1f}s"]
     dropped = "/".join(f"{r.dropped[m]:.0%}" for m in rep.modes if m in r.dropped) or "-"
     decode = "yes" if rep.decode_consistent else "**no** (" + ", ".join(rep.decode_differs_in) + ")"
     return head + [
@@ -158,7 +161,7 @@ def run_zoo(modes: tuple[str, ...], trials: int, seed: int, json_path: str | Non
     start = time.perf_counter()
     rows = audit_zoo(modes, trials, seed, progress=progress)
     print(zoo_markdown(rows))
-    ran = [r for r in rows if r.report is not None]
+    ran = [r for r in rows if r.report is not None and r.error is None]
     leaky = [r.entry.name for r in ran if r.report.leaks]
     mixing = [r.entry.name for r in ran if not r.report.batch_invariant]
     print(
