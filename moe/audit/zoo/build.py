@@ -67,12 +67,17 @@ last layer, which every family makes sparse, is the one built)."""
 TRAIN_NOISE_KEYS = ("router_jitter_noise", "input_jitter_noise", "moe_jitter_eps", "jitter_noise", "moe_token_dropout")
 """Config knobs that make a block random in training mode when > 0 (besides nn.Dropout)."""
 
+_PRIORITY = "priority: score if batch_prioritized_routing, else position"
+"""Replaced by the priority the built config uses."""
 ROUTER_MARKS: list[tuple[str, str]] = [
     (r"\bsoftmax\(", "softmax scores"),
     (r"\bsigmoid\(", "sigmoid scores"),
     (r"scoring_func", "score function from config.scoring_func"),
     (r"expert_capacity", "capacity"),
-    (r"batch_prioritized_routing", "priority: position, or score if batch_prioritized_routing"),
+    (r"cumsum\(\w+, dim=-2\)", "slots in position order per sequence (cumsum over T)"),
+    (r"cumsum\(\w+, dim=0\)", "slots counted over the flattened batch (cumsum over B*T)"),
+    (r"batch_prioritized_routing", _PRIORITY),
+    (r"capacity_token_fraction \* nb_tokens", "eval capacity = fraction x tokens in the forward"),
     (r"locations2\s*\+=", "second choices queued after all first choices"),
     (r"\btopk_group\b|\bn_group\b", "group-limited"),
     (r"e_score_correction_bias|expert_bias", "score-correction bias"),
@@ -176,7 +181,10 @@ def build(entry: ZooEntry) -> Built:
         config = _tiny_config(cls.config_class, {**TINY, **TINY_LM})
         config._attn_implementation = "eager"
         probe = cls(config)
-        make = lambda: _LMAdapter(_init(cls(config)))  # noqa: E731
+
+        def make() -> nn.Module:
+            return _LMAdapter(_init(cls(config)))
+
     else:
         if "position_embeddings" in inspect.signature(cls.forward).parameters:
             raise AuditUsageError(
@@ -184,8 +192,17 @@ def build(entry: ZooEntry) -> Built:
                 "so there is no standalone MoE block to audit"
             )
         probe, config = _build_block(cls, _config_classes(importlib.import_module(entry.module), entry.family))
-        make = lambda: _BlockAdapter(_init(cls(**_init_args(cls, config))))  # noqa: E731
-    return Built(make, router_kind(probe), _capacity_text(config), _train_noise(probe, config))
+
+        def make() -> nn.Module:
+            return _BlockAdapter(_init(cls(**_init_args(cls, config))))
+
+    kind = router_kind(probe)
+    prioritized = [getattr(c, "batch_prioritized_routing") for c in _configs_in(config) if hasattr(c, "batch_prioritized_routing")]
+    if prioritized:
+        kind = kind.replace(
+            _PRIORITY, f"priority: {'score' if prioritized[0] else 'position'} (batch_prioritized_routing={prioritized[0]})"
+        )
+    return Built(make, kind, _capacity_text(config), _train_noise(probe, config))
 
 
 def _config_classes(module: Any, family: str) -> list[type]:
