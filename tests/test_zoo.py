@@ -13,12 +13,13 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from moe.audit import cli  # noqa: E402
 from moe.audit.report import BATCH_PROBE  # noqa: E402
-from moe.audit.zoo import ZooRow, audit_zoo, discover, zoo_json, zoo_markdown  # noqa: E402
+from moe.audit.zoo import ZooRow, audit_zoo, build, discover, zoo_json, zoo_markdown  # noqa: E402
 from moe.audit.zoo import run as zoo_run  # noqa: E402
 
 
@@ -263,3 +264,20 @@ def test_cli_zoo_flag(monkeypatch, tmp_path, capsys):
 def test_the_core_package_never_imports_transformers():
     code = "import sys, moe, moe.audit, moe.audit.cli, moe.audit.zoo; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_adapter_hands_blocks_a_fresh_contiguous_copy():
+    """Switch scales its input in place in training (jitter) and Mixtral .view()s it: through the
+    adapter the caller's tensor is untouched and non-contiguous inputs work, with the outputs the
+    block gives on a contiguous copy."""
+    entries = {e.cls_name: e for e in discover(["mixtral", "switch_transformers"]) if e.kind == "block"}
+    switch = build(entries["SwitchTransformersSparseMLP"]).make().train()
+    x = torch.randn(2, 8, 16)
+    before = x.clone()
+    switch(x)
+    assert torch.equal(x, before)
+    mixtral = build(entries["MixtralSparseMoeBlock"]).make().eval()
+    x_TBD = torch.randn(8, 2, 16)
+    x_BTD = x_TBD.transpose(0, 1)
+    assert not x_BTD.is_contiguous()
+    torch.testing.assert_close(mixtral(x_BTD), mixtral.block(x_BTD.contiguous()), rtol=0, atol=0)
