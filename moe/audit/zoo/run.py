@@ -16,10 +16,11 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from moe.audit.probes import MODES, audit
-from moe.audit.report import AuditReport
-from moe.audit.target import AuditUsageError
+from moe.audit import AuditReport, AuditUsageError, audit
 from moe.audit.zoo.build import VOCAB, Built, ZooEntry, build, discover, example_for, reason, transformers_module
+
+MODES = ("train", "eval")
+"""Both training-flag settings, each audited (the audit's public API takes them by name)."""
 
 
 @dataclass
