@@ -4,7 +4,8 @@ Shape legend: B batch, T sequence, D hidden size, V vocabulary, E experts, K exp
 
 Discovery reads the source of every ``transformers/models/*/modeling_*.py``: a class is a sparse
 MoE block when its body assigns experts (``self.experts = ...``) next to a router
-(``self.gate`` / ``self.router`` / ``self.gating`` ...). Building imports the module, takes its
+(``self.gate`` / ``self.router`` / ``self.gating`` ...), or when its name ends like one
+(``...MoE``, ``...SparseMLP``) and it assigns a router. Building imports the module, takes its
 family's config with the attributes of :data:`TINY` shrunk, initialises every parameter at
 random (seeded; standalone blocks are created with ``torch.empty``) and wraps the block so that
 it maps x_BTD to y_BTD. Blocks with a token capacity get one that binds at the audited shape
@@ -178,7 +179,7 @@ def build(entry: ZooEntry) -> Built:
     transformers_module()
     cls = getattr(importlib.import_module(entry.module), entry.cls_name)
     if entry.kind == "causal LM":
-        config = _tiny_config(cls.config_class, {**TINY, **TINY_LM})
+        config = _tiny_config(cls.config_class, {**TINY, **TINY_LM}, _counts_per_sequence(importlib.import_module(cls.__module__)))
         config._attn_implementation = "eager"
         probe = cls(config)
 
@@ -191,7 +192,8 @@ def build(entry: ZooEntry) -> Built:
                 "a decoder layer with its MoE inline: its forward needs attention inputs (position_embeddings), "
                 "so there is no standalone MoE block to audit"
             )
-        probe, config = _build_block(cls, _config_classes(importlib.import_module(entry.module), entry.family))
+        module = importlib.import_module(entry.module)
+        probe, config = _build_block(cls, _config_classes(module, entry.family), _counts_per_sequence(module))
 
         def make() -> nn.Module:
             return _BlockAdapter(_init(cls(**_init_args(cls, config))))
@@ -219,25 +221,25 @@ def _config_classes(module: Any, family: str) -> list[type]:
     return sorted(found, key=lambda c: ("Text" not in c.__name__, c.__name__))
 
 
-def _build_block(cls: type, configs: list[type]) -> tuple[nn.Module, Any]:
+def _build_block(cls: type, configs: list[type], per_sequence: bool) -> tuple[nn.Module, Any]:
     """The block built from the first config class that works (parameters not initialised)."""
     errors = []
     for config_cls in configs:
         try:
-            cfg = _tiny_config(config_cls)
+            cfg = _tiny_config(config_cls, TINY, per_sequence)
             return cls(**_init_args(cls, cfg)), cfg
         except Exception as e:  # try the family's next config class; all failures form the reason
             errors.append(f"{config_cls.__name__}: {reason(e)}")
     raise AuditUsageError("; ".join(errors))
 
 
-def _tiny_config(config_cls: type, tiny: dict[str, int] = TINY) -> Any:
+def _tiny_config(config_cls: type, tiny: dict[str, int], per_sequence: bool) -> Any:
     """The default config with :data:`TINY` and binding capacities applied, experts and attention
     in their eager (reference loop) implementations."""
     cfg = config_cls()
     cfg._experts_implementation = "eager"
     for sub in _configs_in(cfg):
-        for key, value in {**tiny, **capacity_overrides(sub)}.items():
+        for key, value in {**tiny, **capacity_overrides(sub, per_sequence)}.items():
             try:
                 current = getattr(sub, key, None)
             except Exception:  # per-layer attributes of some configs refuse a global read
@@ -257,21 +259,27 @@ def _configs_in(cfg: Any) -> Iterator[Any]:
             yield from _configs_in(value)
 
 
-def capacity_overrides(cfg: Any) -> dict[str, int | float]:
-    """Token capacities that bind at the audited shape: half an expert's even share of a
-    sequence's K*T assignments (``expert_capacity``; it binds harder where the code counts over
-    the batch), and half the even share as a fraction of the forward's tokens
+def _counts_per_sequence(source_of: Any) -> bool:
+    """Does the routing code count capacity slots per sequence (a cumsum over dim -2 of
+    [B, T, E], as Switch does) rather than over the flattened batch?"""
+    return bool(re.search(r"cumsum\(\w+, dim=-2\)", _source(source_of)))
+
+
+def capacity_overrides(cfg: Any, per_sequence: bool) -> dict[str, int | float]:
+    """Token capacities that bind at the audited shape: half an expert's even share of the K
+    choices of the tokens the code counts over (T per sequence, else B*T), as a count
+    (``expert_capacity``), and half the even share as a fraction of the forward's tokens
     (``moe_eval_capacity_token_fraction``)."""
     out: dict[str, int | float] = {}
     if hasattr(cfg, "expert_capacity"):
-        out["expert_capacity"] = max(1, SEQ * TOP_K // (2 * EXPERTS))
+        out["expert_capacity"] = max(1, (1 if per_sequence else BATCH) * SEQ * TOP_K // (2 * EXPERTS))
     if hasattr(cfg, "moe_eval_capacity_token_fraction"):
         out["moe_eval_capacity_token_fraction"] = TOP_K / (2 * EXPERTS)
     return out
 
 
 def _capacity_text(cfg: Any) -> str | None:
-    used = {k: getattr(sub, k) for sub in _configs_in(cfg) for k in capacity_overrides(sub)}
+    used = {k: getattr(sub, k) for sub in _configs_in(cfg) for k in capacity_overrides(sub, False)}
     return ", ".join(f"{k}={v}" for k, v in used.items()) or None
 
 
@@ -341,9 +349,9 @@ def _sources(classes: Iterable[type]) -> str:
     return "".join(_source(c) for c in dict.fromkeys(classes) if c.__module__.startswith("transformers."))
 
 
-def _source(cls: type) -> str:
+def _source(obj: Any) -> str:
     try:
-        return inspect.getsource(cls)
+        return inspect.getsource(obj)
     except (OSError, TypeError):
         return ""
 
