@@ -14,13 +14,25 @@ import torch
 
 from moe.audit import cli
 from moe.audit.suite import BuiltinTarget
-from moe.routers import ExpertChoiceRouter
+from moe.routers import ExpertChoiceRouter, TopKRouter
 from moe.routing import Claims, build_router
 
 TARGETS = textwrap.dedent(
     '''
+    from __future__ import annotations
+
+    from dataclasses import dataclass
+
     import torch
     from torch import nn
+
+    from moe.routing import Claims
+
+
+    @dataclass
+    class Config:
+        width: int = 8
+        leak: float = 0.0
 
 
     class Positionwise(nn.Module):
@@ -50,14 +62,58 @@ TARGETS = textwrap.dedent(
             return x.mean(dim=1)  # [B, D]: not [B, T, ...]
 
 
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("kaboom")
+
+
+    class Split(nn.Module):
+        """Returns a dict: logits leak the sequence mean, hidden is causal."""
+
+        def __init__(self, cfg: Config = Config()):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(cfg.width, cfg.width)
+
+        def forward(self, x):
+            hidden = self.lin(x)
+            return {"hidden": hidden, "logits": hidden + 0.1 * x.mean(dim=1, keepdim=True)}
+
+
+    class ClaimsALeak(nn.Module):
+        """Causal, but claims to leak in eval mode: a claim the audit cannot demonstrate."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        @property
+        def claims(self) -> Claims:
+            return Claims(causal_train=True, causal_eval=False, batch_invariant=True, decode_consistent=True)
+
+        def forward(self, x):
+            return self.lin(x)
+
+
     causal = Positionwise()
     leaky = Positionwise(leak=0.1)
     pooled = Pooled()
+    broken = Broken()
+    split = Split()
+    claims_a_leak = ClaimsALeak()
     NOT_A_MODULE = 3
 
 
     def make_causal():
         return Positionwise()
+
+
+    def make_from_config():
+        return Positionwise(leak=Config(leak=0.1).leak)
+
+
+    def raising_factory():
+        raise ValueError("no such checkpoint")
 
 
     def make_token_model():
@@ -141,18 +197,52 @@ def test_module_path_target(tmp_path, monkeypatch):
         (["--target", "{file}:causal", "--input", "floaty:4,16,8"], "--input must be"),
         (["--target", "{file}:causal", "--input", "float:a,b,c"], "must be integers"),
         (["--target", "{file}:causal", "--input", "float:4,1,8"], "T must be at least 2"),
-        (["--target", "{file}:causal", "--input", "float:4,16,5"], "failed on an input"),
+        (["--target", "{file}:causal", "--input", "float:4,16,5"], "failed on the example"),
         (["--target", "{file}:pooled", "--input", "float:4,16,8"], "needs an output of shape [B, T, ...]"),
+        (["--target", "{file}:broken", "--input", "float:4,16,8"], "RuntimeError: kaboom"),
+        (["--target", "{file}:raising_factory"], "raised ValueError: no such checkpoint"),
+        (["--target", "{file}:split", "--input", "float:4,16,8", "--output", "nope"], "no field 'nope'"),
+        (["--target", "{file}:causal", "--input", "float:4,16,8", "--dtype", "fp8"], None),
+        (["--output", "logits"], "--output only applies to --target"),
         (["--target", "{file}:causal", "--input", "float:4,16,8", "--modes", "test"], "--modes"),
         (["--target", "{file}:causal", "--input", "float:4,16,8", "--trials", "0"], "--trials"),
         (["--input", "float:4,16,8"], "--input only applies to --target"),
     ],
 )
 def test_usage_errors_exit_2(target_file, capsys, argv, message):
+    """Usage errors and targets that cannot run exit 2 with one line on stderr, no traceback."""
     argv = [a.replace("{file}", target_file) for a in argv]
+    if message is None:  # rejected by argparse itself
+        with pytest.raises(SystemExit) as exc:
+            run(*argv)
+        assert exc.value.code == 2
+        return
     assert run(*argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("moe-audit: error:") and message in err, err
+    assert err.startswith("moe-audit: error:") and message in err and "Traceback" not in err, err
+
+
+def test_future_annotations_dataclass_file_and_output_field(target_file, capsys):
+    """The file uses `from __future__ import annotations` and a @dataclass (which looks its module
+    up in sys.modules); --output picks a field of a dict output."""
+    assert run("--target", f"{target_file}:make_from_config", "--input", "float:2,8,8", "--trials", "1") == 1
+    assert run("--target", f"{target_file}:split", "--input", "float:2,8,8", "--trials", "1") == 1
+    assert run("--target", f"{target_file}:split", "--input", "float:2,8,8", "--trials", "1", "--output", "hidden") == 0
+    assert "split: no leak found" in capsys.readouterr().out
+
+
+def test_claimed_leak_that_is_not_demonstrated_exits_1(target_file, capsys):
+    assert run("--target", f"{target_file}:claims_a_leak", "--input", "float:2,8,8", "--trials", "1") == 1
+    out = capsys.readouterr().out
+    assert "claims_a_leak: no leak found" in out and "FALSE CLAIMS: claims a leak in eval mode; none found" in out
+
+
+def test_dtype_and_device(target_file, capsys):
+    assert run("--target", f"{target_file}:causal", "--input", "float:2,8,8", "--trials", "1", "--dtype", "bf16") == 0
+    assert run("--target", f"{target_file}:leaky", "--input", "float:2,8,8", "--trials", "1", "--dtype", "bf16") == 1
+    if not torch.cuda.is_available():
+        assert run("--target", f"{target_file}:causal", "--input", "float:2,8,8", "--device", "cuda") == 2
+        assert "CUDA is not available" in capsys.readouterr().err
 
 
 class _LyingRouter(ExpertChoiceRouter):
@@ -161,7 +251,15 @@ class _LyingRouter(ExpertChoiceRouter):
         return Claims(causal_train=True, causal_eval=True, batch_invariant=True)
 
 
-def _suite(lying: bool):
+class _PessimisticTopK(TopKRouter):
+    """Dropless top-k (causal) claiming to leak in eval mode: a claim the audit cannot show."""
+
+    @property
+    def claims(self) -> Claims:
+        return Claims(causal_train=True, causal_eval=False, batch_invariant=True, decode_consistent=True)
+
+
+def _suite(extra: str | None):
     def example():
         return torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
 
@@ -173,25 +271,34 @@ def _suite(lying: bool):
         torch.manual_seed(0)
         return _LyingRouter(32, 4)
 
+    def pessimist():
+        torch.manual_seed(0)
+        return _PessimisticTopK(32, 4)
+
     targets = [BuiltinTarget("router topk", honest, example)]
-    if lying:
+    if extra == "lying":
         targets.append(BuiltinTarget("router lying expert_choice", liar, example))
+    if extra == "pessimistic":
+        targets.append(BuiltinTarget("router pessimistic topk", pessimist, example))
     return lambda seed=0: targets
 
 
-@pytest.mark.parametrize("lying, code", [(False, 0), (True, 1)])
-def test_no_argument_run_checks_claims(monkeypatch, capsys, tmp_path, lying, code):
+@pytest.mark.parametrize("extra, code", [(None, 0), ("lying", 1), ("pessimistic", 1)])
+def test_no_argument_run_checks_claims_both_ways(monkeypatch, capsys, tmp_path, extra, code):
     """The built-in suite itself is audited in tests/test_audit.py; here the command's plumbing
-    runs on a two-target stand-in, one of which may claim a causality it lacks."""
-    monkeypatch.setattr(cli, "builtin_targets", _suite(lying))
+    runs on a stand-in: honest, plus one target claiming a causality it lacks or a leak it does
+    not have. Both are false claims."""
+    monkeypatch.setattr(cli, "builtin_targets", _suite(extra))
     out_json = tmp_path / "suite.json"
     assert run("--json", str(out_json)) == code
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:3] == ["target", "claims", "causal"]
-    assert "router topk" in out and ("FALSE CLAIMS" in out) == lying and ("every claim holds" in out) != lying
+    assert "router topk" in out and ("FALSE CLAIMS" in out) == bool(extra) and ("every claim holds" in out) != bool(extra)
+    if extra == "pessimistic":
+        assert "router pessimistic topk: claims a leak in eval mode; none found" in out
     targets = json.loads(out_json.read_text())["targets"]
-    assert [t["claimed_causal"] for t in targets] == [True] * len(targets)
-    assert [t["leaks"] for t in targets] == [False, True][: len(targets)]
+    assert [t["claims_hold"] for t in targets] == [True] + [False] * bool(extra)
+    assert [t["leaks"] for t in targets] == [False, extra == "lying"][: len(targets)]
     assert torch.get_num_threads() == 1, "the built-in suite runs single-threaded by default"
 
 

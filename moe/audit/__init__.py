@@ -2,13 +2,13 @@
 
     from moe.audit import audit
     report = audit(model, idx_BT)           # or a router / layer / any callable on x_BTD
-    print(report.table()); report.leaks, report.leaks_in, report.batch_invariant
+    print(report.table()); report.leaks, report.leaks_in, report.batch_invariant, report.regime
 
 ``moe-audit`` (or ``python -m moe.audit``) runs it over every built-in router, or over
 ``--target``; see :mod:`moe.audit.cli`.
 """
 
-from moe.audit.probes import audit
+from moe.audit.engine import audit
 from moe.audit.report import AuditReport, ProbeResult, reports_to_json, summary_table
 from moe.audit.suite import BuiltinTarget, builtin_targets
 from moe.audit.target import AuditUsageError

@@ -5,10 +5,13 @@
     moe-audit --target path/to/file.py:layer --input float:4,16,64 --json audit.json
     python -m moe.audit --modes eval --trials 4 --seed 1
 
-Exit codes: 0 every claim holds (``--target``: no leak in any mode); 1 a target that claims
-to be causal leaks, or claims batch invariance it lacks (``--target``: it leaks in some mode);
-2 usage error (unimportable target, a name that is neither a module nor a factory, a
-malformed --input, an output that is not [B, T, ...]).
+Exit codes: 0 no leak (built-in suite: no leak it does not claim) and every claim holds;
+1 a leak (``--target``), or a false claim either way: a target claiming causality, batch
+invariance or decode consistency it lacks, or claiming a leak, batch interference or decode
+inconsistency the audit cannot demonstrate; 2 usage error (unimportable target, a name that
+is neither a module nor a factory, a malformed --input, an unknown --output field, no CUDA for
+--device cuda) or a target the audit could not run at all (it fails on the example, or no
+future-perturbation probe ran). Never a traceback.
 """
 
 from __future__ import annotations
@@ -27,15 +30,16 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from moe.audit.probes import MODES, audit
+from moe.audit.engine import MODES, audit
 from moe.audit.report import AuditReport, reports_to_json, summary_table
 from moe.audit.suite import builtin_targets
-from moe.audit.target import AuditTarget, AuditUsageError
+from moe.audit.target import AuditUsageError
 from moe.layer import MoELayer
 from moe.routing import Router
 
 DEFAULT_BATCH, DEFAULT_SEQ = 4, 16
 """B and T of the input when --input is left out and the target says its width / vocabulary."""
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Causality audit: does the output at position t ignore inputs at positions > t? "
         "Without --target, audits every built-in router (alone, in an MoELayer, in the tiny model) "
         "against its claims.",
-        epilog="Exit codes: 0 all claims hold / no leak; 1 a false causal, batch-invariance or decode-consistency claim "
-        "(with --target: a leak in some mode); 2 usage error.",
+        epilog="Exit codes: 0 no leak and every claim holds; 1 a leak (--target) or a false claim, either way "
+        "(a claimed leak the audit cannot demonstrate is false too); 2 usage error, or a target that could not be run.",
     )
     p.add_argument(
         "--target",
@@ -57,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="float:B,T,D[,...] (normal features) or tokens:B,T,V (ids below V); "
         "optional for routers, MoE layers and models with an nn.Embedding",
+    )
+    p.add_argument(
+        "--output",
+        metavar="NAME",
+        help="the output field to audit when the target returns a tuple / dict / dataclass: a key, attribute or "
+        "tuple index (default: logits when present, else the first tensor)",
+    )
+    p.add_argument("--device", default="cpu", help="device to run --target on, e.g. cuda or cuda:1 (default: cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="cast --target's floating parameters and float input to this dtype (default: leave as built); "
+        "tolerances scale with its resolution",
     )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to audit (default: train,eval)")
     p.add_argument("--trials", type=int, default=2, help="random perturbations per cut position (default: 2)")
@@ -98,14 +116,18 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         if args.target:
             reports = [_audit_user_target(args, modes)]
-            failed = reports[0].leaks
         else:
-            if args.input:
-                raise AuditUsageError("--input only applies to --target (the built-in suite chooses its own inputs)")
+            for flag in ("input", "output", "dtype"):
+                if getattr(args, flag):
+                    raise AuditUsageError(f"--{flag} only applies to --target (the built-in suite chooses its own)")
+            if args.device != "cpu":
+                raise AuditUsageError("--device only applies to --target (the built-in suite runs on the CPU)")
             reports = _audit_builtins(args, modes)
-            failed = any(r.violations for r in reports)
     except AuditUsageError as e:
         print(f"moe-audit: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # whatever else went wrong: one line and exit 2, never a traceback
+        print(f"moe-audit: error: the audit itself failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     _print(reports, args, elapsed)
@@ -115,7 +137,17 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"moe-audit: error: cannot write --json {args.json}: {e}", file=sys.stderr)
             return 2
-    return 1 if failed else 0
+    return exit_code(reports, user_target=bool(args.target))
+
+
+def exit_code(reports: list[AuditReport], user_target: bool) -> int:
+    """2 if a target could not be audited; else 1 for a false claim (either way) or, for a user
+    target, any leak; else 0. The built-in suite's leaks are claimed, so only claims count there."""
+    if any(r.error for r in reports):
+        return 2
+    if any(r.false_claims for r in reports) or (user_target and any(r.leaks for r in reports)):
+        return 1
+    return 0
 
 
 def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float) -> None:
@@ -125,20 +157,28 @@ def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float)
     print(summary_table(reports))
     if args.target:
         r = reports[0]
+        if r.error:
+            print(f"moe-audit: error: {r.name} could not be audited: {r.error}", file=sys.stderr)
+            return
         verdict = f"LEAKS in {', '.join(r.leaks_in)} mode" if r.leaks else "no leak found"
-        print(f"\n{r.name}: {verdict}; batch-invariant: {'yes' if r.batch_invariant else 'no'}; {elapsed:.1f} s")
+        print(
+            f"\n{r.name}: {verdict}; batch-invariant: {'yes' if r.batch_invariant else 'no'}; "
+            f"regime: {r.regime}; {elapsed:.1f} s"
+        )
+        if r.false_claims:
+            print(f"FALSE CLAIMS: {'; '.join(r.false_claims)}")
         return
-    bad = [r for r in reports if r.violations]
     print(f"\n{len(reports)} targets audited in {elapsed:.1f} s (modes: {args.modes}, trials: {args.trials}, seed: {args.seed})")
+    for r in reports:
+        if r.error:
+            print(f"NOT AUDITED: {r.name}: {r.error}")
+    bad = [r for r in reports if r.false_claims]
     if bad:
         print(f"FALSE CLAIMS in {len(bad)} target(s):")
         for r in bad:
-            print(f"  {r.name}: {'; '.join(r.violations)}")
-    else:
+            print(f"  {r.name}: {'; '.join(r.false_claims)}")
+    elif not any(r.error for r in reports):
         print("every claim holds")
-    unshown = [r for r in reports if r.unshown]
-    for r in unshown:
-        print(f"  note: {r.name}: {'; '.join(r.unshown)}")
 
 
 def _parse_modes(text: str) -> tuple[str, ...]:
@@ -165,15 +205,26 @@ def _audit_user_target(args: argparse.Namespace, modes: tuple[str, ...]) -> Audi
     example, vocab = (
         parse_input(args.input, args.seed) if args.input else _default_input(module, args.seed, args.target)
     )
+    device = _device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else None
     try:
-        with torch.no_grad(), AuditTarget(module).preserved():
-            module(example)
-    except Exception as e:  # any failure of the user's forward is a usage problem here
-        shape = f"{'tokens' if vocab else 'float'} of shape {tuple(example.shape)}"
-        raise AuditUsageError(
-            f"the target {name} failed on an input of {shape}: {type(e).__name__}: {e}; fix --input"
-        ) from None
-    return audit(module, example, modes=modes, trials=args.trials, seed=args.seed, name=name, vocab_size=vocab)
+        module.to(device=device, dtype=dtype)
+    except Exception as e:  # the user's module refused the move: a usage problem here
+        raise AuditUsageError(f"cannot move {name} to {args.device} {args.dtype or ''}: {type(e).__name__}: {e}") from None
+    example = example.to(device=device, dtype=dtype if example.is_floating_point() and dtype else None)
+    return audit(
+        module, example, modes=modes, trials=args.trials, seed=args.seed, name=name, vocab_size=vocab, output=args.output
+    )
+
+
+def _device(spec: str) -> torch.device:
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise AuditUsageError(f"--device {spec!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise AuditUsageError(f"--device {spec}: CUDA is not available on this machine")
+    return device
 
 
 def load_target(spec: str) -> tuple[nn.Module, str]:
@@ -198,7 +249,10 @@ def load_target(spec: str) -> tuple[nn.Module, str]:
             ) from None
         except ValueError:
             pass  # no signature to inspect (some builtins): just call it
-        built = obj()
+        try:
+            built = obj()
+        except Exception as e:  # the user's factory failed: report it, no traceback
+            raise AuditUsageError(f"{attr}() in {where} raised {type(e).__name__}: {e}") from None
         if not isinstance(built, nn.Module):
             raise AuditUsageError(f"{attr}() returned {type(built).__name__}, not an nn.Module")
         return built, attr
@@ -209,11 +263,16 @@ def _import_file(path: str) -> ModuleType:
     file = Path(path)
     if not file.is_file():
         raise AuditUsageError(f"--target file {path} does not exist")
-    spec = importlib.util.spec_from_file_location(f"_moe_audit_target_{abs(hash(file.resolve()))}", file)
+    name = f"_moe_audit_target_{abs(hash(file.resolve()))}"
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as an import would: dataclasses (and pickling) look their
+    # module up in sys.modules, e.g. to resolve `from __future__ import annotations` strings.
+    sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as e:
+        del sys.modules[name]
         raise AuditUsageError(f"cannot import {path}: {type(e).__name__}: {e}") from None
     return module
 

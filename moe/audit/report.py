@@ -37,10 +37,27 @@ class ProbeResult:
     routing_flips: int = 0
     """Exact decisions (kept (token, expert) pairs, integer outputs) that changed, summed over trials."""
     tolerance: float = 0.0
-    """The float change above which ``leaks`` is set: the noise floor (the same input run
-    twice) times 10, at least 100 ulp of the output scale."""
+    """The float change above which ``leaks`` is set (deterministic regime): the noise floor (the
+    same input run twice) times 10, at least 100 ulp of the output scale (4 for 16-bit outputs).
+    In the distribution regime: the least change a permutation test may count."""
     comparisons: int = 0
     """How many perturbed forwards (or gradient rows) the probe compared."""
+    regime: str = "deterministic"
+    """"deterministic" (same seed, same shape, changes beyond the tolerance) or "distribution"
+    (some comparisons judged by a permutation test over several seeds)."""
+    p_value: float | None = None
+    """The smallest permutation-test p-value of the probe's distribution comparisons (None: none)."""
+    failed: int = 0
+    """Variant forwards the target raised on (or returned something unreadable for)."""
+    skipped_lengths: list[int] = field(default_factory=list)
+    """Sequence lengths of the failed forwards (the decode probe skips the prefixes it rejects)."""
+    errors: list[str] = field(default_factory=list)
+    """The first distinct failures, each with its input shape."""
+
+    @property
+    def ran(self) -> bool:
+        """At least one comparison was made (a probe whose every forward failed did not run)."""
+        return self.comparisons > 0
 
     def to_dict(self) -> dict:
         return {
@@ -53,6 +70,11 @@ class ProbeResult:
             "routing_flips": self.routing_flips,
             "tolerance": _finite(self.tolerance),
             "comparisons": self.comparisons,
+            "regime": self.regime,
+            "p_value": self.p_value,
+            "failed": self.failed,
+            "skipped_lengths": self.skipped_lengths,
+            "errors": self.errors,
         }
 
 
@@ -66,6 +88,22 @@ class AuditReport:
     """What the target claims (None: an opaque target that claims nothing)."""
     probes: list[ProbeResult] = field(default_factory=list)
     seconds: float = 0.0
+    regimes: dict[str, str] = field(default_factory=dict)
+    """Per audited mode: "deterministic" or "distribution" (how the comparator judged; a probe
+    may still judge its cross-shape comparisons of a stochastic target by distribution)."""
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    """Per mode: NaN / inf entries in the example's output (compared as values, never ignored)."""
+    error: str | None = None
+    """Why the target could not be audited (it failed on the example, or no future-perturbation
+    probe ran); None when it was. With an error, ``leaks`` means nothing."""
+
+    @property
+    def regime(self) -> str:
+        """"deterministic" or "distribution"; "train: ..., eval: ..." where the modes differ."""
+        kinds = set(self.regimes.values())
+        if len(kinds) == 1:
+            return kinds.pop()
+        return ", ".join(f"{m}: {r}" for m, r in self.regimes.items()) or "none"
 
     @property
     def leaks_in(self) -> list[str]:
@@ -119,22 +157,33 @@ class AuditReport:
 
     @property
     def unshown(self) -> list[str]:
-        """Negative claims (not causal / not batch-invariant) the audit did not demonstrate.
-        Not failures: a claim of *not* being safe is conservative."""
+        """Negative claims (a leak, batch interference, decode inconsistency) the audit did not
+        demonstrate. These are false claims too: every claim is checked both ways."""
         out = []
         claimed = self.claimed_causal or {}
         for mode, causal in claimed.items():
             if not causal and mode not in self.leaks_in:
                 out.append(f"claims a leak in {mode} mode; none found")
-        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant:
+        ran = {p.name for p in self.probes if p.ran}
+        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant and BATCH_PROBE in ran:
             out.append("claims batch interference; none found")
-        if self.claims is not None and not self.claims.decode_consistent and self.decode_consistent:
+        if (
+            self.claims is not None
+            and not self.claims.decode_consistent
+            and self.decode_consistent
+            and DECODE_PROBE in ran
+        ):
             out.append("claims decode inconsistency; none found")
         return out
 
     @property
+    def false_claims(self) -> list[str]:
+        """Every claim the audit contradicts, both ways: :attr:`violations` then :attr:`unshown`."""
+        return self.violations + self.unshown
+
+    @property
     def claims_hold(self) -> bool:
-        return not self.violations
+        return not self.false_claims
 
     @property
     def max_abs_delta(self) -> float:
@@ -153,16 +202,20 @@ class AuditReport:
         claimed = self.claimed_causal
         return {
             "name": self.name,
+            "error": self.error,
+            "regime": self.regime,
+            "nonfinite": self.nonfinite,
             "claimed_causal": None if claimed is None else all(claimed.values()),
             "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],
             "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,
             "claimed_decode_consistent": None if self.claims is None else self.claims.decode_consistent,
-            "leaks": self.leaks,
+            "leaks": None if self.error else self.leaks,
             "leaks_in": self.leaks_in,
             "batch_invariant": self.batch_invariant,
             "decode_consistent": self.decode_consistent,
             "claims_hold": self.claims_hold,
             "violations": self.violations,
+            "unshown": self.unshown,
             "max_abs_delta": _finite(self.max_abs_delta),
             "routing_flips": self.routing_flips,
             "seconds": round(self.seconds, 4),
@@ -175,17 +228,18 @@ class AuditReport:
 
     def table(self) -> str:
         """A per-probe table of this report (rows: probe x mode)."""
-        head = ("probe", "mode", "leaks", "max |delta|", "first pos", "affected", "flips", "tolerance")
+        head = ("probe", "mode", "leaks", "max |delta|", "first pos", "affected", "flips", "tolerance", "regime")
         rows = [
             (
                 p.name,
                 p.mode,
-                "LEAKS" if p.leaks else "-",
+                "LEAKS" if p.leaks else ("-" if p.ran else "not run"),
                 f"{p.max_abs_delta:.2e}",
                 "-" if p.first_leaking_position is None else str(p.first_leaking_position),
                 f"{p.fraction_affected:.0%}",
                 str(p.routing_flips),
                 f"{p.tolerance:.1e}",
+                p.regime if p.p_value is None else f"{p.regime} (p={p.p_value:.1e})",
             )
             for p in self.probes
         ]
@@ -193,8 +247,16 @@ class AuditReport:
             f"{self.name}: leaks in {', '.join(self.leaks_in) or 'no mode'}; "
             f"batch-invariant: {_yes(self.batch_invariant)}; decode-consistent: {_yes(self.decode_consistent)}"
         )
-        if self.violations:
-            summary += "\nFALSE CLAIMS: " + "; ".join(self.violations)
+        summary += f"; regime: {self.regime}"
+        if self.error:
+            summary += f"\nNOT AUDITED: {self.error}"
+        if self.false_claims:
+            summary += "\nFALSE CLAIMS: " + "; ".join(self.false_claims)
+        for p in self.probes:
+            if p.errors:
+                lengths = f" (skipped lengths {p.skipped_lengths})" if p.name == DECODE_PROBE and p.skipped_lengths else ""
+                state = "did not run" if not p.ran else f"{p.failed} forward(s) failed"
+                summary += f"\n{p.name}/{p.mode} {state}{lengths}: {p.errors[0]}"
         return summary + "\n" + _format(head, rows)
 
     def __str__(self) -> str:
@@ -213,7 +275,9 @@ def summary_table(reports: list[AuditReport]) -> str:
     )
     rows = []
     for r in reports:
-        if r.violations:
+        if r.error:
+            verdict = "NOT AUDITED"
+        elif r.false_claims:
             verdict = "FALSE CLAIM"
         elif r.claims is None:
             verdict = "LEAKS" if r.leaks else "clean"

@@ -1,4 +1,4 @@
-"""An audit target behind one calling convention: run it, read its outputs, its claims, its state.
+"""An audit target behind one calling convention: call it, read its outputs, its claims, its state.
 
 Shape legend: B batch, T sequence, D input features per position (flattened), F output
 features per position (flattened), X exact decisions per position (routing masks of every
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -18,6 +20,9 @@ from torch import Tensor, nn
 from moe.layer import MoELayer
 from moe.model import MoETransformer
 from moe.routing import Claims, Router, Routing
+
+DEFAULT_OUTPUT = "logits"
+"""The field read from a dict / dataclass output when ``output`` is not given and it has one."""
 
 
 class AuditUsageError(ValueError):
@@ -29,11 +34,12 @@ class Outputs:
     """What one forward produced, split into what is compared with a tolerance and what exactly."""
 
     value_BTF: Tensor | None
-    """Float outputs (a router's dense weights, a layer's output, logits); None if there are none."""
+    """Float outputs (a router's dense weights, a layer's output, logits) in float64; None if
+    there are none. NaN and inf are kept: the comparator compares them as values."""
     exact_BTX: Tensor | None
     """Exact decisions: routing masks of every router call, or an integer / bool output."""
     dtype: torch.dtype | None = None
-    """The dtype the target computed value_BTF in (value_BTF itself is held in float64)."""
+    """The dtype the target computed value_BTF in (its resolution sets the tolerance)."""
 
     def rows(self, start: int, stop: int) -> Outputs:
         """The outputs of samples start..stop-1 (for forwards that ran several copies at once)."""
@@ -44,18 +50,39 @@ class Outputs:
         )
 
 
-def first_output(out: Any) -> Tensor | Routing | None:
-    """The output the audit reads: a tensor or Routing, else the first one in a tuple / list / dataclass."""
+def _fields(out: Any) -> list[tuple[str, Any]] | None:
+    """(name, value) of a dict, a dataclass (transformers' ModelOutput is both) or a tuple / list."""
+    if isinstance(out, Mapping):
+        return [(str(k), v) for k, v in out.items()]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [(f.name, getattr(out, f.name)) for f in dataclasses.fields(out)]
+    if isinstance(out, (tuple, list)):
+        return [(str(i), v) for i, v in enumerate(out)]
+    return None
+
+
+def select_output(out: Any, name: str | None = None) -> Tensor | Routing | None:
+    """The output the audit reads: ``out`` itself when it is a tensor or a Routing; else the field
+    ``name`` (a key, attribute or tuple index); else ``logits`` when present; else the first
+    tensor or Routing, searched depth first. None when there is nothing to read."""
     if isinstance(out, (Tensor, Routing)):
         return out
-    if isinstance(out, (tuple, list)):
-        items = out
-    elif dataclasses.is_dataclass(out) and not isinstance(out, type):
-        items = [getattr(out, f.name) for f in dataclasses.fields(out)]
-    else:
+    fields = _fields(out)
+    if fields is None:
         return None
-    for item in items:
-        found = first_output(item)
+    if name is not None:
+        named = dict(fields)
+        if name not in named:
+            raise AuditUsageError(
+                f"the target's output ({type(out).__name__}) has no field {name!r}; it has: "
+                f"{', '.join(k for k, v in fields if v is not None) or 'nothing'}"
+            )
+        return select_output(named[name])
+    named = dict(fields)
+    if isinstance(named.get(DEFAULT_OUTPUT), Tensor):
+        return named[DEFAULT_OUTPUT]
+    for _, item in fields:
+        found = select_output(item)
         if found is not None:
             return found
     return None
@@ -71,21 +98,33 @@ def combine_claims(claims: list[Claims]) -> Claims:
     )
 
 
+def _takes_input_ids(fn: Callable) -> bool:
+    """Whether the target's forward has an ``input_ids`` parameter (Hugging Face style models)."""
+    try:
+        params = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "input_ids" in params
+
+
 class AuditTarget:
     """Wraps an ``nn.Module`` or callable mapping [B, T, ...] inputs to [B, T, ...] outputs.
 
     Routers inside a module are hooked, so their assignments are compared exactly even when
-    the target returns floats only (an MoE layer's output, a model's logits).
+    the target returns floats only (an MoE layer's output, a model's logits). Token ids go to
+    a forward with an ``input_ids`` parameter by that keyword.
     """
 
-    def __init__(self, target: Callable[[Tensor], Any]) -> None:
+    def __init__(self, target: Callable[[Tensor], Any], output: str | None = None) -> None:
         if not callable(target):
             raise AuditUsageError(f"the audit target must be an nn.Module or a callable, got {type(target).__name__}")
         self.fn = target
+        self.output = output
         self.module = target if isinstance(target, nn.Module) else None
         self.routers: list[Router] = (
             [m for m in self.module.modules() if isinstance(m, Router)] if self.module is not None else []
         )
+        self.ids_by_keyword = _takes_input_ids(target)
 
     @property
     def claims(self) -> Claims | None:
@@ -113,19 +152,32 @@ class AuditTarget:
 
     @contextlib.contextmanager
     def preserved(self) -> Iterator[None]:
-        """Restore every parameter, buffer and training flag on exit, whatever the probes did."""
+        """Restore on exit, whatever the forwards did: every parameter and every buffer
+        (persistent or not; the same tensor objects, with their values), buffers added or
+        removed, and every training flag."""
         if self.module is None:
             yield
             return
-        state = {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()}
-        flags = [(m, m.training) for m in self.module.modules()]
+        saved = []
+        for m in self.module.modules():
+            params, buffers = dict(m._parameters), dict(m._buffers)
+            values = {id(t): t.detach().clone() for t in (*params.values(), *buffers.values()) if t is not None}
+            saved.append((m, m.training, params, buffers, set(m._non_persistent_buffers_set), values))
         try:
             yield
         finally:
             with torch.no_grad():
-                self.module.load_state_dict(state)
-            for m, flag in flags:
-                m.training = flag
+                for m, training, params, buffers, non_persistent, values in saved:
+                    m.training = training
+                    m._parameters.clear()
+                    m._parameters.update(params)
+                    m._buffers.clear()
+                    m._buffers.update(buffers)
+                    m._non_persistent_buffers_set.clear()
+                    m._non_persistent_buffers_set.update(non_persistent)
+                    for t in (*params.values(), *buffers.values()):
+                        if t is not None:
+                            t.copy_(values[id(t)])
 
     @contextlib.contextmanager
     def _router_masks(self, masks: list[Tensor]) -> Iterator[None]:
@@ -140,22 +192,30 @@ class AuditTarget:
             for h in handles:
                 h.remove()
 
+    def _call(self, x: Tensor) -> Any:
+        if self.ids_by_keyword and not x.is_floating_point():
+            return self.fn(input_ids=x)
+        return self.fn(x)
+
     def __call__(self, x: Tensor) -> Outputs:
-        """Run the target on x [B, T, ...] and split its outputs (no gradients kept)."""
+        """Run the target on x [B, T, ...] (the caller's copy: the target may change it) and
+        split its outputs (no gradients kept)."""
         masks: list[Tensor] = []
+        b, t = x.shape[:2]
         with torch.no_grad(), self._router_masks(masks):
-            out = self.fn(x)
-        return self._outputs(out, masks, x.shape[0], x.shape[1], keep_graph=False)
+            out = self._call(x)
+        return self._outputs(out, masks, b, t, keep_graph=False)
 
     def forward_with_grad(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(value_BTF with its graph, the float input it is differentiated against), or None where
-        the target is not differentiable. Token ids are differentiated at the output of the
-        embedding that reads them."""
+        the target is not differentiable. The target gets a non-leaf copy of the float input, so
+        it may scale it in place. Token ids are differentiated at the output of the embedding
+        that reads them."""
         b, t = x.shape[:2]
         if x.is_floating_point():
             wrt = x.detach().clone().requires_grad_(True)
             with torch.enable_grad():
-                value = self._outputs(self.fn(wrt), [], b, t, keep_graph=True).value_BTF
+                value = self._outputs(self._call(wrt.clone()), [], b, t, keep_graph=True).value_BTF
         else:
             if self.module is None:
                 return None
@@ -165,13 +225,13 @@ class AuditTarget:
                 reads_x = bool(inputs) and isinstance(inputs[0], Tensor) and inputs[0].shape == x.shape
                 if not seen and reads_x and torch.equal(inputs[0], x) and out.is_floating_point():
                     seen.append(out.detach().requires_grad_(True))
-                    return seen[0]
+                    return seen[0].clone()
                 return None
 
             handles = [m.register_forward_hook(leaf) for m in self.module.modules() if isinstance(m, nn.Embedding)]
             try:
                 with torch.enable_grad():
-                    value = self._outputs(self.fn(x), [], b, t, keep_graph=True).value_BTF
+                    value = self._outputs(self._call(x), [], b, t, keep_graph=True).value_BTF
             finally:
                 for h in handles:
                     h.remove()
@@ -182,13 +242,12 @@ class AuditTarget:
             return None
         return value, wrt
 
-    @staticmethod
-    def _outputs(out: Any, masks: list[Tensor], b: int, t: int, keep_graph: bool) -> Outputs:
-        found = first_output(out)
+    def _outputs(self, out: Any, masks: list[Tensor], b: int, t: int, keep_graph: bool) -> Outputs:
+        found = select_output(out, self.output)
         if found is None:
             raise AuditUsageError(
                 f"the target returned {type(out).__name__}; it must return a tensor of shape [B, T, ...], "
-                "a Routing, or a tuple / dataclass whose first tensor is one"
+                "a Routing, or a tuple / dict / dataclass holding one"
             )
         if isinstance(found, Routing):
             if found.batch_shape != (b, t):
