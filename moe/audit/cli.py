@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch CPU threads (default: 1 for the built-in suite, whose tensors are tiny; torch's default for --target)",
     )
+    p.add_argument(
+        "--zoo",
+        action="store_true",
+        help="audit every sparse MoE block of the installed Hugging Face transformers (needs the [zoo] extra)",
+    )
     p.add_argument("--verbose", action="store_true", help="print the per-probe table of every target")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -102,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         threads = args.threads if args.threads is not None else (None if args.target else 1)
         if threads is not None:
             torch.set_num_threads(threads)
+        if args.zoo:
+            if args.target or args.input:
+                raise AuditUsageError("--zoo builds its own targets and inputs; drop --target / --input")
+            from moe.audit.zoo import run_zoo
+
+            return run_zoo(modes, args.trials, args.seed, args.json, progress=not args.no_progress)
         start = time.perf_counter()
         if args.target:
             reports = [_audit_user_target(args, modes)]
