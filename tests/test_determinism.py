@@ -43,7 +43,11 @@ def colliding_destinations(name: str, args: tuple, kwargs: dict) -> bool | None:
     """For an op that adds into its destination (index_add, scatter_add, scatter_reduce,
     index_reduce, embedding_dense_backward, or index_put / put with accumulate=True):
     whether two sources land on one destination, so that the result depends on the order of
-    the additions (on CUDA, of atomics). None for any other op."""
+    the additions (on CUDA, of atomics). None for any other op, and for integer destinations:
+    integer addition is exact, so its order cannot change the result (counting experts'
+    tokens with ``index_add`` is deterministic)."""
+    if isinstance(args[0], torch.Tensor) and not (args[0].is_floating_point() or args[0].is_complex()):
+        return None
     if name in ("index_add", "index_reduce"):
         return _has_repeats(args[2].reshape(-1, 1))
     if name in ("scatter_add", "scatter_reduce"):
