@@ -1,0 +1,311 @@
+"""The lossy transport and data-parallel training over it (moe.parallel.lossy).
+
+Single-process checks of the loss pattern (a pure function of its key, the right rate, the
+right burst statistics, independent across keys), then one spawn of 4 gloo processes
+(``run_local``) that runs every distributed check and returns numbers the tests assert on:
+
+* p = 0: every lossy policy is bitwise today's all-reduce mean (``reduce_gradients``), and a
+  few training steps with it are bitwise the plain data-parallel steps;
+* p = 0.3: each policy's shard equals a float64 reference built in the test from every rank's
+  gradient and the loss masks; over 400 seeded trials (20 steps of 20 blocks) the ``unbiased`` estimate of i.i.d.
+  gradients averages to their expectation within 3 standard errors, ``naive`` to
+  (1 + (P - 1)(1 - p)) / P of it, ``reweighted`` to the mean of fixed, distinct gradients;
+* p = 0.1, 200 steps: the replicas' drift does not grow (second half vs first half, within 3
+  standard errors) and stays far below what a replica frozen at step 100 would show; a
+  resync every 10 steps makes the replicas equal at those steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.parallel import reduce_gradients
+from moe.parallel.launch import ok_values, run_local
+from moe.parallel.lossy import (
+    LossConfig,
+    LossyDataParallel,
+    LossyDPConfig,
+    LossyTransport,
+    aggregate_gradient,
+    lost_packets,
+    shard_bounds,
+)
+from moe.parallel.lossy.transport import expand_packets
+
+WORLD = 4
+TRIALS = 400
+STEPS = 20
+P_STAT = 0.3
+
+
+# -- single process: the loss pattern --------------------------------------------------------
+def test_loss_pattern_is_a_pure_function_of_its_key():
+    cfg = LossConfig(rate=0.3, seed=5)
+    a = lost_packets(cfg, 7, 2, 0, 3, 50)
+    assert torch.equal(a, lost_packets(cfg, 7, 2, 0, 3, 50)), "same key, different pattern"
+    assert torch.equal(a[:20], lost_packets(cfg, 7, 2, 0, 3, 20)), "packet k's fate depends on the message length"
+    for other in [(8, 2, 0, 3), (7, 3, 0, 3), (7, 2, 1, 3), (7, 2, 0, 2)]:
+        assert not torch.equal(a, lost_packets(cfg, *other, 50)), f"{other} repeats the pattern of (7, 2, 0, 3)"
+    assert not torch.equal(a, lost_packets(LossConfig(rate=0.3, seed=6), 7, 2, 0, 3, 50))
+    assert not lost_packets(cfg, 7, 2, 3, 3, 50).any(), "a rank lost a packet to itself"
+    assert not lost_packets(LossConfig(rate=0.0), 7, 2, 0, 3, 50).any()
+
+
+def test_independent_losses_have_rate_p_and_no_correlation():
+    p, n = 0.3, 20_000
+    cfg = LossConfig(rate=p, seed=1)
+    x = lost_packets(cfg, 0, 0, 0, 1, n).double()
+    se = math.sqrt(p * (1 - p) / n)
+    assert abs(x.mean() - p) < 3 * se, f"loss rate {x.mean():.4f}, expected {p} +- {3 * se:.4f}"
+    # Neighbouring packets, neighbouring steps, the reverse direction: P(both lost) = p^2.
+    for name, y in [("next packet", x.roll(1)), ("next step", lost_packets(cfg, 1, 0, 0, 1, n).double()),
+                    ("reverse link", lost_packets(cfg, 0, 0, 1, 0, n).double())]:
+        both = (x * y).mean()
+        se2 = math.sqrt(p * p * (1 - p * p) / n)
+        assert abs(both - p * p) < 3 * se2, f"{name}: P(both lost) {both:.4f}, expected {p * p:.4f} +- {3 * se2:.4f}"
+
+
+def test_bursts_have_rate_p_and_mean_length_L():
+    p, burst, n = 0.1, 5.0, 200_000
+    x = lost_packets(LossConfig(rate=p, burst_length=burst, seed=2), 0, 0, 0, 1, n).numpy()
+    assert abs(x.mean() - p) < 0.01, f"burst channel loss rate {x.mean():.4f}, expected {p}"
+    stay = (x[1:] & x[:-1]).sum() / x[:-1].sum()
+    assert abs(stay - (1 - 1 / burst)) < 0.02, f"P(lost | previous lost) {stay:.3f}, expected {1 - 1 / burst}"
+    starts = (x[1:] & ~x[:-1]).sum()
+    assert abs(x.sum() / starts - burst) < 0.3, f"mean burst {x.sum() / starts:.2f}, expected {burst}"
+
+
+def test_bad_configs_raise():
+    for kwargs in [{"rate": 1.0}, {"rate": -0.1}, {"packet_size": 0}, {"burst_length": 0.5},
+                   {"rate": 0.9, "burst_length": 1.0}]:
+        with pytest.raises(ValueError):
+            LossConfig(**kwargs)
+    with pytest.raises(ValueError, match="policy"):
+        LossyDPConfig(policy="hopeful")
+
+
+def test_shard_bounds_cover_the_vector():
+    for n, size in [(10, 4), (3, 4), (64, 4), (1, 1)]:
+        bounds = shard_bounds(n, size)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert max(hi - lo for lo, hi in bounds) - min(hi - lo for lo, hi in bounds) <= 1
+
+
+# -- distributed worker -----------------------------------------------------------------------
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5))
+
+
+def _backward(model: nn.Module, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(6, 7, generator=g), torch.randn(6, 5, generator=g)
+    model.zero_grad(set_to_none=True)
+    ((model(x) - y) ** 2).mean().backward()
+
+
+def _gather_shards(shard, n: int, size: int) -> torch.Tensor:
+    """Reliable all-gather of uneven shards into the full vector (test helper)."""
+    t = LossyTransport(LossConfig(), None)
+    return t.all_gather_stale(shard, torch.zeros(n, dtype=shard.dtype), reliable=True)
+
+
+def _bitwise_checks(rank: int, size: int) -> dict:
+    out = {}
+    model = _model(0)
+    _backward(model, rank, 0)
+    params = list(model.parameters())
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    reduce_gradients(model)
+    today = torch.cat([p.grad.reshape(-1) for p in params])
+    for policy in ("unbiased", "naive", "reweighted"):
+        t = LossyTransport(LossConfig(rate=0.0, packet_size=3, seed=1))
+        t.begin_step(0)
+        full = _gather_shards(aggregate_gradient(flat, policy, t), flat.numel(), size)
+        out[f"bitwise_grad/{policy}"] = bool(torch.equal(full, today))
+    # Three AdamW steps: plain data parallel vs LossyDataParallel (reliable, and unbiased at p = 0).
+    finals = {}
+    for name in ("plain", "reliable", "unbiased"):
+        m = _model(1)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        dp = LossyDataParallel(m, opt, LossyDPConfig("reliable" if name == "plain" else name,
+                                                     LossConfig(rate=0.0, packet_size=5), grad_clip=0.0))
+        for step in range(3):
+            _backward(m, rank, step)
+            if name == "plain":
+                reduce_gradients(m)
+                opt.step()
+            else:
+                dp.step(step)
+        finals[name] = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+    out["bitwise_train/reliable"] = bool(torch.equal(finals["plain"], finals["reliable"]))
+    out["bitwise_train/unbiased"] = bool(torch.equal(finals["plain"], finals["unbiased"]))
+    return out
+
+
+def _reference_checks(rank: int, size: int) -> dict:
+    """Each policy's shard at p = 0.3 vs a float64 reference from all ranks' gradients."""
+    n, cfg = 37, LossConfig(rate=0.3, packet_size=2, seed=3)
+    flat = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    every = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(every, flat)
+    lo, hi = shard_bounds(n, size)[rank]
+    out = {}
+    for step in range(3):
+        for policy in ("unbiased", "naive", "reweighted"):
+            t = LossyTransport(cfg)
+            t.begin_step(step)
+            got = aggregate_gradient(flat, policy, t)
+            arrived = [~expand_packets(lost_packets(cfg, step, 0, src, rank, cfg.num_packets(hi - lo)), hi - lo, 2)
+                       for src in range(size)]
+            parts = [every[src][lo:hi] * arrived[src] for src in range(size)]
+            count = sum(a.double() for a in arrived)
+            want = {"unbiased": sum(parts) / count, "naive": sum(parts) / size,
+                    "reweighted": (every[rank][lo:hi] + (sum(parts) - parts[rank]) / (1 - cfg.rate)) / size}[policy]
+            key = f"reference/{policy}"
+            out[key] = max(out.get(key, 0.0), float((got - want).abs().max()))
+        out["reference/some_lost"] = out.get("reference/some_lost", 0) + int(count.lt(size).sum())
+    return out
+
+
+def _statistics(rank: int, size: int) -> dict:
+    """TRIALS samples of each estimator's mean over a block of 64 elements (16 packets) divided
+    by the truth: STEPS steps, each a vector of TRIALS / STEPS blocks (packets of different
+    blocks or steps are lost independently, so each block is one trial). Every rank returns
+    the same lists (the shards are summed into the full vector)."""
+    n, blocks, cfg = 64, TRIALS // STEPS, LossConfig(rate=P_STAT, packet_size=4, seed=11)
+    mu = (1.0 + torch.arange(n, dtype=torch.float64) / n).repeat(blocks)
+    lo, hi = shard_bounds(n * blocks, size)[rank]
+    fixed, fixed_mean = mu * (rank + 1), mu * (size + 1) / 2
+    out = {k: [] for k in ("iid/unbiased", "iid/naive", "fixed/reweighted", "fixed/unbiased")}
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step * size + rank)
+        iid = mu + torch.randn(n * blocks, dtype=torch.float64, generator=g)
+        for key, policy, grad, ref in [("iid/unbiased", "unbiased", iid, mu), ("iid/naive", "naive", iid, mu),
+                                       ("fixed/reweighted", "reweighted", fixed, fixed_mean),
+                                       ("fixed/unbiased", "unbiased", fixed, fixed_mean)]:
+            t = LossyTransport(cfg)
+            t.begin_step(step)
+            ratio = torch.zeros(n * blocks, dtype=torch.float64)
+            ratio[lo:hi] = aggregate_gradient(grad, policy, t) / ref[lo:hi]
+            dist.all_reduce(ratio)
+            if key == "fixed/unbiased":  # one sample per step: rank 0's shard, where the owner's gradient is smallest
+                out[key].append(float(ratio[slice(*shard_bounds(n * blocks, size)[0])].mean()))
+            else:
+                out[key] += ratio.view(blocks, n).mean(1).tolist()
+    return out
+
+
+def _drift_run(rank: int, size: int, resync_every: int, steps: int) -> dict:
+    """A random-walk objective (the gradient is pure noise) trained by SGD over p = 0.1."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 3, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    dp = LossyDataParallel(model, opt, LossyDPConfig("unbiased", LossConfig(rate=0.1, packet_size=4, seed=4),
+                                                     resync_every=resync_every, grad_clip=0.0))
+    drift, rms, received, snapshot = [], [], [], None
+    for step in range(steps):
+        g = torch.Generator().manual_seed(7919 * step + rank)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        m = dp.step(step)
+        drift.append(m["max_drift"])
+        rms.append(m["rms_drift"])
+        received.append(m["received_fraction"])
+        if step == 99:
+            snapshot = dp._flat_params().clone()
+    if snapshot is None:
+        return {"max_drift": drift, "rms_drift": rms}
+    frozen = dp._flat_params() - snapshot  # what a replica that stopped receiving at step 100 would be off by
+    return {"max_drift": drift, "rms_drift": rms, "frozen_rms": float(frozen.square().mean().sqrt()),
+            "frozen_max": float(frozen.abs().max()), "per_param": sorted(m["drift"]),
+            "received": float(np.mean(received))}
+
+
+def _worker(rank: int, size: int) -> dict:
+    return {**_bitwise_checks(rank, size), **_reference_checks(rank, size), "stats": _statistics(rank, size),
+            "drift": _drift_run(rank, size, 0, 200), "drift_resync": _drift_run(rank, size, 10, 100)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return ok_values(run_local(_worker, WORLD, timeout_s=300.0))
+
+
+# -- distributed tests ------------------------------------------------------------------------
+def test_zero_loss_is_bitwise_the_reliable_all_reduce(results):
+    for rank, res in enumerate(results):
+        bad = [k for k, v in res.items() if k.startswith("bitwise") and v is not True]
+        assert not bad, f"rank {rank}: not bitwise equal to reduce_gradients / plain steps: {bad}"
+
+
+def test_policies_match_a_float64_reference(results):
+    for rank, res in enumerate(results):
+        assert res["reference/some_lost"] > 0, f"rank {rank}: nothing was lost, the reference check is vacuous"
+        for policy in ("unbiased", "naive", "reweighted"):
+            assert res[f"reference/{policy}"] < 1e-12, f"rank {rank} {policy}: max diff {res[f'reference/{policy}']:.3e}"
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    a = np.asarray(values)
+    return float(a.mean()), float(a.std(ddof=1) / math.sqrt(a.size))
+
+
+def test_unbiased_is_unbiased_and_naive_shrinks_by_the_expected_factor(results):
+    stats = results[0]["stats"]
+    assert all(r["stats"] == stats for r in results), "ranks disagree on the aggregated statistics"
+    q = 1 - P_STAT
+    mean, se = _mean_se(stats["iid/unbiased"])
+    assert abs(mean - 1) < 3 * se, f"unbiased: E[estimate / truth] = {mean:.4f} +- {se:.4f}, expected 1"
+    naive_factor = (1 + (WORLD - 1) * q) / WORLD
+    mean, se = _mean_se(stats["iid/naive"])
+    assert abs(mean - naive_factor) < 3 * se, f"naive: {mean:.4f} +- {se:.4f}, expected {naive_factor:.4f}"
+    assert (1 - mean) > 10 * se, "naive's bias is not resolved: the test could not tell it from unbiased"
+    mean, se = _mean_se(stats["fixed/reweighted"])
+    assert abs(mean - 1) < 3 * se, f"reweighted on fixed gradients: {mean:.4f} +- {se:.4f}, expected 1"
+    # 'unbiased' on fixed, distinct gradients g_i = (i + 1) mu: on rank 0's shard the owner's
+    # gradient mu is weighted by E[1/M], M = 1 + Binomial(P - 1, q), each other rank's by
+    # (1 - E[1/M]) / (P - 1): unbiased for the true gradient when the g_i share an expectation,
+    # not for the mean of these particular, different gradients (the module docstring's caveat).
+    e_inv = sum(math.comb(WORLD - 1, k) * q**k * (1 - q) ** (WORLD - 1 - k) / (1 + k) for k in range(WORLD))
+    total = WORLD * (WORLD + 1) / 2
+    want = (e_inv * 1 + (1 - e_inv) / (WORLD - 1) * (total - 1)) / (total / WORLD)
+    mean, se = _mean_se(stats["fixed/unbiased"])
+    assert abs(mean - want) < 3 * se, f"unbiased on fixed gradients: {mean:.4f} +- {se:.4f}, expected {want:.4f}"
+    assert abs(1 - want) > 5 * se, "the owner's extra weight is not resolved: the check is vacuous"
+
+
+def test_drift_stays_bounded(results):
+    res = results[0]["drift"]
+    assert all(r["drift"]["max_drift"] == res["max_drift"] for r in results), "ranks measured different drifts"
+    assert 0.88 < res["received"] < 0.92, f"mean received fraction {res['received']:.3f} at p = 0.1"
+    rms = np.asarray(res["rms_drift"])
+    assert rms[100:].max() > 0, "no drift at all: the loss never reached the broadcast"
+    # The per-step drift is a stationary sequence with short memory (a stale gap is geometric,
+    # mean 0.11 steps), so the two halves' means differ by sampling noise only: compare within
+    # 3 standard errors of the difference. Growth like a random walk (sqrt t) would put the
+    # second half's mean 40% above the first's.
+    (early, se_early), (late, se_late) = _mean_se(rms[10:100].tolist()), _mean_se(rms[100:].tolist())
+    assert late <= early + 3 * math.hypot(se_early, se_late), (
+        f"RMS drift grew: steps 10-100 {early:.2e} +- {se_early:.1e}, steps 100-200 {late:.2e} +- {se_late:.1e}")
+    # A replica frozen at step 100 (a never-resynced random walk) is off by frozen_rms at step
+    # 200; the lossy replicas' worst drift over steps 100-200 stays far below it.
+    assert max(res["max_drift"][100:]) < 0.5 * res["frozen_max"], (
+        f"max drift {max(res['max_drift'][100:]):.3e} vs frozen replica {res['frozen_max']:.3e}")
+    assert late < 0.1 * res["frozen_rms"], f"RMS drift {late:.3e} vs frozen replica {res['frozen_rms']:.3e}"
+    assert res["per_param"] == ["0.weight", "1.weight"]
+
+
+def test_resync_every_k_steps_equalises_the_replicas(results):
+    res, base = results[0]["drift_resync"], results[0]["drift"]
+    at_resync = [res["max_drift"][s] for s in range(0, 100, 10)]
+    assert max(at_resync) == 0.0, f"replicas differ right after a resync: {max(at_resync):.3e}"
+    assert max(base["max_drift"][s] for s in range(0, 100, 10)) > 0, "the same steps drift without resync: vacuous"
+    assert np.mean(res["rms_drift"]) <= np.mean(base["rms_drift"][:100])
