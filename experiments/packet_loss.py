@@ -160,7 +160,7 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="60 steps, 1 seed, rates 0.1 and 0.3, policies unbiased and naive")
+    p.add_argument("--quick", action="store_true", help="40 steps, 1 seed, rates 0.1 and 0.3, policies unbiased and naive")
     p.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.3])
     p.add_argument("--policies", nargs="+", default=["unbiased", "naive", "reweighted"], choices=[x for x in POLICIES if x != "reliable"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              "(default: experiments/results/packet_loss[_quick].json)")
     args = p.parse_args(argv)
     if args.quick:
-        args.rates, args.policies, args.seeds, args.steps, args.eval_windows = [0.1, 0.3], ["unbiased", "naive"], [0], 60, 32
+        args.rates, args.policies, args.seeds, args.steps, args.eval_windows = [0.1, 0.3], ["unbiased", "naive"], [0], 40, 32
     common = {"preset": args.preset, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "warmup_steps": min(30, args.steps // 10), "packet_size": args.packet_size, "resync_every": args.resync_every,
               "eval_windows": args.eval_windows, "max_bytes": 4_000_000}

@@ -10,6 +10,10 @@ right burst statistics, independent across keys), then one spawn of 4 gloo proce
   gradient and the loss masks; over 400 seeded trials (20 steps of 20 blocks) the ``unbiased`` estimate of i.i.d.
   gradients averages to their expectation within 3 standard errors, ``naive`` to
   (1 + (P - 1)(1 - p)) / P of it, ``reweighted`` to the mean of fixed, distinct gradients;
+* expert-parallel exchange at p = 0.3: the lost assignments are those whose row a
+  brute-force reading of the dispatch and return packets says is lost, the survivors through
+  ``expert_parallel_ffn`` equal the single-process reference on them (float64, 1e-10), and
+  renormalised weights keep each surviving token's sum;
 * p = 0.1, 200 steps: the replicas' drift does not grow (second half vs first half, within 3
   standard errors) and stays far below what a replica frozen at step 100 would show; a
   resync every 10 steps makes the replicas equal at those steps.
@@ -25,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.parallel import reduce_gradients
+from kernels.reference import moe_ffn_reference
+from moe.experts import SwiGLUExperts
+from moe.parallel import expert_parallel_ffn, local_expert_range, reduce_gradients
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.lossy import (
     LossConfig,
@@ -36,6 +42,7 @@ from moe.parallel.lossy import (
     lost_packets,
     shard_bounds,
 )
+from moe.parallel.lossy.expert import drop_lost_assignments
 from moe.parallel.lossy.transport import expand_packets
 
 WORLD = 4
@@ -229,8 +236,59 @@ def _drift_run(rank: int, size: int, resync_every: int, steps: int) -> dict:
             "received": float(np.mean(received))}
 
 
+def _expert_checks(rank: int, size: int) -> dict:
+    """Expert-parallel exchange under loss: the surviving assignments through
+    ``expert_parallel_ffn`` == the single-process reference on them; the lost set == a
+    brute-force reading of the two messages' packets; renormalised weights keep each token's sum."""
+    num_experts, d, f, n = 4, 8, 12, 10
+    torch.manual_seed(0)
+    full = SwiGLUExperts(num_experts, d, f).double()
+    start, stop = local_expert_range(num_experts, None)
+    local = SwiGLUExperts(stop - start, d, f).double()
+    with torch.no_grad():
+        for name in ("w_gate", "w_up", "w_down"):
+            getattr(local, name).copy_(getattr(full, name)[start:stop])
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(n, d, dtype=torch.float64, generator=g)
+    expert_A = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(n)]).reshape(-1)
+    token_A = torch.arange(n).repeat_interleave(2)
+    weight_A = torch.rand(2 * n, dtype=torch.float64, generator=g) + 0.1
+    cfg = LossConfig(rate=0.3, packet_size=4, seed=5)
+    out = {"ep/output": 0.0, "ep/renorm_sum": 0.0, "ep/lost_set_matches": True, "ep/lost": 0}
+    for renormalise in (False, True):
+        t = LossyTransport(cfg)
+        t.begin_step(3)
+        kept = drop_lost_assignments(token_A, expert_A, weight_A, n, num_experts, d, t, renormalise)
+        y = expert_parallel_ffn(x, kept.token_A, kept.expert_A, kept.weight_A, local, num_experts)
+        want = moe_ffn_reference(x, kept.token_A, kept.expert_A, kept.weight_A, full.w_gate, full.w_up, full.w_down)
+        out["ep/output"] = max(out["ep/output"], float((y - want).abs().max()))
+        per_rank = stop - start
+        for a in range(2 * n):
+            dst = int(expert_A[a]) // per_rank
+            same = (expert_A // per_rank == dst) & ((expert_A < expert_A[a]) | ((expert_A == expert_A[a]) & (torch.arange(2 * n) < a)))
+            pos, rows = int(same.sum()), int((expert_A // per_rank == dst).sum())
+            there = lost_packets(cfg, 3, 0, rank, dst, cfg.num_packets(rows * d))
+            back = lost_packets(cfg, 3, 1, dst, rank, cfg.num_packets(rows * d))
+            packets = range(pos * d // 4, ((pos + 1) * d - 1) // 4 + 1)
+            lost = any(bool(there[k]) or bool(back[k]) for k in packets)
+            out["ep/lost_set_matches"] &= lost == bool(kept.lost_A[a])
+        out["ep/lost"] += int(kept.lost_A.sum())
+        if renormalise:
+            total = torch.zeros(n, dtype=torch.float64).index_add(0, token_A, weight_A)
+            got = torch.zeros(n, dtype=torch.float64).index_add(0, kept.token_A, kept.weight_A)
+            alive = torch.zeros(n, dtype=torch.bool)
+            alive[kept.token_A] = True
+            out["ep/renorm_sum"] = float((got - total)[alive].abs().max())
+    t = LossyTransport(LossConfig(rate=0.0))
+    t.begin_step(0)
+    none_lost = drop_lost_assignments(token_A, expert_A, weight_A, n, num_experts, d, t, renormalise=True)
+    out["ep/p0_identity"] = bool(torch.equal(none_lost.weight_A, weight_A) and torch.equal(none_lost.token_A, token_A))
+    return out
+
+
 def _worker(rank: int, size: int) -> dict:
-    return {**_bitwise_checks(rank, size), **_reference_checks(rank, size), "stats": _statistics(rank, size),
+    return {**_bitwise_checks(rank, size), **_reference_checks(rank, size), **_expert_checks(rank, size),
+            "stats": _statistics(rank, size),
             "drift": _drift_run(rank, size, 0, 200), "drift_resync": _drift_run(rank, size, 10, 100)}
 
 
@@ -280,6 +338,15 @@ def test_unbiased_is_unbiased_and_naive_shrinks_by_the_expected_factor(results):
     mean, se = _mean_se(stats["fixed/unbiased"])
     assert abs(mean - want) < 3 * se, f"unbiased on fixed gradients: {mean:.4f} +- {se:.4f}, expected {want:.4f}"
     assert abs(1 - want) > 5 * se, "the owner's extra weight is not resolved: the check is vacuous"
+
+
+def test_expert_parallel_loss_drops_assignments(results):
+    for rank, res in enumerate(results):
+        assert res["ep/lost"] > 0, f"rank {rank}: no assignment lost at p = 0.3: the check is vacuous"
+        assert res["ep/lost_set_matches"], f"rank {rank}: lost assignments differ from the packets' reading"
+        assert res["ep/output"] < 1e-10, f"rank {rank}: EP output vs reference on survivors {res['ep/output']:.3e}"
+        assert res["ep/renorm_sum"] < 1e-12, f"rank {rank}: renormalised weights lost their sum {res['ep/renorm_sum']:.3e}"
+        assert res["ep/p0_identity"], f"rank {rank}: p = 0 changed the assignments"
 
 
 def test_drift_stays_bounded(results):
