@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 
 from kernels.reference import moe_ffn_reference
 from moe.experts import SwiGLUExperts
@@ -227,10 +228,11 @@ def _drift_run(rank: int, size: int, resync_every: int, steps: int) -> dict:
         rms.append(m["rms_drift"])
         received.append(m["received_fraction"])
         if step == 99:
-            snapshot = dp._flat_params().clone()
+            snapshot = parameters_to_vector(model.parameters()).detach().clone()
     if snapshot is None:
         return {"max_drift": drift, "rms_drift": rms}
-    frozen = dp._flat_params() - snapshot  # what a replica that stopped receiving at step 100 would be off by
+    # what a replica that stopped receiving at step 100 would be off by at step 200
+    frozen = parameters_to_vector(model.parameters()).detach() - snapshot
     return {"max_drift": drift, "rms_drift": rms, "frozen_rms": float(frozen.square().mean().sqrt()),
             "frozen_max": float(frozen.abs().max()), "per_param": sorted(m["drift"]),
             "received": float(np.mean(received))}

@@ -92,9 +92,8 @@ class LossyDPConfig:
 def aggregate_gradient(flat_n: Tensor, policy: str, transport: LossyTransport) -> Tensor:
     """[S]: this rank's shard of the estimate of the mean over ranks of ``flat_n`` (every
     rank's flat gradient), combined by ``policy``. A collective over ``transport.group``."""
-    _, size = group_rank_size(transport.group)
+    rank, size = group_rank_size(transport.group)
     if policy == "reliable":
-        rank = dist.get_rank(transport.group)
         buf = flat_n.clone()
         guarded("gradient all-reduce", transport.group, lambda: dist.all_reduce(buf, group=transport.group))
         lo, hi = shard_bounds(flat_n.numel(), size)[rank]
