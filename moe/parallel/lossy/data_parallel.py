@@ -143,7 +143,7 @@ class LossyDataParallel:
             offset += p.numel()
 
     def _sum(self, values: list[float]) -> list[float]:
-        buf = torch.tensor(values, dtype=torch.float64)
+        buf = torch.tensor(values, dtype=torch.float64, device=self.params[0].device)
         guarded("control all-reduce", self.group, lambda: dist.all_reduce(buf, group=self.group))
         return buf.tolist()
 

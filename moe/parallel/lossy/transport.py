@@ -197,17 +197,17 @@ class LossyTransport:
         for dst, (lo, hi) in enumerate(bounds):
             if dst == rank:
                 continue
-            keep = ~self.lost_elements(stream, rank, dst, hi - lo)
+            keep = ~self.lost_elements(stream, rank, dst, hi - lo).to(flat_n.device)
             part = buf[lo:hi]
             part.copy_(torch.where(keep, part * sender_scale, torch.zeros_like(part)))  # x * 1.0 == x bitwise
         guarded("lossy reduce-scatter", self.group, lambda: dist.all_reduce(buf, group=self.group))
         lo, hi = bounds[rank]
-        arrivals = torch.ones(hi - lo, dtype=flat_n.dtype)
+        arrivals = torch.ones(hi - lo, dtype=flat_n.dtype, device=flat_n.device)
         for src in range(size):
             if src != rank:
                 lost_K = lost_packets(self.cfg, self.step, stream, src, rank, self.cfg.num_packets(hi - lo))
                 self._count(lost_K)
-                arrivals += ~expand_packets(lost_K, hi - lo, self.cfg.packet_size)
+                arrivals += ~expand_packets(lost_K, hi - lo, self.cfg.packet_size).to(flat_n.device)
         return buf[lo:hi], arrivals
 
     def all_gather_stale(self, shard: Tensor, stale_n: Tensor, reliable: bool = False) -> Tensor:
@@ -223,7 +223,7 @@ class LossyTransport:
         if shard.numel() != bounds[rank][1] - bounds[rank][0]:
             raise ValueError(f"rank {rank} holds a shard of {shard.numel()} elements, expected {bounds[rank]}")
         width = max(hi - lo for lo, hi in bounds)
-        padded = torch.zeros(width, dtype=shard.dtype)
+        padded = shard.new_zeros(width)
         padded[: shard.numel()] = shard
         parts = [torch.empty_like(padded) for _ in range(size)]
         guarded("lossy all-gather", self.group, lambda: dist.all_gather(parts, padded, group=self.group))
@@ -235,5 +235,6 @@ class LossyTransport:
                 continue
             lost_K = lost_packets(self.cfg, self.step, stream, src, rank, self.cfg.num_packets(hi - lo))
             self._count(lost_K)
-            out_n[lo:hi] = torch.where(expand_packets(lost_K, hi - lo, self.cfg.packet_size), stale_n[lo:hi], got)
+            lost_S = expand_packets(lost_K, hi - lo, self.cfg.packet_size).to(stale_n.device)
+            out_n[lo:hi] = torch.where(lost_S, stale_n[lo:hi], got)
         return out_n
