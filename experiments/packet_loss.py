@@ -6,6 +6,8 @@ with the reliable run of the same seed (same initialisation, same batches, same 
     python experiments/packet_loss.py --quick          # reliable, unbiased, naive at 10% and 30%: ~4 min on 2 cores
     python experiments/packet_loss.py --json experiments/results/packet_loss.json      # the full grid
     python experiments/packet_loss.py --rates 0.1 --policies unbiased naive --seeds 0 1 2 --steps 2000
+    python experiments/packet_loss.py --rates --ep-rates 0.1 --seeds 0 1 2 --steps 300 \
+        --json experiments/results/packet_loss_ep_p10_300steps.json          # expert-parallel loss only
 
 Per run: the validation loss (teacher-forced, of rank 0's replica) and perplexity; the
 perplexity change against the reliable run of the same seed, averaged over seeds with its
@@ -14,6 +16,13 @@ figures, which need no long run to be exact: ``grad_rel_error`` (||estimate - me
 the aggregated gradient against the reliable mean of the same local gradients), ``grad_bias``
 (<estimate - mean, mean> / ||mean||^2: -0.075 means the step is 7.5% too short along the true
 gradient), the delivered packet fraction and the replicas' drift (max and RMS spread).
+
+Expert-parallel runs (``--ep-rates``; ``ep_reliable``, ``ep_drop``, ``ep_renormalise``): the
+topk router's experts sharded over the 4 ranks, the token rows of the dispatch and return
+exchanges lost at that rate (``moe.parallel.lossy.expert.LossyRouter``: a lost row is a dropped
+assignment; ``ep_renormalise`` rescales the surviving combine weights), the rest of the model
+data-parallel over a reliable all-reduce; compared with ``ep_reliable`` of the same seed and
+evaluated with the exchange reliable.
 
 Writes ``--json`` (``{"runs": [{"loss_rate", "policy", "seeds", "val_loss", "val_ppl",
 "ppl_change_pct", "ppl_change_se", "max_drift", "grad_rel_error", "grad_bias", ...}]}``) and a
@@ -31,13 +40,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from moe.data import load_corpus
 from moe.eval import evaluate
 from moe.layer import update_routers
-from moe.parallel import share_router_statistics
+from moe.parallel import clip_grad_norm_, reduce_gradients, share_router_statistics
 from moe.parallel.launch import ok_values, run_local
-from moe.parallel.lossy import POLICIES, LossConfig, LossyDataParallel, LossyDPConfig
+from moe.parallel.lossy import POLICIES, LossConfig, LossyDataParallel, LossyDPConfig, LossyTransport
+from moe.parallel.lossy.expert import wrap_expert_parallel_routers
 from moe.training import TrainConfig
 from moe.training.distributed import DistInfo, sync_router_state
 from moe.training.loop import build_model, local_batch, lr_at, make_optimizer, model_config
@@ -74,6 +85,40 @@ def train_lossy(cfg: TrainConfig, dp_cfg: LossyDPConfig, corpus, info: DistInfo,
     return {"val_loss": ev["teacher_forced_loss"], "history": history}
 
 
+def train_expert_parallel_lossy(cfg: TrainConfig, loss: LossConfig, renormalise: bool, corpus, info: DistInfo,
+                                eval_windows: int) -> dict:
+    """One expert-parallel run (experts sharded over the 4 ranks, the rest data-parallel over a
+    reliable all-reduce) whose token exchanges lose rows (``LossyRouter``); evaluated with the
+    exchange reliable, so the figure is what the loss during training cost."""
+    model = build_model(model_config(cfg, corpus.vocab_size), cfg.seed, info.device, dist.group.WORLD)
+    share_router_statistics(model, dist.group.WORLD)
+    transport = LossyTransport(loss)
+    wrappers = wrap_expert_parallel_routers(model, transport, renormalise)
+    optimizer = make_optimizer(model, cfg)
+    history: dict[str, list[float]] = {"ep_lost_fraction": [], "dropped_fraction": []}
+    model.train()
+    for step in range(1, cfg.steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step - 1, cfg)
+        idx_BT, targets_BT = local_batch(corpus, cfg, step, info)
+        transport.begin_step(step)
+        out = model(idx_BT, targets_BT)
+        optimizer.zero_grad(set_to_none=True)
+        (out.loss + out.aux_loss).backward()
+        reduce_gradients(model)
+        clip_grad_norm_(model, cfg.grad_clip)
+        optimizer.step()
+        sync_router_state(model, info)
+        update_routers(model)
+        for key in history:
+            history[key].append(float(torch.stack([r.stats[key].float() for r in out.routings]).mean()))
+    for w in wrappers:
+        w.enabled = False
+    ev = evaluate(model, corpus.val, cfg.seq_len, eval_windows, device=info.device, causal=False)
+    share_router_statistics(model, None)
+    return {"val_loss": ev["teacher_forced_loss"], "history": history}
+
+
 def _worker(rank: int, world: int, jobs: list[dict], common: dict) -> list[dict]:
     info = DistInfo(rank, world, 0, torch.device("cpu"))
     corpus = load_corpus("stdlib", max_bytes=common["max_bytes"])
@@ -83,33 +128,49 @@ def _worker(rank: int, world: int, jobs: list[dict], common: dict) -> list[dict]
                           seq_len=common["seq_len"], seed=job["seed"], warmup_steps=common["warmup_steps"],
                           progress=False, log_every=0)
         loss = LossConfig(rate=job["loss_rate"], packet_size=common["packet_size"], seed=job["seed"])
-        dp_cfg = LossyDPConfig(job["policy"], loss, resync_every=common["resync_every"], grad_clip=cfg.grad_clip)
         t0 = time.perf_counter()
-        res = train_lossy(cfg, dp_cfg, corpus, info, common["eval_windows"])
+        if job["policy"].startswith("ep_"):
+            res = train_expert_parallel_lossy(cfg, loss, job["policy"] == "ep_renormalise", corpus, info,
+                                              common["eval_windows"])
+            detail = f"lost assignments {np.mean(res['history']['ep_lost_fraction']):.4f}"
+        else:
+            dp_cfg = LossyDPConfig(job["policy"], loss, resync_every=common["resync_every"], grad_clip=cfg.grad_clip)
+            res = train_lossy(cfg, dp_cfg, corpus, info, common["eval_windows"])
+            detail = (f"grad rel err {np.mean(res['history']['grad_rel_error']):.4f}, "
+                      f"max drift {max(res['history']['max_drift']):.2e}")
         out.append({**job, **res, "wall_s": time.perf_counter() - t0})
         if rank == 0:
-            print(f"  {job['policy']:>10} p={job['loss_rate']:.2f} seed {job['seed']}: val loss {res['val_loss']:.4f}, "
-                  f"grad rel err {np.mean(res['history']['grad_rel_error']):.4f}, "
-                  f"max drift {max(res['history']['max_drift']):.2e} ({time.perf_counter() - t0:.0f}s)", flush=True)
+            print(f"  {job['policy']:>14} p={job['loss_rate']:.2f} seed {job['seed']}: val loss {res['val_loss']:.4f}, "
+                  f"{detail} ({time.perf_counter() - t0:.0f}s)", flush=True)
     return out
 
 
 def summarise(raw: list[dict]) -> list[dict]:
-    """One record per (loss_rate, policy) over its seeds; perplexity change paired by seed."""
-    reliable = {r["seed"]: r["val_loss"] for r in raw if r["policy"] == "reliable"}
+    """One record per (loss_rate, policy) over its seeds; perplexity change paired by seed with
+    the run's baseline (``reliable``; ``ep_reliable`` for the expert-parallel runs)."""
+    base = {(r["policy"], r["seed"]): r["val_loss"] for r in raw if r["loss_rate"] == 0.0}
     runs = []
     for rate, policy in dict.fromkeys((r["loss_rate"], r["policy"]) for r in raw):
         rs = [r for r in raw if r["loss_rate"] == rate and r["policy"] == policy]
         seeds = [r["seed"] for r in rs]
-        change = [100 * (math.exp(r["val_loss"] - reliable[r["seed"]]) - 1) for r in rs if r["seed"] in reliable]
+        baseline = "ep_reliable" if policy.startswith("ep_") else "reliable"
+        change = [100 * (math.exp(r["val_loss"] - base[baseline, r["seed"]]) - 1) for r in rs if (baseline, r["seed"]) in base]
         hist = {k: np.asarray([r["history"][k] for r in rs]) for k in rs[0]["history"]}
         val_loss = float(np.mean([r["val_loss"] for r in rs]))
-        runs.append({
+        common = {
             "loss_rate": rate, "policy": policy, "seeds": seeds,
             "val_loss": val_loss, "val_ppl": math.exp(val_loss),
             "val_loss_per_seed": [r["val_loss"] for r in rs],
             "ppl_change_pct": float(np.mean(change)) if change else None,
             "ppl_change_se": float(np.std(change, ddof=1) / math.sqrt(len(change))) if len(change) > 1 else None,
+            "wall_s": float(sum(r["wall_s"] for r in rs)),
+        }
+        if policy.startswith("ep_"):
+            runs.append({**common, "ep_lost_fraction": float(hist["ep_lost_fraction"].mean()),
+                         "dropped_fraction": float(hist["dropped_fraction"].mean())})
+            continue
+        runs.append({
+            **common,
             "max_drift": float(hist["max_drift"].max()),
             "rms_drift_mean": float(hist["rms_drift"].mean()),
             "grad_rel_error": float(hist["grad_rel_error"].mean()),
@@ -117,7 +178,6 @@ def summarise(raw: list[dict]) -> list[dict]:
             "grad_bias_se": float(hist["grad_bias"].std(ddof=1) / math.sqrt(hist["grad_bias"].size)),
             "received_fraction": float(hist["received_fraction"].mean()),
             "max_drift_curve": hist["max_drift"].mean(0).tolist(),
-            "wall_s": float(sum(r["wall_s"] for r in rs)),
         })
     return runs
 
@@ -129,6 +189,10 @@ def table(runs: list[dict]) -> str:
         change = "" if r["ppl_change_pct"] is None else f"{r['ppl_change_pct']:+.2f}"
         if r["ppl_change_se"] is not None:
             change += f" ± {r['ppl_change_se']:.2f}"
+        if r["policy"].startswith("ep_"):
+            lines.append(f"| {r['loss_rate']:.2f} | {r['policy']} | {len(r['seeds'])} | {r['val_loss']:.4f} | "
+                         f"{r['val_ppl']:.3f} | {change} | | | assignments lost {r['ep_lost_fraction']:.3f} | |")
+            continue
         lines.append(f"| {r['loss_rate']:.2f} | {r['policy']} | {len(r['seeds'])} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | "
                      f"{change} | {r['grad_rel_error']:.4f} | {r['grad_bias']:+.4f} | {r['received_fraction']:.3f} | "
                      f"{r['max_drift']:.2e} |")
@@ -142,7 +206,7 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
-    lossy = [r for r in runs if r["policy"] != "reliable"]
+    lossy = [r for r in runs if r["policy"] != "reliable" and not r["policy"].startswith("ep_")]
     for r in lossy:
         ax0.plot(np.arange(1, len(r["max_drift_curve"]) + 1), r["max_drift_curve"], label=f"{r['policy']} p={r['loss_rate']:g}")
     ax0.set(xlabel="step", ylabel="max |replica difference|", yscale="log", title="parameter drift between replicas")
@@ -160,8 +224,10 @@ def plot(runs: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="40 steps, 1 seed, rates 0.1 and 0.3, policies unbiased and naive")
-    p.add_argument("--rates", type=float, nargs="+", default=[0.01, 0.05, 0.1, 0.2, 0.3])
+    p.add_argument("--quick", action="store_true",
+                   help="40 steps, 1 seed, rates 0.1 and 0.3, policies unbiased and naive, no expert-parallel runs")
+    p.add_argument("--rates", type=float, nargs="*", default=[0.01, 0.05, 0.1, 0.2, 0.3],
+                   help="data-parallel loss rates (none: no data-parallel runs)")
     p.add_argument("--policies", nargs="+", default=["unbiased", "naive", "reweighted"], choices=[x for x in POLICIES if x != "reliable"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=600)
@@ -170,17 +236,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--packet-size", type=int, default=256, help="elements per packet (1 KiB of fp32)")
     p.add_argument("--resync-every", type=int, default=0)
+    p.add_argument("--ep-rates", type=float, nargs="*", default=[0.1],
+                   help="expert-parallel runs (topk, experts over the 4 ranks): lost token rows dropped, or renormalised")
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--json", type=Path, help="results JSON; the .md table and .png figure go next to it "
                                              "(default: experiments/results/packet_loss[_quick].json)")
     args = p.parse_args(argv)
     if args.quick:
         args.rates, args.policies, args.seeds, args.steps, args.eval_windows = [0.1, 0.3], ["unbiased", "naive"], [0], 40, 32
+        args.ep_rates = []
     common = {"preset": args.preset, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "warmup_steps": min(30, args.steps // 10), "packet_size": args.packet_size, "resync_every": args.resync_every,
               "eval_windows": args.eval_windows, "max_bytes": 4_000_000}
-    jobs = [{"loss_rate": 0.0, "policy": "reliable", "seed": s} for s in args.seeds]
+    jobs = [{"loss_rate": 0.0, "policy": "reliable", "seed": s} for s in args.seeds] if args.rates else []
     jobs += [{"loss_rate": rate, "policy": policy, "seed": s} for rate in args.rates for policy in args.policies for s in args.seeds]
+    if args.ep_rates:
+        jobs += [{"loss_rate": 0.0, "policy": "ep_reliable", "seed": s} for s in args.seeds]
+        jobs += [{"loss_rate": rate, "policy": policy, "seed": s} for rate in args.ep_rates
+                 for policy in ("ep_drop", "ep_renormalise") for s in args.seeds]
     print(f"{len(jobs)} runs of {args.steps} steps on {WORLD} gloo processes")
     t0 = time.perf_counter()
     raw = ok_values(run_local(_worker, WORLD, jobs, common, timeout_s=24 * 3600.0, pg_timeout_s=600.0))[0]

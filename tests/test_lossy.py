@@ -43,7 +43,8 @@ from moe.parallel.lossy import (
     lost_packets,
     shard_bounds,
 )
-from moe.parallel.lossy.expert import drop_lost_assignments
+from moe import MoELayer
+from moe.parallel.lossy.expert import drop_lost_assignments, wrap_expert_parallel_routers
 from moe.parallel.lossy.transport import expand_packets
 
 WORLD = 4
@@ -281,6 +282,24 @@ def _expert_checks(rank: int, size: int) -> dict:
             alive = torch.zeros(n, dtype=torch.bool)
             alive[kept.token_A] = True
             out["ep/renorm_sum"] = float((got - total)[alive].abs().max())
+    # Through MoELayer: a wrapped router at p = 0 changes nothing; at p = 0.3 the layer's
+    # routing holds the survivors and counts them as drops.
+    torch.manual_seed(1)
+    layer = MoELayer(d, f, num_experts, router="topk", top_k=2, ep_group=dist.group.WORLD).double()
+    x_BTD = x.view(2, n // 2, d)
+    y_plain, r_plain = layer(x_BTD, return_routing=True)
+    t = LossyTransport(LossConfig(rate=0.0))
+    (wrapper,) = wrap_expert_parallel_routers(layer, t)
+    t.begin_step(0)
+    out["ep/layer_p0_equal"] = bool(torch.equal(layer(x_BTD), y_plain))
+    wrapper.transport = LossyTransport(cfg)
+    wrapper.transport.begin_step(3)
+    _, r_lossy = layer(x_BTD, return_routing=True)
+    kept_fraction = r_lossy.token.numel() / r_plain.token.numel()
+    out["ep/layer_lost"] = float(r_lossy.stats["ep_lost_fraction"])
+    out["ep/layer_dropped_consistent"] = abs(
+        float(r_lossy.stats["dropped_fraction"]) - (1 - (1 - float(r_plain.stats["dropped_fraction"])) * kept_fraction)) < 1e-6  # fp32 stats
+    out["ep/layer_kept_matches"] = abs(kept_fraction - (1 - out["ep/layer_lost"])) < 1e-6
     t = LossyTransport(LossConfig(rate=0.0))
     t.begin_step(0)
     none_lost = drop_lost_assignments(token_A, expert_A, weight_A, n, num_experts, d, t, renormalise=True)
@@ -349,6 +368,10 @@ def test_expert_parallel_loss_drops_assignments(results):
         assert res["ep/output"] < 1e-10, f"rank {rank}: EP output vs reference on survivors {res['ep/output']:.3e}"
         assert res["ep/renorm_sum"] < 1e-12, f"rank {rank}: renormalised weights lost their sum {res['ep/renorm_sum']:.3e}"
         assert res["ep/p0_identity"], f"rank {rank}: p = 0 changed the assignments"
+        assert res["ep/layer_p0_equal"], f"rank {rank}: a LossyRouter at p = 0 changed the layer's output"
+        assert res["ep/layer_kept_matches"], f"rank {rank}: survivors do not match ep_lost_fraction {res['ep/layer_lost']}"
+        assert res["ep/layer_dropped_consistent"], f"rank {rank}: dropped_fraction does not count the lost assignments"
+    assert sum(r["ep/layer_lost"] for r in results) > 0, "no assignment lost through the layer: vacuous"
 
 
 def test_drift_stays_bounded(results):

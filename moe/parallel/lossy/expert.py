@@ -12,6 +12,10 @@ removed, the block's residual passes through for its share, and the routing stat
 it. ``renormalise`` instead rescales the surviving assignments of each token so that its
 combine weights keep their sum (a token that lost every assignment stays dropped).
 
+:class:`LossyRouter` wraps a layer's router so that ``MoELayer`` (unchanged) runs on the
+surviving assignments; :func:`wrap_expert_parallel_routers` does it for every expert-parallel
+layer of a model.
+
 Simulation: the loss pattern of both messages is a pure function (``LossyTransport``), so
 the owner of the tokens removes the lost assignments before the exchange and
 ``expert_parallel_ffn`` runs on the survivors: the same output as sending every row and
@@ -22,14 +26,15 @@ simulated (a dropped assignment simply has no gradient path).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from kernels.reference import sort_by_expert
 from moe.parallel.exchange import group_rank_size
 from moe.parallel.lossy.transport import LossyTransport
+from moe.parallel.state import expert_parallel_layers
 
 
 @dataclass
@@ -90,3 +95,39 @@ def drop_lost_assignments(
         weight_kept_A = weight_kept_A * scale_N[token_A[keep_A]]
     frac = float(lost_A.float().mean()) if lost_A.numel() else 0.0
     return LossyAssignments(token_A[keep_A], expert_A[keep_A], weight_kept_A, lost_A, frac)
+
+
+class LossyRouter(nn.Module):
+    """A router whose routing loses the assignments the expert-parallel exchange would lose:
+    ``MoELayer.router = LossyRouter(layer.router, ...)``. The returned Routing holds the
+    survivors; its stats gain ``ep_lost_fraction`` and count the lost assignments in
+    ``dropped_fraction`` and ``tokens_per_expert``, as capacity drops are. ``enabled=False``
+    passes the inner routing through (e.g. for evaluation)."""
+
+    def __init__(self, router: nn.Module, num_experts: int, row_width: int, transport: LossyTransport,
+                 renormalise: bool = False):
+        super().__init__()
+        self.inner, self.num_experts, self.row_width = router, num_experts, row_width
+        self.transport, self.renormalise, self.enabled = transport, renormalise, True
+
+    def forward(self, x_BTD: Tensor):
+        routing = self.inner(x_BTD)
+        if not self.enabled:
+            return routing
+        kept = drop_lost_assignments(routing.token, routing.expert, routing.weight, routing.num_tokens,
+                                     self.num_experts, self.row_width, self.transport, self.renormalise)
+        before = max(routing.token.numel(), 1)
+        served = (1.0 - routing.stats["dropped_fraction"].float()) * (kept.token_A.numel() / before)
+        stats = {**routing.stats, "tokens_per_expert": torch.bincount(kept.expert_A, minlength=self.num_experts),
+                 "dropped_fraction": 1.0 - served, "ep_lost_fraction": torch.tensor(kept.lost_fraction)}
+        return replace(routing, token=kept.token_A, expert=kept.expert_A, weight=kept.weight_A, stats=stats)
+
+
+def wrap_expert_parallel_routers(model: nn.Module, transport: LossyTransport, renormalise: bool = False) -> list[LossyRouter]:
+    """Wrap the router of every expert-parallel ``MoELayer`` of ``model`` in a :class:`LossyRouter`
+    (parameter names gain ``.inner``). Returns the wrappers."""
+    wrappers = []
+    for layer in expert_parallel_layers(model).values():
+        layer.router = LossyRouter(layer.router, layer.num_experts, layer.d_model, transport, renormalise)
+        wrappers.append(layer.router)
+    return wrappers
