@@ -188,8 +188,9 @@ class LossyTransport:
         contributions that arrived, per element. A collective over ``group``.
 
         Simulation: each sender zeroes the packets it loses before one reliable all-reduce
-        (the reduce-scatter's result is this rank's shard of it). With nothing lost and scale
-        1 the buffer reduced is ``flat_n`` itself, so the sum is bitwise the reliable one."""
+        (the reduce-scatter's result is this rank's shard of it; the simulation moves the whole
+        vector where a real reduce-scatter moves 1/P of it). With nothing lost and scale 1 the
+        buffer reduced is ``flat_n`` itself, so the sum is bitwise the reliable one."""
         rank, size = group_rank_size(self.group)
         stream = self.next_stream()
         bounds = shard_bounds(flat_n.numel(), size)
