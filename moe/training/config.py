@@ -101,8 +101,9 @@ class TrainConfig:
     """Every collective of the process group (joined by the loop) fails after this many seconds
     instead of hanging when a peer stops answering."""
     grad_reduce_dtype: str = "fp32"
-    """Precision of FSDP2's gradient reduction (``MixedPrecisionPolicy.reduce_dtype``): fp32, or
-    bf16 to measure the bias low precision adds."""
+    """Precision of the data-parallel gradient reduce-scatter: fp32, or bf16 to measure the bias
+    low precision adds (bf16 is applied; its difference from an fp32 reduction of the same
+    gradients on the same step is logged as grad_reduce_rel_diff and grad_reduce_max_abs_diff)."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
     hf_model: str | None = None

@@ -46,6 +46,7 @@ from moe.layer import update_routers
 from moe.model import ModelConfig, MoETransformer, preset
 from moe.parallel import clip_grad_norm_, load_full_state_dict, share_router_statistics
 from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
+from moe.parallel.reduce_precision import MeasuredReduceScatter
 from moe.training.checkpoint import (
     EXPORT_NAME,
     complete_checkpoints,
@@ -159,7 +160,11 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if pmesh is not None:
         # Blocks return views (reshapes); nothing here modifies a block's output in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        shard_model(model, pmesh, list(model.blocks), mixed_precision(info.device, REDUCE_DTYPES[cfg.grad_reduce_dtype]))
+        shard_model(model, pmesh, list(model.blocks), mixed_precision(info.device, torch.float32))
+    low_reduce = None
+    if pmesh is not None and cfg.grad_reduce_dtype != "fp32":  # applied, and measured against fp32
+        low_reduce = MeasuredReduceScatter(REDUCE_DTYPES[cfg.grad_reduce_dtype])
+        low_reduce.install(model)
         share_router_statistics(model, dist.group.WORLD)
     optimizer = make_optimizer(model, cfg)
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
@@ -201,6 +206,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         loss = out.loss + out.aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        reduce_info = low_reduce.pop(info.device) if low_reduce is not None else {}
         grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         optimizer.step()
         sync_router_state(model, info)
@@ -210,7 +216,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
             torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
         train_time += dt
-        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt)
+        record.update(lr=lr, grad_norm=float(grad_norm), tokens_per_s=cfg.batch_size * cfg.seq_len / dt, **reduce_info)
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             ev = run_eval()
             record.update({f"eval/{k}": v for k, v in ev.items()})
