@@ -161,11 +161,11 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         # Blocks return views (reshapes); nothing here modifies a block's output in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         shard_model(model, pmesh, list(model.blocks), mixed_precision(info.device, torch.float32))
+        share_router_statistics(model, dist.group.WORLD)
     low_reduce = None
     if pmesh is not None and cfg.grad_reduce_dtype != "fp32":  # applied, and measured against fp32
         low_reduce = MeasuredReduceScatter(REDUCE_DTYPES[cfg.grad_reduce_dtype])
         low_reduce.install(model)
-        share_router_statistics(model, dist.group.WORLD)
     optimizer = make_optimizer(model, cfg)
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     found = complete_checkpoints(ckpt_dir) if cfg.resume else []
