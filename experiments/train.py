@@ -17,6 +17,9 @@ layout (FSDP2 x expert parallel, ``moe.parallel.mesh``).
     torchrun --standalone --nproc-per-node 4 experiments/train.py --preset tiny --dp-replicate 2 --expert-parallel 2
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 experiments/train.py --preset small \
         --checkpoint-dir runs/small --checkpoint-every 50 --resume      # a crashed rank restarts the job
+    torchrun --standalone --nproc-per-node 2 experiments/train.py --preset tiny --grad-reduce-dtype bf16   # logs its error
+    torchrun --standalone --nproc-per-node 4 experiments/train.py --preset tiny --packet-loss 0.1 \
+        --loss-policy unbiased --metrics-jsonl runs/loss10/metrics.jsonl      # simulated lossy data parallel
 
 Every field of ``moe.training.TrainConfig`` is a flag (``--help`` lists them), and every field of
 ``moe.model.ModelConfig`` overrides the preset (``--d-model 128 --num-experts 8``).

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from moe.model import ModelConfig
+from moe.parallel.lossy import LossConfig, LossyDPConfig
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -104,6 +105,22 @@ class TrainConfig:
     """Precision of the data-parallel gradient reduce-scatter: fp32, or bf16 to measure the bias
     low precision adds (bf16 is applied; its difference from an fp32 reduction of the same
     gradients on the same step is logged as grad_reduce_rel_diff and grad_reduce_max_abs_diff)."""
+    packet_loss: float = 0.0
+    """p > 0: data parallelism over a simulated lossy transport (``moe.parallel.lossy``): every
+    parameter replicated, gradients reduce-scattered to shard owners and parameters broadcast
+    back, each packet lost with probability p (FSDP2 is not used). Logs received_fraction,
+    grad_rel_error, grad_bias (against the reliable mean of the same gradients), max_drift and
+    rms_drift (spread between the ranks' replicas) every step."""
+    loss_policy: str = "unbiased"
+    """With packet_loss: what a shard owner makes of the packets that arrived: unbiased (average
+    of what arrived), naive (lost packets count as zeros), reweighted (inverse-probability
+    weights) or reliable (the baseline: the transport is bypassed)."""
+    loss_burst: float = 0.0
+    """With packet_loss: mean burst length of lost packets (Gilbert's channel); 0 = independent losses."""
+    loss_packet_size: int = 1024
+    """With packet_loss: elements per packet."""
+    loss_resync_every: int = 0
+    """With packet_loss: every K-th parameter broadcast is reliable (0 = never)."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
     hf_model: str | None = None
@@ -139,6 +156,14 @@ class TrainConfig:
             raise ValueError("resume and export_model need checkpoint_dir")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be an integer >= 1, got {self.keep_checkpoints!r}")
+        if not 0.0 <= self.packet_loss < 1.0:
+            raise ValueError(f"packet_loss must be in [0, 1), got {self.packet_loss!r}")
+        if self.packet_loss > 0 and (self.expert_parallel > 1 or self.hf_model or self.grad_reduce_dtype != "fp32"):
+            raise ValueError("packet_loss replicates every parameter over plain data parallelism: "
+                             "no expert_parallel, hf_model or grad_reduce_dtype with it")
+        if self.loss_burst != 0.0 and self.loss_burst < 1.0:
+            raise ValueError(f"loss_burst must be 0 (independent losses) or a mean burst length >= 1, got {self.loss_burst!r}")
+        self.lossy_data_parallel()  # validates loss_policy, loss_packet_size, loss_resync_every
         if self.hf_model and (self.expert_parallel > 1 or set(self.model) - {"backend"}):
             raise ValueError("hf_model takes its architecture from its transformers config: no model overrides "
                              "(except backend) and no expert_parallel")
@@ -146,3 +171,11 @@ class TrainConfig:
         bad = set(self.model) - model_fields
         if bad:
             raise ValueError(f"unknown model overrides {sorted(bad)}; known: {sorted(model_fields)}")
+
+    def lossy_data_parallel(self) -> LossyDPConfig:
+        """The ``moe.parallel.lossy`` configuration of ``packet_loss`` and the ``loss_*`` fields
+        (the loss pattern is seeded by ``seed``)."""
+        loss = LossConfig(rate=self.packet_loss, packet_size=self.loss_packet_size,
+                          burst_length=self.loss_burst or None, seed=self.seed)
+        return LossyDPConfig(policy=self.loss_policy, loss=loss, resync_every=self.loss_resync_every,
+                             grad_clip=self.grad_clip)

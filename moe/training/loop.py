@@ -45,6 +45,7 @@ from moe.eval import autocast, evaluate
 from moe.layer import update_routers
 from moe.model import ModelConfig, MoETransformer, preset
 from moe.parallel import clip_grad_norm_, load_full_state_dict, share_router_statistics
+from moe.parallel.lossy import LossyDataParallel
 from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
 from moe.parallel.reduce_precision import MeasuredReduceScatter
 from moe.training.checkpoint import (
@@ -58,6 +59,10 @@ from moe.training.checkpoint import (
 from moe.training.config import REDUCE_DTYPES, TrainConfig
 from moe.training.distributed import DistInfo, inject_fault, setup_distributed, sync_router_state
 from moe.training.metrics import RouterEntropy, init_wandb, step_metrics, wandb_flat
+
+
+LOSSY_METRICS = ("received_fraction", "grad_rel_error", "grad_bias", "max_drift", "rms_drift")
+"""Per-step figures of ``--packet-loss`` runs written to the metrics (see ``LossyDataParallel.step``)."""
 
 
 @dataclass
@@ -146,7 +151,11 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
     mcfg = model_config(cfg, corpus.vocab_size)
     layout = Layout.from_world(info.world_size, cfg.dp_replicate, cfg.expert_parallel)
-    pmesh = ParallelMesh(layout, info.device.type) if info.world_size > 1 else None
+    lossy = cfg.packet_loss > 0
+    if lossy and info.world_size == 1:
+        raise ValueError("--packet-loss simulates data parallelism over a lossy network: launch at least 2 "
+                         "processes (torchrun --nproc-per-node N)")
+    pmesh = ParallelMesh(layout, info.device.type) if info.world_size > 1 and not lossy else None
     if cfg.hf_model:
         if pmesh is not None:
             raise ValueError("--hf-model runs on one process (sharding a transformers model is not supported yet)")
@@ -161,12 +170,14 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         # Blocks return views (reshapes); nothing here modifies a block's output in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         shard_model(model, pmesh, list(model.blocks), mixed_precision(info.device, torch.float32))
+    if info.world_size > 1:
         share_router_statistics(model, dist.group.WORLD)
     low_reduce = None
     if pmesh is not None and cfg.grad_reduce_dtype != "fp32":  # applied, and measured against fp32
         low_reduce = MeasuredReduceScatter(REDUCE_DTYPES[cfg.grad_reduce_dtype])
         low_reduce.install(model)
     optimizer = make_optimizer(model, cfg)
+    lossy_dp = LossyDataParallel(model, optimizer, cfg.lossy_data_parallel()) if lossy else None
     ckpt_dir = Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     found = complete_checkpoints(ckpt_dir) if cfg.resume else []
     start, run_id = load_checkpoint(found[-1], model, optimizer, mcfg) if found else (0, None)
@@ -206,9 +217,14 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         loss = out.loss + out.aux_loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        reduce_info = low_reduce.pop(info.device) if low_reduce is not None else {}
-        grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        optimizer.step()
+        if lossy_dp is not None:  # aggregate over the lossy transport, owners update, broadcast
+            lossy_info = lossy_dp.step(step)
+            grad_norm = lossy_info["grad_norm"]
+            reduce_info = {k: lossy_info[k] for k in LOSSY_METRICS}
+        else:
+            reduce_info = low_reduce.pop(info.device) if low_reduce is not None else {}
+            grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            optimizer.step()
         sync_router_state(model, info)
         update_routers(model)
         record = {"step": step, **step_metrics(out, entropy.pop(), info)}
