@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--no-train", action="store_true", help="skip the training comparison")
-    p.add_argument("--json", type=Path, help=f"results JSON (default: experiments/results/reduction_bias-DATE.json); figure next to it")
+    p.add_argument("--json", type=Path, help="results JSON (default: experiments/results/reduction_bias-DATE.json); figure next to it")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     rows = measure(args.workers, args.elements, args.trials)
