@@ -55,13 +55,12 @@ class MeasuredReduceScatter(ReduceScatter or object):
         dist.reduce_scatter_tensor(low, input_tensor.to(self.dtype), op=op, group=group)
         output_tensor.copy_(low)
         diff = (output_tensor.double() - reference.double())
-        step = torch.stack([diff.square().sum(), reference.double().square().sum(),
-                            diff.abs().max() if diff.numel() else diff.new_zeros(())])
         if self._sums is None:
-            self._sums = step
-        else:
-            self._sums = torch.stack([self._sums[0] + step[0], self._sums[1] + step[1],
-                                      torch.maximum(self._sums[2], step[2])])
+            self._sums = torch.zeros(3, dtype=torch.float64, device=output_tensor.device)
+        self._sums[0] += diff.square().sum()
+        self._sums[1] += reference.double().square().sum()
+        if diff.numel():
+            self._sums[2] = torch.maximum(self._sums[2], diff.abs().max())
         return None
 
     def install(self, model: nn.Module) -> None:
