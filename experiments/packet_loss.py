@@ -27,7 +27,8 @@ evaluated with the exchange reliable.
 Writes ``--json`` (``{"runs": [{"loss_rate", "policy", "seeds", "val_loss", "val_ppl",
 "ppl_change_pct", "ppl_change_se", "max_drift", "grad_rel_error", "grad_bias", ...}]}``) and a
 figure (drift over steps, gradient error and bias per lossy data-parallel configuration) next
-to it.
+to it, and every run's record (final validation loss, per-step figures) as ``.raw.json``, so
+``--add-to`` can extend a study with more seeds or rates without rerunning what it holds.
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ def summarise(raw: list[dict]) -> list[dict]:
     the run's baseline (``reliable``; ``ep_reliable`` for the expert-parallel runs)."""
     base = {(r["policy"], r["seed"]): r["val_loss"] for r in raw if r["loss_rate"] == 0.0}
     runs = []
-    for rate, policy in dict.fromkeys((r["loss_rate"], r["policy"]) for r in raw):
+    order = [*POLICIES, "ep_reliable", "ep_drop", "ep_renormalise"]
+    keys = sorted(dict.fromkeys((r["loss_rate"], r["policy"]) for r in raw),
+                  key=lambda k: (k[1].startswith("ep_"), k[0], order.index(k[1])))
+    for rate, policy in keys:
         rs = [r for r in raw if r["loss_rate"] == rate and r["policy"] == policy]
         seeds = [r["seed"] for r in rs]
         baseline = "ep_reliable" if policy.startswith("ep_") else "reliable"
@@ -240,8 +244,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ep-rates", type=float, nargs="*", default=[0.1],
                    help="expert-parallel runs (topk, experts over the 4 ranks): lost token rows dropped, or renormalised")
     p.add_argument("--eval-windows", type=int, default=64)
-    p.add_argument("--json", type=Path, help="results JSON; the .md table and .png figure go next to it "
-                                             "(default: experiments/results/packet_loss[_quick].json)")
+    p.add_argument("--json", type=Path, help="results JSON; the .md table, .png figure and .raw.json per-run records "
+                                             "go next to it (default: experiments/results/packet_loss[_quick].json)")
+    p.add_argument("--add-to", action="store_true",
+                   help="extend the study at --json: keep its per-run records (.raw.json), run only the (rate, policy, "
+                        "seed) jobs it lacks, summarise all together (the settings must match)")
     args = p.parse_args(argv)
     if args.quick:
         args.rates, args.policies, args.seeds, args.steps, args.eval_windows = [0.1, 0.3], ["unbiased", "naive"], [0], 40, 32
@@ -255,22 +262,37 @@ def main(argv: list[str] | None = None) -> dict:
         jobs += [{"loss_rate": 0.0, "policy": "ep_reliable", "seed": s} for s in args.seeds]
         jobs += [{"loss_rate": rate, "policy": policy, "seed": s} for rate in args.ep_rates
                  for policy in ("ep_drop", "ep_renormalise") for s in args.seeds]
-    print(f"{len(jobs)} runs of {args.steps} steps on {WORLD} gloo processes")
+    json_path = args.json or RESULTS / ("packet_loss_quick.json" if args.quick else "packet_loss.json")
+    raw_path = json_path.with_suffix(".raw.json")
+    earlier, wall_before = [], 0.0
+    if args.add_to:
+        if not raw_path.exists():
+            p.error(f"--add-to: {raw_path} does not exist (run the study once without --add-to)")
+        stored = json.loads(raw_path.read_text())
+        if stored["config"] != common:
+            p.error(f"--add-to: the stored study ran with {stored['config']}, this one would run with {common}")
+        earlier, wall_before = stored["runs"], stored["wall_s"]
+        done = {(r["loss_rate"], r["policy"], r["seed"]) for r in earlier}
+        jobs = [j for j in jobs if (j["loss_rate"], j["policy"], j["seed"]) not in done]
+    print(f"{len(jobs)} runs of {args.steps} steps on {WORLD} gloo processes"
+          + (f" (added to {len(earlier)} stored ones)" if args.add_to else ""))
     t0 = time.perf_counter()
-    raw = ok_values(run_local(_worker, WORLD, jobs, common, timeout_s=24 * 3600.0, pg_timeout_s=600.0))[0]
-    wall = time.perf_counter() - t0
+    new = ok_values(run_local(_worker, WORLD, jobs, common, timeout_s=24 * 3600.0, pg_timeout_s=600.0))[0] if jobs else []
+    wall = wall_before + time.perf_counter() - t0
+    raw = earlier + [{**r, "history": {k: [float(f"{v:.5g}") for v in vs] for k, vs in r["history"].items()}} for r in new]
     runs = summarise(raw)
     result = {"date": date.today().isoformat(), "world": WORLD, "wall_s": wall, "config": common,
               "quick": args.quick, "runs": runs}
-    json_path = args.json or RESULTS / ("packet_loss_quick.json" if args.quick else "packet_loss.json")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1) + "\n")
+    raw_path.write_text(json.dumps({"config": common, "wall_s": wall, "runs": raw}) + "\n")
     md = table(runs)
     json_path.with_suffix(".md").write_text(md + "\n")
     if any(r["policy"] not in ("reliable", "ep_reliable", "ep_drop", "ep_renormalise") for r in runs):
         plot(runs, json_path.with_suffix(".png"))  # drift and gradient figures: data-parallel runs only
     print(md)
-    print(f"wrote {json_path} (+ .md, .png when there are lossy data-parallel runs) in {wall / 60:.1f} min")
+    print(f"wrote {json_path} (+ .md, .raw.json, and .png when there are lossy data-parallel runs); "
+          f"{wall / 60:.1f} min of runs in all")
     return result
 
 

@@ -62,10 +62,10 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     jsonl = str(tmp_path / "resumed.jsonl")
     real_batch = mt.local_batch
 
-    def crash_at_step_5(corpus, cfg, step, info):
+    def crash_at_step_5(corpus, cfg, step, info, data_parallel=None):
         if step == 5:
             raise RuntimeError("simulated crash")
-        return real_batch(corpus, cfg, step, info)
+        return real_batch(corpus, cfg, step, info, data_parallel)
 
     monkeypatch.setattr(mt, "local_batch", crash_at_step_5)
     with pytest.raises(RuntimeError, match="simulated crash"):

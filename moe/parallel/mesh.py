@@ -1,13 +1,17 @@
-"""The DeviceMesh of a training run: replicated data parallel x sharded data parallel x expert
-parallel, and FSDP2 (``fully_shard``) applied over it.
+"""The DeviceMesh of a training run: pipeline x replicated data parallel x sharded data parallel
+x expert parallel, and FSDP2 (``fully_shard``) applied over it.
 
-Shape legend: W world size, R replicate degree, S shard degree left for the experts, P expert-
-parallel degree, E experts, L = E/P experts per expert-parallel rank.
+Shape legend: W world size, Q pipeline degree, R replicate degree, S shard degree left for the
+experts, P expert-parallel degree, DP = R*S*P data-parallel ranks per pipeline stage, E experts,
+L = E/P experts per expert-parallel rank.
 
-Every rank is its own data-parallel rank: it draws its own slice of the global batch (data
-parallel degree W). The world is laid out as a mesh (R, S, P) with W = R*S*P, named
-``("dp_replicate", "dp_shard", "ep")``, and ``"fsdp"`` is ``(dp_shard, ep)`` flattened (S*P
-ranks):
+The world is laid out as a mesh (Q, R, S, P) with W = Q*DP, named ``("pp", "dp_replicate",
+"dp_shard", "ep")``; ``"dp"`` is ``(dp_replicate, dp_shard, ep)`` flattened (the DP ranks of one
+pipeline stage) and ``"fsdp"`` is ``(dp_shard, ep)`` flattened (S*P ranks). The ranks of one
+pipeline stage hold the same blocks (``moe.training.pipeline``); everything below happens
+within a stage, and with Q = 1 the stage is the whole model. Every rank of a stage is its own
+data-parallel rank: it draws its own slice of the global batch (data parallel degree DP); the
+ranks of one ``pp`` group (same data-parallel index, consecutive stages) share a slice.
 
 * **dense weights** (attention, norms, embeddings, routers): FSDP2 over ``fsdp`` (S*P ranks),
   replicated over ``dp_replicate`` (HSDP when R > 1);
@@ -16,11 +20,11 @@ ranks):
 * the token all-to-all runs on the ``ep`` group (P consecutive ranks).
 
 Gradients. Rank r's loss is the mean over its own tokens, so the single-process gradient is the
-mean over the W ranks' gradients. FSDP2 divides a dense gradient by its mesh size R*S*P = W. An
+mean over the DP ranks' gradients. FSDP2 divides a dense gradient by its mesh size R*S*P = DP. An
 expert's local gradient already sums every rank of its ``ep`` group (the reverse exchange brings
 the rows home), and FSDP2 sums it over the R*S ranks of its own mesh: the single-process
-gradient is that sum over all W ranks divided by W, not by R*S, so the expert units get the
-divide factor W (``set_gradient_divide_factor``). gloo has no ``PREMUL_SUM``, so on the CPU the
+gradient is that sum over all DP ranks divided by DP, not by R*S, so the expert units get the
+divide factor DP (``set_gradient_divide_factor``). gloo has no ``PREMUL_SUM``, so on the CPU the
 expert units reduce with plain sums and scale separately (``set_force_sum_reduction_for_comms``),
 except when S = 1: there torch 2.13's FSDP2 skips the reduce-scatter and divides by the factor
 in its place, and with forced sums divides a second time (measured: gradients W times too
@@ -41,13 +45,13 @@ from torch.distributed.tensor import Shard
 from moe.parallel.exchange import ExpertParallel
 from moe.parallel.state import expert_parallel_layers
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "ep")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "ep")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How W processes split into replicated data parallel x sharded data parallel x expert
-    parallel; validated on construction. Build one with :meth:`from_world`."""
+    """How W processes split into pipeline x replicated data parallel x sharded data parallel x
+    expert parallel; validated on construction. Build one with :meth:`from_world`."""
 
     dp_replicate: int
     """R: replicas of every weight shard (HSDP when > 1)."""
@@ -55,30 +59,37 @@ class Layout:
     """S: FSDP2 degree of the expert weights; dense weights are sharded over S*P ranks."""
     expert_parallel: int
     """P: expert-parallel degree (experts split into P blocks; 1 = plain FSDP2)."""
+    pipeline: int = 1
+    """Q: pipeline stages (ranks holding consecutive blocks; 1 = no pipeline)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "expert_parallel"):
+        for name in ("dp_replicate", "dp_shard", "expert_parallel", "pipeline"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {v!r}")
 
     @classmethod
-    def from_world(cls, world_size: int, dp_replicate: int = 1, expert_parallel: int = 1) -> "Layout":
-        """The layout of ``world_size`` processes with R = ``dp_replicate`` and P =
-        ``expert_parallel``; sharded data parallel takes the rest, S = W / (R*P)."""
-        for name, v in (("dp_replicate", dp_replicate), ("expert_parallel", expert_parallel)):
+    def from_world(cls, world_size: int, dp_replicate: int = 1, expert_parallel: int = 1, pipeline: int = 1) -> "Layout":
+        """The layout of ``world_size`` processes with R = ``dp_replicate``, P = ``expert_parallel``
+        and Q = ``pipeline``; sharded data parallel takes the rest, S = W / (Q*R*P)."""
+        for name, v in (("dp_replicate", dp_replicate), ("expert_parallel", expert_parallel), ("pipeline", pipeline)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if world_size % (dp_replicate * expert_parallel):
+        if world_size % (pipeline * dp_replicate * expert_parallel):
             raise ValueError(
-                f"dp_replicate={dp_replicate} x expert_parallel={expert_parallel} must divide the number of "
-                f"processes ({world_size})"
+                f"pipeline={pipeline} x dp_replicate={dp_replicate} x expert_parallel={expert_parallel} must divide "
+                f"the number of processes ({world_size})"
             )
-        return cls(dp_replicate, world_size // (dp_replicate * expert_parallel), expert_parallel)
+        return cls(dp_replicate, world_size // (pipeline * dp_replicate * expert_parallel), expert_parallel, pipeline)
+
+    @property
+    def data_parallel(self) -> int:
+        """DP = R*S*P: data-parallel ranks of one pipeline stage."""
+        return self.dp_replicate * self.dp_shard * self.expert_parallel
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.expert_parallel
+        return self.pipeline * self.data_parallel
 
     def check_experts(self, num_experts: int) -> None:
         """ValueError unless P divides the number of experts."""
@@ -89,7 +100,8 @@ class Layout:
             )
 
     def __str__(self) -> str:
-        return f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x ep={self.expert_parallel}"
+        dims = f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x ep={self.expert_parallel}"
+        return dims if self.pipeline == 1 else f"pp={self.pipeline} x {dims}"
 
 
 class ParallelMesh:
@@ -103,9 +115,34 @@ class ParallelMesh:
         self.layout = layout
         self.device_type = device_type
         self.mesh = init_device_mesh(
-            device_type, (layout.dp_replicate, layout.dp_shard, layout.expert_parallel), mesh_dim_names=MESH_DIMS
+            device_type, (layout.pipeline, layout.dp_replicate, layout.dp_shard, layout.expert_parallel),
+            mesh_dim_names=MESH_DIMS,
         )
         self.mesh["dp_shard", "ep"]._flatten("fsdp")
+        self.mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp")
+
+    @property
+    def stage_mesh(self) -> DeviceMesh:
+        """This rank's pipeline stage: the mesh (dp_replicate, dp_shard, ep)."""
+        return self.mesh["dp_replicate", "dp_shard", "ep"]
+
+    @property
+    def dp_group(self):
+        """The data-parallel ranks of this rank's pipeline stage (all ranks when Q = 1)."""
+        return self.mesh["dp"].get_group()
+
+    @property
+    def pp_group(self):
+        """The pipeline ranks of this rank's data-parallel index (stage order)."""
+        return self.mesh["pp"].get_group()
+
+    def coordinate(self) -> tuple[int, int]:
+        """(pipeline rank, data-parallel rank) of this process."""
+        return self.mesh["pp"].get_local_rank(), self.mesh["dp"].get_local_rank()
+
+    def global_rank(self, pp: int, dp: int) -> int:
+        """The global rank at pipeline rank ``pp`` and data-parallel rank ``dp``."""
+        return pp * self.layout.data_parallel + dp
 
     @property
     def dense_mesh(self) -> DeviceMesh:
@@ -120,7 +157,7 @@ class ParallelMesh:
     def expert_parallel(self) -> ExpertParallel | None:
         """The data path to hand to the MoE layers (None when P = 1: experts stay whole and are
         sharded with the dense weights)."""
-        return ExpertParallel(self.mesh["ep"].get_group(), self.mesh) if self.layout.expert_parallel > 1 else None
+        return ExpertParallel(self.mesh["ep"].get_group(), self.stage_mesh) if self.layout.expert_parallel > 1 else None
 
 
 def mixed_precision(device: torch.device, reduce_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:
@@ -136,7 +173,7 @@ def shard_model(model: nn.Module, pmesh: ParallelMesh, units: list[nn.Module], m
     mesh), each of ``units`` (e.g. the transformer blocks) and finally ``model`` on the dense
     mesh. Expert weights are sharded on dim 1 (dim 0 is the expert index the ``ep`` dim splits),
     so a checkpoint can describe them as one [E, ...] tensor (``moe.parallel.checkpoint``)."""
-    world = pmesh.layout.world_size
+    world = pmesh.layout.data_parallel
     force_sum = pmesh.device_type == "cpu" and pmesh.layout.dp_shard > 1  # see the module docstring
     for layer in expert_parallel_layers(model).values():
         for child in layer.children():

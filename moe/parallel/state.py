@@ -169,7 +169,7 @@ def reduce_gradients(model: nn.Module, group=None, reduce_dtype: torch.dtype = t
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> Tensor:
+def clip_grad_norm_(model: nn.Module, max_norm: float, pipeline_group=None, uncounted: tuple = ()) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a sharded model: the norm of the *whole* model's
     gradient, so every rank scales by the same factor, the one a single process would use.
 
@@ -177,8 +177,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> Tensor:
     where it lives: a DTensor's squared norm over the shard dims of its mesh (replicas counted
     once), an expert-parallel layer's experts additionally over its expert-parallel group,
     and a plain non-expert gradient counts as it is (identical on every rank after reduction).
-    Call after the gradients are reduced. ``max_norm=inf`` only measures. Returns the norm."""
+    With pipeline parallelism ``model`` is one stage: the squared norms of the stages are summed
+    over ``pipeline_group``, and ``uncounted`` parameters (a second copy of a weight another
+    stage counts, e.g. a tied embedding) are scaled but not counted. Call after the gradients
+    are reduced. ``max_norm=inf`` only measures. Returns the norm."""
     owner = {id(p): layer for layer in expert_parallel_layers(model).values() for p in layer.experts.parameters()}
+    skip = {id(p) for p in uncounted}
     buckets: dict[tuple, Tensor] = {}
     grads = []
     for p in model.parameters():
@@ -186,6 +190,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> Tensor:
             continue
         g = p.grad
         grads.append(g)
+        if id(p) in skip:
+            continue
         layer = owner.get(id(p))
         ep_group = layer.expert_parallel.group if layer is not None else None
         local, placement = (g.to_local(), (g.device_mesh, tuple(g.placements))) if isinstance(g, DTensor) else (g, None)
@@ -201,6 +207,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> Tensor:
         if ep_group is not None:
             guarded("gradient-norm all-reduce", ep_group, lambda: dist.all_reduce(sq, group=ep_group))
         total_sq = total_sq + sq.cpu()
+    if pipeline_group is not None:
+        device = grads[0].device if grads else torch.device("cpu")
+        total_sq = total_sq.to(device)
+        guarded("gradient-norm all-reduce", pipeline_group, lambda: dist.all_reduce(total_sq, group=pipeline_group))
+        total_sq = total_sq.cpu()
     total = total_sq.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:

@@ -92,10 +92,16 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return int(meta["step"]), meta.get("wandb_run_id")
 
 
-def export_model(path: Path, model: nn.Module, mcfg: ModelConfig, info: DistInfo) -> None:
+def export_model(path: Path, model: nn.Module, mcfg: ModelConfig, info: DistInfo, pipeline_group=None) -> None:
     """A consolidated single-process state dict of the model in one file (for small models:
-    every rank gathers the whole model). Written atomically by rank 0; call on every rank."""
+    every rank gathers the whole model; with pipeline parallelism ``model`` is one stage and
+    the stages' parts are gathered over ``pipeline_group``). Written atomically by rank 0;
+    call on every rank."""
     state = full_state_dict(model) if info.world_size > 1 else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if pipeline_group is not None:
+        parts: list[dict] = [{} for _ in range(dist.get_world_size(pipeline_group))]
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pipeline_group)
+        state = {k: v for part in parts for k, v in part.items()}
     if info.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

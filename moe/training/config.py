@@ -8,6 +8,7 @@ import torch
 
 from moe.model import ModelConfig
 from moe.parallel.lossy import LossConfig, LossyDPConfig
+from moe.training.pipeline import virtual_stages
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -98,6 +99,15 @@ class TrainConfig:
     """P: expert-parallel degree: the experts are split into P blocks, one per rank of an
     expert-parallel group, and FSDP2-sharded over what remains; P must divide the number of
     processes and num_experts. 1 = plain FSDP2 on more than one process."""
+    pipeline_parallel: int = 1
+    """Q: pipeline stages (``moe.training.pipeline``): the blocks are cut into Q consecutive
+    stages, one per pipeline rank, scheduled by ``pipeline_schedule`` over ``microbatches``
+    microbatches; Q x dp_replicate x expert_parallel must divide the number of processes. 1 = no pipeline."""
+    pipeline_schedule: str = "1f1b"
+    """With pipeline_parallel > 1: gpipe, 1f1b or interleaved1f1b (two stages per pipeline rank)."""
+    microbatches: int = 1
+    """M: each rank's share of the batch is split into M equal microbatches whose gradients are
+    accumulated (the pipeline's microbatches with pipeline_parallel > 1)."""
     collective_timeout_s: float = 600.0
     """Every collective of the process group (joined by the loop) fails after this many seconds
     instead of hanging when a peer stops answering."""
@@ -131,7 +141,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_bytes", "seq_len", "batch_size", "steps", "eval_windows", "eval_batch_size", "causal_stride",
-                    "dp_replicate", "expert_parallel", "canary_vocab")
+                    "dp_replicate", "expert_parallel", "canary_vocab", "pipeline_parallel", "microbatches")
         for name in positive:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -164,6 +174,11 @@ class TrainConfig:
         if self.loss_burst != 0.0 and self.loss_burst < 1.0:
             raise ValueError(f"loss_burst must be 0 (independent losses) or a mean burst length >= 1, got {self.loss_burst!r}")
         self.lossy_data_parallel()  # validates loss_policy, loss_packet_size, loss_resync_every
+        virtual_stages(self.pipeline_schedule)  # validates the name
+        if self.pipeline_parallel > 1 and (self.packet_loss > 0 or self.hf_model):
+            raise ValueError("pipeline_parallel runs the preset model over a reliable network: no packet_loss or hf_model")
+        if self.batch_size % self.microbatches:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by microbatches={self.microbatches}")
         if self.hf_model and (self.expert_parallel > 1 or set(self.model) - {"backend"}):
             raise ValueError("hf_model takes its architecture from its transformers config: no model overrides "
                              "(except backend) and no expert_parallel")

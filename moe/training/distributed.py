@@ -72,8 +72,10 @@ def inject_fault(step: int, info: DistInfo) -> None:
         os._exit(17)
 
 
-def sync_router_state(model: nn.Module, info: DistInfo) -> None:
-    """Average the routers' floating buffers over ranks before ``update_routers``.
+def sync_router_state(model: nn.Module, info: DistInfo, group=None) -> None:
+    """Average the routers' floating buffers over the ranks of ``group`` (default: all), which
+    must hold the same routers (with pipeline parallelism: one stage's data-parallel ranks),
+    before ``update_routers``.
 
     Router buffers are either identical on every rank (balancing biases, threshold averages:
     averaging keeps them) or statistics of the local batch (loads seen, pending cut-offs:
@@ -82,9 +84,12 @@ def sync_router_state(model: nn.Module, info: DistInfo) -> None:
     """
     if info.world_size == 1:
         return
+    size = dist.get_world_size(group)
+    if size == 1:
+        return
     for m in model.modules():
         if isinstance(m, Router):
             for buf in m.buffers(recurse=False):
                 if buf.is_floating_point():
-                    dist.all_reduce(buf)
-                    buf /= info.world_size
+                    dist.all_reduce(buf, group=group)
+                    buf /= size

@@ -15,12 +15,15 @@ in) are averaged over ranks before they are used. Logging, wandb and checkpoints
 rank 0 only; every rank evaluates (the same windows), so a sharded model can join in.
 
 On more than one process the model lives on a DeviceMesh (``moe.parallel.mesh``) built from
-``--dp-replicate R --expert-parallel P``: dense weights FSDP2-sharded over the data-parallel
-ranks (HSDP when R > 1), experts split over P expert-parallel ranks and FSDP2-sharded over what
-remains, gradients reduced by FSDP2. The model is built whole from the seed and then sharded,
-so initialisation, batches and (with the routers counting load-balancing fractions over all
-ranks) every step's loss match the single-process run to fp32 rounding. Clipping uses the
-whole model's norm.
+``--pipeline-parallel Q --dp-replicate R --expert-parallel P``: the blocks cut into Q pipeline
+stages (``moe.training.pipeline``; a rank then holds one stage and its data-parallel share of
+the batch flows through the stages in ``--microbatches M`` microbatches), and within a stage
+dense weights FSDP2-sharded over the stage's data-parallel ranks (HSDP when R > 1), experts
+split over P expert-parallel ranks and FSDP2-sharded over what remains, gradients reduced by
+FSDP2. The model is built whole from the seed and then cut and sharded, so initialisation,
+batches and (with the routers counting load-balancing fractions over all data-parallel ranks)
+every step's loss match the single-process run to fp32 rounding. Clipping uses the whole
+model's norm. ``--microbatches M`` alone accumulates the gradients of M microbatches.
 
 Shape legend: B batch (local to a rank unless named global), T sequence, V vocabulary,
 E experts, L MoE layers, W evaluation windows, P evaluated positions per window.
@@ -48,6 +51,7 @@ from moe.parallel import clip_grad_norm_, load_full_state_dict, share_router_sta
 from moe.parallel.lossy import LossyDataParallel
 from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
 from moe.parallel.reduce_precision import MeasuredReduceScatter
+from moe.routing import Router
 from moe.training.checkpoint import (
     EXPORT_NAME,
     complete_checkpoints,
@@ -58,7 +62,9 @@ from moe.training.checkpoint import (
 )
 from moe.training.config import REDUCE_DTYPES, TrainConfig
 from moe.training.distributed import DistInfo, inject_fault, setup_distributed, sync_router_state
-from moe.training.metrics import RouterEntropy, init_wandb, step_metrics, wandb_flat
+from moe.training.metrics import RouterEntropy, StepTally, init_wandb, wandb_flat
+from moe.training.pipeline import Pipeline, StageModel, sync_tied_gradient, tied_groups, virtual_stages
+from moe.training.pipelined_lm import PipelinedLM
 
 
 LOSSY_METRICS = ("received_fraction", "grad_rel_error", "grad_bias", "max_drift", "rms_drift")
@@ -69,7 +75,9 @@ LOSSY_METRICS = ("received_fraction", "grad_rel_error", "grad_bias", "max_drift"
 class TrainResult:
     """What :func:`train` returns (on every rank)."""
 
-    model: MoETransformer
+    model: nn.Module
+    """The trained model: a MoETransformer (sharded on more than one process), or this rank's
+    :class:`~moe.training.pipeline.StageModel` under pipeline parallelism."""
     optimizer: torch.optim.Optimizer
     model_config: ModelConfig
     history: list[dict]
@@ -109,13 +117,17 @@ def build_model(mcfg: ModelConfig, seed: int, device: torch.device, expert_paral
     return model.to(device)
 
 
-def local_batch(corpus: Corpus, cfg: TrainConfig, step: int, info: DistInfo) -> tuple[Tensor, Tensor]:
-    """(idx_BT, targets_BT) of this rank: its contiguous slice of the global batch of ``step``."""
-    if cfg.batch_size % info.world_size:
-        raise ValueError(f"global batch_size={cfg.batch_size} is not divisible by world size {info.world_size}")
-    b = cfg.batch_size // info.world_size
+def local_batch(corpus: Corpus, cfg: TrainConfig, step: int, info: DistInfo,
+                data_parallel: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """(idx_BT, targets_BT) of this rank: its contiguous slice of the global batch of ``step``;
+    ``data_parallel`` = (rank, size) among the data-parallel ranks (default: every process is
+    one: (rank, world size))."""
+    rank, size = data_parallel or (info.rank, info.world_size)
+    if cfg.batch_size % size:
+        raise ValueError(f"global batch_size={cfg.batch_size} is not divisible by {size} data-parallel ranks")
+    b = cfg.batch_size // size
     offsets_B = batch_offsets(corpus.train.numel(), cfg.seq_len, cfg.batch_size, cfg.seed, step)
-    idx_BT, targets_BT = windows(corpus.train, offsets_B[info.rank * b : (info.rank + 1) * b], cfg.seq_len)
+    idx_BT, targets_BT = windows(corpus.train, offsets_B[rank * b : (rank + 1) * b], cfg.seq_len)
     return idx_BT.to(info.device), targets_BT.to(info.device)
 
 
@@ -150,7 +162,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if corpus is None:
         corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
     mcfg = model_config(cfg, corpus.vocab_size)
-    layout = Layout.from_world(info.world_size, cfg.dp_replicate, cfg.expert_parallel)
+    layout = Layout.from_world(info.world_size, cfg.dp_replicate, cfg.expert_parallel, cfg.pipeline_parallel)
     lossy = cfg.packet_loss > 0
     if lossy and info.world_size == 1:
         raise ValueError("--packet-loss simulates data parallelism over a lossy network: launch at least 2 "
@@ -166,12 +178,38 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     else:
         layout.check_experts(mcfg.num_experts)
         model = build_model(mcfg, cfg.seed, info.device, pmesh.expert_parallel() if pmesh is not None else None)
-    if pmesh is not None:
+    num_params = model.num_parameters()
+    dp_rank, dp_size, dp_group = info.rank, info.world_size, dist.group.WORLD if info.world_size > 1 else None
+    stage = pipe = pp_group = tied_group = None
+    if layout.pipeline > 1:
+        virtual = virtual_stages(cfg.pipeline_schedule)
+        if virtual > 1 and layout.data_parallel > 1:
+            raise ValueError("interleaved1f1b runs without data parallelism inside a stage here: use "
+                             "--pipeline-schedule gpipe or 1f1b, or as many processes as pipeline stages")
+        pp_rank, dp_rank = pmesh.coordinate()
+        dp_size, dp_group, pp_group = layout.data_parallel, pmesh.dp_group, pmesh.pp_group
+        stage = model = StageModel(model, pp_rank, layout.pipeline, virtual)
+        if mcfg.tie_embeddings:
+            tied_group = tied_groups(layout.pipeline, layout.data_parallel, pmesh.global_rank)[dp_rank]
+    if pmesh is not None and layout.data_parallel > 1:
         # Blocks return views (reshapes); nothing here modifies a block's output in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        shard_model(model, pmesh, list(model.blocks), mixed_precision(info.device, torch.float32))
-    if info.world_size > 1:
-        share_router_statistics(model, dist.group.WORLD)
+        units = list(model.blocks.values()) if stage is not None else list(model.blocks)
+        shard_model(model, pmesh, units, mixed_precision(info.device, torch.float32))
+    if dp_size > 1:
+        share_router_statistics(model, dp_group)
+    if stage is not None:
+        logits_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32  # autocast's
+        pipe = Pipeline(stage, cfg.pipeline_schedule, cfg.microbatches,
+                        (cfg.batch_size // dp_size // cfg.microbatches, cfg.seq_len), pp_group, info.device, logits_dtype)
+    if (cfg.batch_size // dp_size) % cfg.microbatches:
+        raise ValueError(f"a rank's batch of {cfg.batch_size // dp_size} sequences does not split into "
+                         f"microbatches={cfg.microbatches} equal parts")
+    uncounted = (stage.head.weight,) if stage is not None and stage.tied_weight() is not None and stage.has_last else ()
+    sharded = pmesh is not None and layout.data_parallel > 1
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    num_moe_layers = stage.num_moe_layers if stage is not None else len(routers)
+    num_experts = routers[0].num_experts if routers else mcfg.num_experts
     low_reduce = None
     if pmesh is not None and cfg.grad_reduce_dtype != "fp32":  # applied, and measured against fp32
         low_reduce = MeasuredReduceScatter(REDUCE_DTYPES[cfg.grad_reduce_dtype])
@@ -191,10 +229,11 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     run = init_wandb(cfg, mcfg, info, run_id)
     if info.is_main and cfg.log_every:
         tqdm.write(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
-                   f"model: {model.num_parameters():,} parameters, router {cfg.router} {cfg.router_options}")
+                   f"model: {num_params:,} parameters, router {cfg.router} {cfg.router_options}")
+    eval_model = PipelinedLM(stage, pp_group) if stage is not None else model
 
     def run_eval() -> dict:
-        return evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows, cfg.causal_stride, cfg.eval_batch_size,
+        return evaluate(eval_model, corpus.val, cfg.seq_len, cfg.eval_windows, cfg.causal_stride, cfg.eval_batch_size,
                         info.device)
 
     entropy = RouterEntropy(model)
@@ -210,24 +249,39 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         lr = lr_at(step - 1, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        idx_BT, targets_BT = local_batch(corpus, cfg, step, info)
+        idx_BT, targets_BT = local_batch(corpus, cfg, step, info, (dp_rank, dp_size))
         entropy.pop()
-        with autocast(info.device):
-            out = model(idx_BT, targets_BT)
-        loss = out.loss + out.aux_loss
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        tally = StepTally(num_moe_layers, num_experts, info.device)
+        if pipe is not None:  # the schedule runs every microbatch's forward and backward
+            with autocast(info.device):
+                for loss_m in pipe.step(idx_BT, targets_BT):
+                    tally.add_loss(loss_m)
+            for _ in range(cfg.microbatches):
+                tally.add_microbatch()
+            for rec in stage.pop_records():
+                tally.add_routing(rec.layer, rec.aux_loss, rec.dropped_fraction, rec.tokens_per_expert)
+            sync_tied_gradient(stage.tied_weight(), tied_group)
+        else:
+            for m, (idx_bT, targets_bT) in enumerate(zip(idx_BT.chunk(cfg.microbatches), targets_BT.chunk(cfg.microbatches))):
+                if sharded and cfg.microbatches > 1:  # reduce-scatter once, after the last microbatch
+                    model.set_requires_gradient_sync(m == cfg.microbatches - 1)
+                with autocast(info.device):
+                    out = model(idx_bT, targets_bT)
+                loss = out.loss + out.aux_loss
+                (loss / cfg.microbatches if cfg.microbatches > 1 else loss).backward()
+                tally.add_output(out)
         if lossy_dp is not None:  # aggregate over the lossy transport, owners update, broadcast
             lossy_info = lossy_dp.step(step)
             grad_norm = lossy_info["grad_norm"]
             reduce_info = {k: lossy_info[k] for k in LOSSY_METRICS}
         else:
             reduce_info = low_reduce.pop(info.device) if low_reduce is not None else {}
-            grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"), pp_group, uncounted)
             optimizer.step()
-        sync_router_state(model, info)
+        sync_router_state(model, info, dp_group)
         update_routers(model)
-        record = {"step": step, **step_metrics(out, entropy.pop(), info)}
+        record = {"step": step, **tally.finish(entropy.pop(), layout.pipeline)}
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
         dt = time.perf_counter() - t0
@@ -258,14 +312,14 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
                             run.id if run is not None else None)
     bar.close()
     if cfg.export_model:
-        export_model(ckpt_dir / EXPORT_NAME, model, mcfg, info)
+        export_model(ckpt_dir / EXPORT_NAME, model, mcfg, info, pp_group)
     entropy.close()
     if not final_eval:
         final_eval = run_eval()
     if run is not None:
         run.summary.update({f"final/{k}": v for k, v in final_eval.items()})
         run.finish()
-    if info.world_size > 1:
+    if dp_size > 1:
         share_router_statistics(model, None)  # the returned model's routers count locally again
         dist.barrier()  # no rank tears the group down while rank 0 still writes its checkpoint
     return TrainResult(model, optimizer, mcfg, history, final_eval, train_time)

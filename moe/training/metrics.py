@@ -18,8 +18,9 @@ from moe.training.distributed import DistInfo
 
 
 class RouterEntropy:
-    """Mean per-token entropy (nats) of each router's softmax over experts, caught by forward
-    hooks on the router gates; :meth:`pop` returns the mean since the last call."""
+    """Per-token entropy (nats) of each router's softmax over experts, caught by forward hooks
+    on the router gates; :meth:`pop` returns the sum and the count of the per-call means since
+    the last call."""
 
     def __init__(self, model: nn.Module) -> None:
         self.values: list[Tensor] = []
@@ -29,8 +30,8 @@ class RouterEntropy:
         logp_NE = logits_NE.detach().float().log_softmax(-1)
         self.values.append(-(logp_NE.exp() * logp_NE).sum(-1).mean())
 
-    def pop(self) -> Tensor:
-        out = torch.stack(self.values).mean() if self.values else torch.zeros(())
+    def pop(self) -> tuple[Tensor, int]:
+        out = (torch.stack(self.values).sum() if self.values else torch.zeros(()), len(self.values))
         self.values.clear()
         return out
 
@@ -39,33 +40,62 @@ class RouterEntropy:
             h.remove()
 
 
-def step_metrics(out: ModelOutput, entropy: Tensor, info: DistInfo) -> dict:
-    """Loss, aux loss, dropped fraction, router entropy (averaged over ranks) and per-layer
-    expert loads (summed over ranks) of one training step."""
-    dev = out.loss.device
-    scalars = torch.stack([
-        out.loss.detach().float(),
-        out.aux_loss.detach().float(),
-        torch.stack([r.stats["dropped_fraction"].float().to(dev) for r in out.routings]).mean()
-        if out.routings else torch.zeros((), device=dev),
-        entropy.to(dev),
-    ])
-    tokens_LE = (torch.stack([r.stats["tokens_per_expert"].to(dev) for r in out.routings])
-                 if out.routings else torch.zeros(0, 0, dtype=torch.int64, device=dev))
-    if info.world_size > 1:
-        dist.all_reduce(scalars)
-        scalars /= info.world_size
-        dist.all_reduce(tokens_LE)
-    loss_v, aux_v, dropped_v, entropy_v = scalars.tolist()
-    load_LE = tokens_LE.double() / tokens_LE.sum(-1, keepdim=True).clamp_min(1)
-    return {
-        "loss": loss_v,
-        "aux_loss": aux_v,
-        "dropped_fraction": dropped_v,
-        "router_entropy": entropy_v,
-        "tokens_per_expert": tokens_LE.tolist(),
-        "expert_load": load_LE.tolist(),
-    }
+class StepTally:
+    """One training step's figures summed over its microbatches (and, with pipeline
+    parallelism, over the MoE layers a rank holds); :meth:`finish` reduces them over all ranks.
+
+    Shape legend: L MoE layers of the whole model, E experts."""
+
+    def __init__(self, num_moe_layers: int, num_experts: int, device: torch.device) -> None:
+        self.device = device
+        # loss sum, losses, aux sum, microbatches, dropped-fraction sum, routings
+        self.sums = torch.zeros(6, dtype=torch.float64, device=device)
+        self.tokens_LE = torch.zeros(num_moe_layers, num_experts, dtype=torch.int64, device=device)
+
+    def add_loss(self, loss: Tensor) -> None:
+        """The main (cross-entropy) loss of one microbatch."""
+        self.sums[0] += loss.detach().double()
+        self.sums[1] += 1
+
+    def add_microbatch(self) -> None:
+        """Count one microbatch forward of this rank (its aux losses are averaged over these)."""
+        self.sums[3] += 1
+
+    def add_routing(self, layer: int, aux_loss: Tensor, dropped_fraction: Tensor, tokens_per_expert_E: Tensor) -> None:
+        """MoE layer ``layer`` (0..L-1) of one microbatch forward."""
+        self.sums[2] += aux_loss.detach().double().to(self.device)
+        self.sums[4] += dropped_fraction.detach().double().to(self.device)
+        self.sums[5] += 1
+        self.tokens_LE[layer] += tokens_per_expert_E.to(self.device)
+
+    def add_output(self, out: ModelOutput) -> None:
+        """A whole-model forward of one microbatch."""
+        self.add_loss(out.loss)
+        self.add_microbatch()
+        for layer, r in enumerate(out.routings):
+            self.add_routing(layer, r.aux_loss, r.stats["dropped_fraction"], r.stats["tokens_per_expert"])
+
+    def finish(self, entropy: tuple[Tensor, int], pipeline_stages: int = 1) -> dict:
+        """Loss (mean over microbatches and data-parallel ranks), aux loss (summed over layers,
+        averaged likewise), dropped fraction and router entropy (means over layers, microbatches
+        and ranks), per-layer expert loads (summed over ranks). A collective over all ranks."""
+        entropy_sum, entropy_n = entropy
+        sums = torch.cat([self.sums, torch.stack([entropy_sum.double().to(self.device),
+                                                  torch.tensor(float(entropy_n), dtype=torch.float64, device=self.device)])])
+        tokens_LE = self.tokens_LE.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(tokens_LE)
+        loss_sum, loss_n, aux_sum, mb_n, dropped_sum, routings_n, ent_sum, ent_n = sums.tolist()
+        load_LE = tokens_LE.double() / tokens_LE.sum(-1, keepdim=True).clamp_min(1)
+        return {
+            "loss": loss_sum / max(loss_n, 1.0),
+            "aux_loss": aux_sum * pipeline_stages / max(mb_n, 1.0),
+            "dropped_fraction": dropped_sum / routings_n if routings_n else 0.0,
+            "router_entropy": ent_sum / ent_n if ent_n else 0.0,
+            "tokens_per_expert": tokens_LE.tolist(),
+            "expert_load": load_LE.tolist(),
+        }
 
 
 def wandb_flat(record: dict) -> dict:
