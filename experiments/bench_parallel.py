@@ -21,6 +21,16 @@ expert-parallel sharding (``moe.parallel.mesh``). Per layout (``--dp-replicate R
 
 With fewer free cores than processes (the 2-core machine these results come from) the
 processes share cores, so step times measure overhead, not speed-up; bytes are exact.
+
+Pipeline layouts (``--pipeline-microbatches``, on ``--pipeline-world`` processes, one stage
+each, the model deepened to ``--pipeline-layers`` blocks so interleaved 1F1B has two stages per
+rank): per schedule (GPipe, 1F1B, interleaved 1F1B) and microbatch count M, the step time and
+the **measured bubble**, 1 - busy/step, where busy is the time the rank spent inside its
+stages' forward and backward chunks (``forward_one_chunk`` / ``backward_one_chunk`` timed,
+everything else is waiting for a neighbour or the optimizer), averaged over ranks; against
+the theoretical idle fraction with equal stage times, (S-1)/(M+S-1) for GPipe and 1F1B and
+(S-1)/(V*M+S-1) for interleaved 1F1B with V stages per rank. The optimizer step is outside
+the pipeline and counts as busy; with as many free cores as processes the ranks do not compete.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
 from moe.training import TrainConfig, build_model, model_config
 from moe.training.distributed import DistInfo
 from moe.training.loop import local_batch, make_optimizer
+from moe.training.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages
 
 
 def layouts_for(world: int, num_experts: int) -> list[tuple[int, int]]:
@@ -104,6 +115,78 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
     return rows
 
 
+def _timed(fn, total: list[float]):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - t0
+    return wrapper
+
+
+def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
+    """Every (schedule, M) of ``opts`` on ``world`` pipeline ranks: step and busy time."""
+    cfg = TrainConfig(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
+                      max_bytes=opts["max_bytes"], progress=False, model={"n_layers": opts["pipeline_layers"]})
+    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
+    mcfg = model_config(cfg, corpus.vocab_size)
+    device = torch.device("cpu")
+    info = DistInfo(rank, world, rank, device)
+    tied = dist.new_group([0, world - 1])
+    rows = []
+    for schedule in SCHEDULES:
+        v = virtual_stages(schedule)
+        for m in opts["pipeline_microbatches"]:
+            if cfg.batch_size % m or (schedule != "gpipe" and m % world):
+                continue  # a microbatch count this schedule refuses
+            stage = StageModel(build_model(mcfg, cfg.seed, device), rank, world, v)
+            pipe = Pipeline(stage, schedule, m, (cfg.batch_size // m, cfg.seq_len), dist.group.WORLD, device)
+            busy = [0.0]
+            for st in pipe.stages:
+                st.forward_one_chunk = _timed(st.forward_one_chunk, busy)
+                st.backward_one_chunk = _timed(st.backward_one_chunk, busy)
+            optimizer = make_optimizer(stage, cfg)
+            steps, busies = [], []
+            for step in range(1, opts["warmup"] + opts["iters"] + 1):
+                idx_BT, targets_BT = local_batch(corpus, cfg, step, info, (0, 1))
+                dist.barrier()
+                busy[0] = 0.0
+                t0 = time.perf_counter()
+                pipe.step(idx_BT, targets_BT)
+                stage.pop_records()
+                sync_tied_gradient(stage.tied_weight(), tied)
+                t_opt = time.perf_counter()
+                clip_grad_norm_(stage, cfg.grad_clip, dist.group.WORLD, (stage.head.weight,) if rank == world - 1 else ())
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                end = time.perf_counter()
+                steps.append(end - t0)
+                busies.append(busy[0] + end - t_opt)
+            keep = slice(opts["warmup"], None)
+            mine = torch.tensor([statistics.median(steps[keep]), statistics.median(busies[keep])], dtype=torch.float64)
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            step_s = max(float(e[0]) for e in every)
+            rows.append({
+                "world": world, "schedule": schedule, "microbatches": m, "virtual_stages": v,
+                "step_s": step_s, "busy_s": [float(e[1]) for e in every],
+                "bubble": statistics.mean(1 - float(e[1]) / float(e[0]) for e in every),
+                "bubble_theory": bubble_fraction(world, v * m) if v == 1 else (world - 1) / (v * m + world - 1),
+            })
+    return rows
+
+
+def format_pipeline_table(rows: list[dict]) -> str:
+    lines = ["| S (ranks) | schedule | M | step ms | busy ms per rank | bubble measured | bubble theory |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        busy = " / ".join(f"{b * 1e3:.0f}" for b in r["busy_s"])
+        lines.append(f"| {r['world']} | {r['schedule']} | {r['microbatches']} | {r['step_s'] * 1e3:.1f} | {busy} | "
+                     f"{r['bubble']:.2f} | {r['bubble_theory']:.2f} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict], single_bytes: int) -> str:
     lines = ["| W | R (replicate) | S (shard) | P (expert) | step ms | compute ms | exposed comm ms | bytes/rank | vs 1 process |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -125,12 +208,18 @@ def main() -> None:
     parser.add_argument("--max-bytes", type=int, default=200_000)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--pipeline-world", type=int, default=2, help="pipeline ranks (0: no pipeline layouts)")
+    parser.add_argument("--pipeline-microbatches", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--pipeline-layers", type=int, default=4, help="blocks of the pipelined model")
     parser.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = parser.parse_args()
-    for name in ("batch_size", "seq_len", "iters"):
+    for name in ("batch_size", "seq_len", "iters", "pipeline_layers"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
-    opts = {k: getattr(args, k) for k in ("preset", "batch_size", "seq_len", "max_bytes", "iters", "warmup")}
+    if args.pipeline_world and args.pipeline_layers < 2 * args.pipeline_world:
+        parser.error("--pipeline-layers must be at least twice --pipeline-world (interleaved 1F1B: two stages per rank)")
+    opts = {k: getattr(args, k) for k in ("preset", "batch_size", "seq_len", "max_bytes", "iters", "warmup",
+                                          "pipeline_microbatches", "pipeline_layers")}
     rows = []
     os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"  # the spawned ranks: FSDP2 / DeviceMesh notices
     for world in args.world_sizes:
@@ -144,12 +233,21 @@ def main() -> None:
     header = (f"preset {args.preset}, global batch {args.batch_size} x {args.seq_len} tokens, "
               f"median of {args.iters} steps after {args.warmup}, gloo, {os.cpu_count()} CPU cores, 1 thread per process")
     table = format_table(rows, single["bytes_per_rank"])
-    print(f"\n{header}\n\n{table}")
+    pipeline_rows, pipeline_table = [], ""
+    if args.pipeline_world:
+        t0 = time.perf_counter()
+        pipeline_rows = ok_values(run_local(bench_pipeline_rank, args.pipeline_world, opts, timeout_s=1800.0,
+                                            pg_timeout_s=600.0))[0]
+        print(f"pipeline, S={args.pipeline_world}: {len(pipeline_rows)} layouts ({time.perf_counter() - t0:.0f}s)")
+        pipeline_table = (f"\n\nPipeline, {args.pipeline_layers} blocks, global batch {args.batch_size}:\n\n"
+                          + format_pipeline_table(pipeline_rows))
+    print(f"\n{header}\n\n{table}{pipeline_table}")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"setup": header, "rows": rows}, indent=1))
-        out.with_suffix(".md").write_text(f"{header}\n\n{table}\n")
+        out.with_suffix(".json").write_text(json.dumps({"setup": header, "rows": rows, "pipeline_rows": pipeline_rows},
+                                                       indent=1))
+        out.with_suffix(".md").write_text(f"{header}\n\n{table}{pipeline_table}\n")
 
 
 if __name__ == "__main__":

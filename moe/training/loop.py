@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from moe.layer import update_routers
 from moe.model import ModelConfig, MoETransformer, preset
 from moe.parallel import clip_grad_norm_, load_full_state_dict, share_router_statistics
 from moe.parallel.lossy import LossyDataParallel
-from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
+from moe.parallel.mesh import Layout, ParallelMesh
 from moe.parallel.reduce_precision import MeasuredReduceScatter
 from moe.routing import Router
 from moe.training.checkpoint import (
@@ -63,8 +62,8 @@ from moe.training.checkpoint import (
 from moe.training.config import REDUCE_DTYPES, TrainConfig
 from moe.training.distributed import DistInfo, inject_fault, setup_distributed, sync_router_state
 from moe.training.metrics import RouterEntropy, StepTally, init_wandb, wandb_flat
-from moe.training.pipeline import Pipeline, StageModel, sync_tied_gradient, tied_groups, virtual_stages
-from moe.training.pipelined_lm import PipelinedLM
+from moe.training.pipeline import sync_tied_gradient
+from moe.training.placement import place_model
 
 
 LOSSY_METRICS = ("received_fraction", "grad_rel_error", "grad_bias", "max_drift", "rms_drift")
@@ -179,39 +178,13 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         layout.check_experts(mcfg.num_experts)
         model = build_model(mcfg, cfg.seed, info.device, pmesh.expert_parallel() if pmesh is not None else None)
     num_params = model.num_parameters()
-    dp_rank, dp_size, dp_group = info.rank, info.world_size, dist.group.WORLD if info.world_size > 1 else None
-    stage = pipe = pp_group = tied_group = None
-    if layout.pipeline > 1:
-        virtual = virtual_stages(cfg.pipeline_schedule)
-        if virtual > 1 and layout.data_parallel > 1:
-            raise ValueError("interleaved1f1b runs without data parallelism inside a stage here: use "
-                             "--pipeline-schedule gpipe or 1f1b, or as many processes as pipeline stages")
-        pp_rank, dp_rank = pmesh.coordinate()
-        dp_size, dp_group, pp_group = layout.data_parallel, pmesh.dp_group, pmesh.pp_group
-        stage = model = StageModel(model, pp_rank, layout.pipeline, virtual)
-        if mcfg.tie_embeddings:
-            tied_group = tied_groups(layout.pipeline, layout.data_parallel, pmesh.global_rank)[dp_rank]
-    if pmesh is not None and layout.data_parallel > 1:
-        # Blocks return views (reshapes); nothing here modifies a block's output in place.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        units = list(model.blocks.values()) if stage is not None else list(model.blocks)
-        shard_model(model, pmesh, units, mixed_precision(info.device, torch.float32))
-    if dp_size > 1:
-        share_router_statistics(model, dp_group)
-    if stage is not None:
-        logits_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32  # autocast's
-        pipe = Pipeline(stage, cfg.pipeline_schedule, cfg.microbatches,
-                        (cfg.batch_size // dp_size // cfg.microbatches, cfg.seq_len), pp_group, info.device, logits_dtype)
-    if (cfg.batch_size // dp_size) % cfg.microbatches:
-        raise ValueError(f"a rank's batch of {cfg.batch_size // dp_size} sequences does not split into "
-                         f"microbatches={cfg.microbatches} equal parts")
-    uncounted = (stage.head.weight,) if stage is not None and stage.tied_weight() is not None and stage.has_last else ()
-    sharded = pmesh is not None and layout.data_parallel > 1
+    place = place_model(model, cfg, info, layout, pmesh)
+    model, stage, pipe = place.model, place.stage, place.pipe
     routers = [m for m in model.modules() if isinstance(m, Router)]
     num_moe_layers = stage.num_moe_layers if stage is not None else len(routers)
     num_experts = routers[0].num_experts if routers else mcfg.num_experts
     low_reduce = None
-    if pmesh is not None and cfg.grad_reduce_dtype != "fp32":  # applied, and measured against fp32
+    if place.sharded and cfg.grad_reduce_dtype != "fp32":  # applied, and measured against fp32
         low_reduce = MeasuredReduceScatter(REDUCE_DTYPES[cfg.grad_reduce_dtype])
         low_reduce.install(model)
     optimizer = make_optimizer(model, cfg)
@@ -230,10 +203,8 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
     if info.is_main and cfg.log_every:
         tqdm.write(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
                    f"model: {num_params:,} parameters, router {cfg.router} {cfg.router_options}")
-    eval_model = PipelinedLM(stage, pp_group) if stage is not None else model
-
     def run_eval() -> dict:
-        return evaluate(eval_model, corpus.val, cfg.seq_len, cfg.eval_windows, cfg.causal_stride, cfg.eval_batch_size,
+        return evaluate(place.eval_model, corpus.val, cfg.seq_len, cfg.eval_windows, cfg.causal_stride, cfg.eval_batch_size,
                         info.device)
 
     entropy = RouterEntropy(model)
@@ -249,7 +220,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
         lr = lr_at(step - 1, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        idx_BT, targets_BT = local_batch(corpus, cfg, step, info, (dp_rank, dp_size))
+        idx_BT, targets_BT = local_batch(corpus, cfg, step, info, (place.dp_rank, place.dp_size))
         entropy.pop()
         optimizer.zero_grad(set_to_none=True)
         tally = StepTally(num_moe_layers, num_experts, info.device)
@@ -261,10 +232,10 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
                 tally.add_microbatch()
             for rec in stage.pop_records():
                 tally.add_routing(rec.layer, rec.aux_loss, rec.dropped_fraction, rec.tokens_per_expert)
-            sync_tied_gradient(stage.tied_weight(), tied_group)
+            sync_tied_gradient(stage.tied_weight(), place.tied_group)
         else:
             for m, (idx_bT, targets_bT) in enumerate(zip(idx_BT.chunk(cfg.microbatches), targets_BT.chunk(cfg.microbatches))):
-                if sharded and cfg.microbatches > 1:  # reduce-scatter once, after the last microbatch
+                if place.sharded and cfg.microbatches > 1:  # reduce-scatter once, after the last microbatch
                     model.set_requires_gradient_sync(m == cfg.microbatches - 1)
                 with autocast(info.device):
                     out = model(idx_bT, targets_bT)
@@ -277,9 +248,10 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
             reduce_info = {k: lossy_info[k] for k in LOSSY_METRICS}
         else:
             reduce_info = low_reduce.pop(info.device) if low_reduce is not None else {}
-            grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"), pp_group, uncounted)
+            grad_norm = clip_grad_norm_(model, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"), place.pp_group,
+                                        place.uncounted())
             optimizer.step()
-        sync_router_state(model, info, dp_group)
+        sync_router_state(model, info, place.dp_group)
         update_routers(model)
         record = {"step": step, **tally.finish(entropy.pop(), layout.pipeline)}
         if info.device.type == "cuda":
@@ -312,14 +284,14 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
                             run.id if run is not None else None)
     bar.close()
     if cfg.export_model:
-        export_model(ckpt_dir / EXPORT_NAME, model, mcfg, info, pp_group)
+        export_model(ckpt_dir / EXPORT_NAME, model, mcfg, info, place.pp_group)
     entropy.close()
     if not final_eval:
         final_eval = run_eval()
     if run is not None:
         run.summary.update({f"final/{k}": v for k, v in final_eval.items()})
         run.finish()
-    if dp_size > 1:
+    if place.dp_size > 1:
         share_router_statistics(model, None)  # the returned model's routers count locally again
         dist.barrier()  # no rank tears the group down while rank 0 still writes its checkpoint
     return TrainResult(model, optimizer, mcfg, history, final_eval, train_time)

@@ -224,6 +224,13 @@ class Pipeline:
         if not isinstance(microbatches, int) or microbatches <= 0:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         cls = SCHEDULES[schedule]
+        ranks = stage_model.num_stages // len(stage_model.parts)
+        if cls is not ScheduleGPipe and microbatches < ranks:
+            raise ValueError(f"{schedule} needs at least as many microbatches as pipeline ranks ({ranks}), "
+                             f"got microbatches={microbatches}")
+        if cls is ScheduleInterleaved1F1B and microbatches % ranks:
+            raise ValueError(f"interleaved1f1b needs microbatches divisible by the pipeline ranks ({ranks}), "
+                             f"got {microbatches}")
         self.model, self.microbatches = stage_model, microbatches
         b, t = microbatch_shape
         cfg, last = stage_model.cfg, stage_model.num_stages - 1
@@ -242,6 +249,8 @@ class Pipeline:
             )
             for part, k in zip(stage_model.parts, stage_model.stage_ids)
         ]
+        self.stages = stages
+        """The ``PipelineStage`` of each of this rank's stages."""
         if cls is ScheduleInterleaved1F1B:
             self.schedule = cls(stages, microbatches, loss_fn=lm_loss)
         else:
