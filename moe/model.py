@@ -313,18 +313,7 @@ class MoETransformer(nn.Module):
     def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache for ``batch_size`` sequences of at most ``max_len`` (default
         ``max_seq_len``) positions; ValueError if a router cannot decode in the current mode."""
-        max_len = self.cfg.max_seq_len if max_len is None else max_len
-        if not isinstance(max_len, int) or not 0 < max_len <= self.cfg.max_seq_len:
-            raise ValueError(f"max_len must be an integer in [1, max_seq_len={self.cfg.max_seq_len}], got {max_len!r}")
-        reason = self.decode_support()
-        if reason is not None:
-            raise ValueError(reason)
-        states = [
-            block.ffn.router.init_decode_state(batch_size) if isinstance(block.ffn, MoELayer) else None
-            for block in self.blocks
-        ]
-        n = len(self.blocks)
-        return KVCache(batch_size, max_len, [None] * n, [None] * n, states)
+        return empty_cache(self.cfg, dict(enumerate(self.blocks)), batch_size, max_len, self.decode_support)
 
     @torch.no_grad()
     def generate(
@@ -413,6 +402,26 @@ class MoETransformer(nn.Module):
                 per_expert = sum(p[0].numel() for p in m.experts.parameters())
                 total -= per_expert * (m.num_experts - k)
         return total
+
+
+def empty_cache(cfg: ModelConfig, blocks: dict[int, nn.Module], batch_size: int, max_len: int | None,
+                decode_support) -> KVCache:
+    """An empty :class:`KVCache` for the ``cfg.n_layers`` blocks of a model, with the router decode
+    states of ``blocks`` (block index -> :class:`Block`: all of them, or a pipeline stage's).
+    ``max_len`` defaults to ``max_seq_len``; ValueError if it is out of range or if
+    ``decode_support()`` gives a reason the routers cannot decode."""
+    max_len = cfg.max_seq_len if max_len is None else max_len
+    if not isinstance(max_len, int) or not 0 < max_len <= cfg.max_seq_len:
+        raise ValueError(f"max_len must be an integer in [1, max_seq_len={cfg.max_seq_len}], got {max_len!r}")
+    reason = decode_support()
+    if reason is not None:
+        raise ValueError(reason)
+    n = cfg.n_layers
+    states: list[DecodeState | None] = [None] * n
+    for i, block in blocks.items():
+        if isinstance(block.ffn, MoELayer):
+            states[i] = block.ffn.router.init_decode_state(batch_size)
+    return KVCache(batch_size, max_len, [None] * n, [None] * n, states)
 
 
 def _sample(logits_BV: Tensor, temperature: float, top_k: int | None, gen: torch.Generator | None) -> Tensor:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.model import KVCache, ModelOutput
+from moe.model import KVCache, ModelOutput, empty_cache
 from moe.parallel.exchange import guarded
 from moe.training.pipeline import StageModel
 
@@ -86,16 +86,5 @@ class PipelinedLM(nn.Module):
 
     def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """A cache holding this rank's blocks' keys, values and router decode states."""
-        max_len = self.cfg.max_seq_len if max_len is None else max_len
-        if not isinstance(max_len, int) or not 0 < max_len <= self.cfg.max_seq_len:
-            raise ValueError(f"max_len must be an integer in [1, max_seq_len={self.cfg.max_seq_len}], got {max_len!r}")
-        reason = self.decode_support()
-        if reason is not None:
-            raise ValueError(reason)
-        n = self.cfg.n_layers
-        states = [None] * n
-        for name, block in self.stage.blocks.items():
-            router = getattr(block.ffn, "router", None)
-            if router is not None:
-                states[int(name)] = router.init_decode_state(batch_size)
-        return KVCache(batch_size, max_len, [None] * n, [None] * n, states)
+        blocks = {int(name): block for name, block in self.stage.blocks.items()}
+        return empty_cache(self.cfg, blocks, batch_size, max_len, self.decode_support)
