@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
         for seed in args.seeds:
             cfg = TrainConfig(preset=args.preset, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len,
                               seed=seed, warmup_steps=min(30, steps // 10), eval_windows=args.eval_windows,
-                              causal_stride=args.seq_len, log_every=0, progress=False, wandb_mode="disabled")
+                              log_every=0, progress=False, wandb_mode="disabled")
             losses.append(train(cfg, corpus).final_eval["teacher_forced_loss"])
         ppl = [math.exp(v) for v in losses]
         row = {"steps": steps, "seeds": args.seeds, "val_loss": losses, "val_ppl": ppl,
