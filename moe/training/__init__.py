@@ -3,6 +3,9 @@
 - ``config``: :class:`TrainConfig`, every field of a run, validated;
 - ``distributed``: process-group setup from torchrun's environment, router-state sync;
 - ``loop``: model construction, batches, the optimiser schedule and :func:`train`;
+- ``placement``: this rank's part of the model (pipeline stage, FSDP2) and its process groups;
+- ``pipeline``: pipeline stages, aux-loss injection and the schedules;
+- ``pipelined_lm``: the model's forward, KV cache and decoding through the stages (evaluation);
 - ``metrics``: per-step metrics and the wandb run;
 - ``checkpoint``: atomic checkpoints and exact resume;
 - ``cli``: the command line generated from the config dataclasses.
