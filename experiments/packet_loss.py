@@ -210,7 +210,7 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4))
     lossy = [r for r in runs if r["policy"] != "reliable" and not r["policy"].startswith("ep_")]
     for r in lossy:
         ax0.plot(np.arange(1, len(r["max_drift_curve"]) + 1), r["max_drift_curve"], label=f"{r['policy']} p={r['loss_rate']:g}")
@@ -222,6 +222,16 @@ def plot(runs: list[dict], path: Path) -> None:
     ax1.set_xticks(x, [f"{r['policy']}\np={r['loss_rate']:g}" for r in lossy], fontsize=7)
     ax1.set(title="aggregated gradient vs reliable mean (per step, averaged)")
     ax1.legend(fontsize=7)
+    for policy in dict.fromkeys(r["policy"] for r in lossy):
+        rs = [r for r in lossy if r["policy"] == policy and r["ppl_change_pct"] is not None]
+        ax2.errorbar([100 * r["loss_rate"] for r in rs], [r["ppl_change_pct"] for r in rs],
+                     yerr=[r["ppl_change_se"] or 0.0 for r in rs], marker="o", capsize=3,
+                     label=f"{policy} (seeds: {', '.join(str(len(r['seeds'])) for r in rs)})")
+    ax2.axhline(0.0, color="grey", lw=0.8)
+    ax2.axhline(0.8, color="red", lw=0.8, ls="--", label="paper: 0.8% at 10% (LLaMA-2 7B, 64 GPUs)")
+    ax2.set(xlabel="packet loss rate (%)", ylabel="val perplexity change vs reliable (%)",
+            title="perplexity change at equal steps (mean ± SE over seeds)")
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
