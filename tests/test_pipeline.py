@@ -69,12 +69,17 @@ def test_two_stages_times_expert_parallel_match_single_process(tmp_path):
 
 
 def test_topk_pipeline_matches_microbatch_accumulation(tmp_path):
-    accumulated = train(config_from_args([*COMMON, "--microbatches", "4"]))
-    plain = train(config_from_args(COMMON))
-    jsonl = tmp_path / "pp.jsonl"
-    _torchrun([*COMMON, "--pipeline-parallel", "2", "--microbatches", "4", "--metrics-jsonl", str(jsonl)], 2)
+    # the Switch load-balancing loss plus the aux-loss-free balancing bias (router state)
+    topk = ["--router-option", "balance_rate=0.01"]
+    accumulated = train(config_from_args([*COMMON, *topk, "--microbatches", "4"]))
+    plain = train(config_from_args([*COMMON, *topk]))
+    jsonl, ckpt = tmp_path / "pp.jsonl", tmp_path / "ckpt"
+    _torchrun([*COMMON, *topk, "--pipeline-parallel", "2", "--microbatches", "4", "--metrics-jsonl", str(jsonl),
+               "--checkpoint-dir", str(ckpt), "--export-model"], 2)
     run = _records(jsonl)
     _assert_same_run(accumulated.history, run)
+    _assert_same_state(ckpt / "model.pt", accumulated.model)
+    assert accumulated.model.blocks[0].ffn.router.balance_bias.abs().max() > 0  # the bias did move
     # the load-balancing loss of a microbatch is not the batch's: accumulation is a different run
     aux_gap = max(abs(a["aux_loss"] - b["aux_loss"]) / a["aux_loss"] for a, b in zip(plain.history, run))
     assert aux_gap > 1e-3, f"microbatching should change topk's aux loss (max rel diff {aux_gap:.1e})"
