@@ -26,6 +26,22 @@ from moe.data import load_corpus
 from moe.training import TrainConfig, train
 
 
+def table(rows: list[dict]) -> str:
+    return "\n".join(["| steps | seeds | val ppl per seed | spread % | sd % | wall s |", "|---|---|---|---|---|---|"] + [
+        f"| {r['steps']} | {len(r['seeds'])} | {', '.join(f'{v:.3f}' for v in r['val_ppl'])} | {r['spread_pct']:.2f} | "
+        f"{r['sd_pct']:.2f} | {r['wall_s']:.0f} |" for r in rows])
+
+
+def write(rows: list[dict], args: argparse.Namespace) -> dict:
+    result = {"date": date.today().isoformat(), "preset": args.preset, "batch_size": args.batch_size,
+              "seq_len": args.seq_len, "rows": rows}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        args.json.with_suffix(".md").write_text(table(rows) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, nargs="+", default=[300, 1000, 2000])
@@ -55,16 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         print(f"{steps:6d} steps: ppl {', '.join(f'{v:.3f}' for v in ppl)}; spread {row['spread_pct']:.2f}%, "
               f"sd {row['sd_pct']:.2f}% ({row['wall_s']:.0f}s)", flush=True)
-    table = "\n".join(["| steps | seeds | val ppl per seed | spread % | sd % | wall s |", "|---|---|---|---|---|---|"] + [
-        f"| {r['steps']} | {len(r['seeds'])} | {', '.join(f'{v:.3f}' for v in r['val_ppl'])} | {r['spread_pct']:.2f} | "
-        f"{r['sd_pct']:.2f} | {r['wall_s']:.0f} |" for r in rows])
-    print(table)
-    result = {"date": date.today().isoformat(), "preset": args.preset, "batch_size": args.batch_size,
-              "seq_len": args.seq_len, "rows": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-        args.json.with_suffix(".md").write_text(table + "\n")
+        result = write(rows, args)  # after every length: a long run keeps what it measured
+    print(table(rows))
     return result
 
 
