@@ -219,7 +219,7 @@ def plot(runs: list[dict], path: Path) -> None:
     x = np.arange(len(lossy))
     ax1.bar(x - 0.2, [r["grad_rel_error"] for r in lossy], 0.4, label="relative error")
     ax1.bar(x + 0.2, [-r["grad_bias"] for r in lossy], 0.4, label="shrinkage (-bias)")
-    ax1.set_xticks(x, [f"{r['policy']}\np={r['loss_rate']:g}" for r in lossy], fontsize=7)
+    ax1.set_xticks(x, [f"{r['policy']} p={r['loss_rate']:g}" for r in lossy], fontsize=7, rotation=45, ha="right")
     ax1.set(title="aggregated gradient vs reliable mean (per step, averaged)")
     ax1.legend(fontsize=7)
     for policy in dict.fromkeys(r["policy"] for r in lossy):
