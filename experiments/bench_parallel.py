@@ -157,7 +157,7 @@ def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
                 stage.pop_records()
                 sync_tied_gradient(stage.tied_weight(), tied)
                 t_opt = time.perf_counter()
-                clip_grad_norm_(stage, cfg.grad_clip, dist.group.WORLD, (stage.head.weight,) if rank == world - 1 else ())
+                clip_grad_norm_(stage, cfg.grad_clip, dist.group.WORLD, stage.uncounted())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 end = time.perf_counter()
@@ -172,7 +172,7 @@ def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
                 "world": world, "schedule": schedule, "microbatches": m, "virtual_stages": v,
                 "step_s": step_s, "busy_s": [float(e[1]) for e in every],
                 "bubble": statistics.mean(1 - float(e[1]) / float(e[0]) for e in every),
-                "bubble_theory": bubble_fraction(world, v * m) if v == 1 else (world - 1) / (v * m + world - 1),
+                "bubble_theory": bubble_fraction(world, v * m),
             })
     return rows
 

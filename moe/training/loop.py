@@ -228,8 +228,7 @@ def _train(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> TrainResu
             with autocast(info.device):
                 for loss_m in pipe.step(idx_BT, targets_BT):
                     tally.add_loss(loss_m)
-            for _ in range(cfg.microbatches):
-                tally.add_microbatch()
+            tally.add_microbatches(cfg.microbatches)
             for rec in stage.pop_records():
                 tally.add_routing(rec.layer, rec.aux_loss, rec.dropped_fraction, rec.tokens_per_expert)
             sync_tied_gradient(stage.tied_weight(), place.tied_group)

@@ -57,9 +57,9 @@ class StepTally:
         self.sums[0] += loss.detach().double()
         self.sums[1] += 1
 
-    def add_microbatch(self) -> None:
-        """Count one microbatch forward of this rank (its aux losses are averaged over these)."""
-        self.sums[3] += 1
+    def add_microbatches(self, n: int = 1) -> None:
+        """Count n microbatch forwards of this rank (its aux losses are averaged over these)."""
+        self.sums[3] += n
 
     def add_routing(self, layer: int, aux_loss: Tensor, dropped_fraction: Tensor, tokens_per_expert_E: Tensor) -> None:
         """MoE layer ``layer`` (0..L-1) of one microbatch forward."""
@@ -71,7 +71,7 @@ class StepTally:
     def add_output(self, out: ModelOutput) -> None:
         """A whole-model forward of one microbatch."""
         self.add_loss(out.loss)
-        self.add_microbatch()
+        self.add_microbatches()
         for layer, r in enumerate(out.routings):
             self.add_routing(layer, r.aux_loss, r.stats["dropped_fraction"], r.stats["tokens_per_expert"])
 

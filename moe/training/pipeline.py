@@ -73,7 +73,8 @@ def split_blocks(n_layers: int, num_stages: int) -> list[list[int]]:
 
 
 def bubble_fraction(num_ranks: int, microbatches: int) -> float:
-    """Idle fraction of a GPipe or 1F1B step with equal stage times: (S-1)/(M+S-1)."""
+    """Idle fraction of a GPipe or 1F1B step with equal stage times: (S-1)/(M+S-1); for
+    interleaved 1F1B with V stages per rank pass V*M microbatches, (S-1)/(V*M+S-1)."""
     return (num_ranks - 1) / (microbatches + num_ranks - 1)
 
 
@@ -184,6 +185,11 @@ class StageModel(_StagePart):
         if not self.tied or self.has_first == self.has_last:
             return None
         return self.embed.weight if self.has_first else self.head.weight
+
+    def uncounted(self) -> tuple:
+        """Parameters a gradient norm over the stages must not count on this rank: the last
+        stage's copy of a tied embedding (the first stage counts it)."""
+        return (self.head.weight,) if self.tied_weight() is not None and self.has_last else ()
 
     def routers(self) -> list[Router]:
         """The router of every MoE block this rank holds, in block order."""

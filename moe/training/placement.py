@@ -44,8 +44,7 @@ class Placement:
 
     def uncounted(self) -> tuple:
         """Parameters the gradient norm must not count twice (the last stage's tied head)."""
-        stage = self.stage
-        return (stage.head.weight,) if stage is not None and stage.tied_weight() is not None and stage.has_last else ()
+        return self.stage.uncounted() if self.stage is not None else ()
 
 
 def place_model(model: nn.Module, cfg: TrainConfig, info: DistInfo, layout: Layout,
