@@ -253,7 +253,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         # drawn before any submodule draws, so the global generator's state alone decides it
-        self.init_seed = int(torch.randint(2**62, ())) if init_seed is None else init_seed
+        self.init_seed = int(torch.randint(2**62, (), device="cpu")) if init_seed is None else init_seed
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), expert_parallel) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)

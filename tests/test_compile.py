@@ -19,6 +19,8 @@ from torch._dynamo.backends.common import aot_autograd
 
 import moe
 from kernels.reference import moe_ffn_all_experts, moe_ffn_reference
+from moe.model import MoETransformer, preset
+from moe.parallel.compile import compile_blocks
 
 LAYERS = [
     ("topk", {"top_k": 2}),
@@ -118,3 +120,21 @@ def test_all_experts_path_equals_sorted_path_with_zero_weight_rows():
     for i, (a, b) in enumerate(zip(*outs)):
         diff = (a - b).abs()
         assert diff.max() < 1e-12, f"tensor {i}: max {diff.max():.3e} mean {diff.mean():.3e}"  # float64
+
+
+@pytest.mark.parametrize("name,opts", LAYERS)
+def test_model_with_compiled_blocks_keeps_its_names_and_equals_eager(name, opts):
+    torch._dynamo.reset()
+    cfg = preset("tiny", router=name, router_options=opts)
+    eager, compiled = MoETransformer(cfg, init_seed=3), MoETransformer(cfg, init_seed=3)
+    graphs: list = []
+    compile_blocks(compiled.blocks, fullgraph=True, backend=recording_backend(graphs))
+    assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    idx = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (eager, compiled):
+        out = model(idx[:, :-1], idx[:, 1:])
+        (out.loss + out.aux_loss).backward()
+        results.append([out.loss.detach(), out.aux_loss.detach()] + [p.grad for p in model.parameters()])
+    assert graphs, "the blocks were not compiled"
+    assert_close(results[1], results[0], f"{name} model with compiled blocks vs eager")

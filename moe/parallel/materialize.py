@@ -22,8 +22,8 @@ slice, which FSDP2 may shard further (a DTensor: its local piece of the slice).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
