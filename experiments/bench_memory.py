@@ -27,14 +27,18 @@ gloo, one thread each), so a peak is that configuration's alone:
    torch data path runs every expert on every token (``kernels.reference.moe_ffn_all_experts``:
    static shapes, no host read), E/K times the expert FLOPs of the eager sorted path.
 
-On CPU, RSS counts what the allocator holds: freed memory that glibc keeps for reuse counts
-too, so peaks are upper bounds on what the tensors needed.
+On CPU, RSS counts what the allocator holds, and glibc keeps freed memory for reuse: the
+benchmark sets ``MALLOC_MMAP_THRESHOLD_`` (64 KiB) for its processes, so every tensor larger
+than that is its own mapping, returned to the system when freed, and calls ``malloc_trim``
+before a step's peak is reset. Peaks then follow the live tensors closely (upper bounds still).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import resource
 import statistics
 import sys
@@ -71,6 +75,7 @@ def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what glibc keeps of freed memory
         with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak resident set size
             f.write("5")
 
@@ -115,8 +120,8 @@ def train_steps(rank: int, world: int, spec: dict) -> dict:
         last = step == spec["steps"] - 1
         if last:  # the last step alone: its peak above what it starts from (the activations and transients)
             peak = peak_bytes(device)
-            start = current_bytes(device)
             reset_peak(device)
+            start = current_bytes(device)
         gen = torch.Generator().manual_seed(step * 1000 + rank)
         idx = torch.randint(0, 256, (local, spec["seq"] + 1), generator=gen).to(device)
         t0 = time.perf_counter()
@@ -227,6 +232,7 @@ def main() -> None:
     p.add_argument("--skip", nargs="*", default=[], choices=["memory", "ac", "compile"])
     p.add_argument("--out", help="write <out>.json and <out>.md")
     args = p.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the spawned ranks
     model_kw = {} if args.quick else MODEL_268M
     ac_kw: dict = {}  # parts 2 and 3 run the small preset as it is (d=256, 4 blocks, 8 experts)
     if args.quick:
