@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from moe.training import TrainConfig, train
 from moe.training.checkpoint import (
@@ -22,14 +21,6 @@ from moe.training.checkpoint import (
 
 SMALL = dict(seq_len=32, batch_size=8, max_bytes=200_000, eval_windows=4, eval_batch_size=4, causal_stride=8,
              warmup_steps=2, log_every=0, progress=False, eval_every=0, model={"d_model": 32, "moe_d_ff": 64})
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def shard(ckpt: Path) -> Path:
