@@ -103,7 +103,7 @@ def _encode_in_worker(batch: list[Piece]) -> np.ndarray:
     return _worker_encoder(batch)
 
 
-def batches(pieces: Iterable[Piece], max_chars: int = BATCH_CHARS) -> Iterator[list[Piece]]:
+def batches(pieces: Iterable[Piece], max_chars: int) -> Iterator[list[Piece]]:
     """Consecutive pieces grouped into lists of about ``max_chars`` characters."""
     batch, chars = [], 0
     for piece in pieces:
@@ -211,7 +211,7 @@ def prepare(cfg: PrepareConfig) -> dict:
                    disable=not cfg.progress)
         documents = 0
         encoder = Encoder(str(tmp / TOKENIZER_FILE), eot_id, dtype)
-        for batch, ids in encoded(encoder, batches(read_pieces(files, cfg.text_field)), cfg.workers):
+        for batch, ids in encoded(encoder, batches(read_pieces(files, cfg.text_field), BATCH_CHARS), cfg.workers):
             writer.write(ids)
             documents += sum(p.end_of_document for p in batch)
             bar.update(sum(p.input_bytes for p in batch))
