@@ -151,7 +151,7 @@ def test_generate_prints_text_decoded_by_the_tokenizer(data, tmp_path):
 def test_leakage_study_on_a_prepared_directory_prints_decoded_samples(data, tmp_path):
     out = tmp_path / "gap.json"
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "leakage_gap.py"), "--quick", "--corpora", "text",
-                           "--data", data, "--routers", "topk", "expert_choice", "--text-steps", "3", "--workers", "1",
+                           "--data", data, "--routers", "topk", "--text-steps", "3", "--workers", "1",
                            "--json", str(out)], env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["router"]: r for r in json.loads(out.read_text())["routers"]}

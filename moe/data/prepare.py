@@ -30,7 +30,7 @@ from moe.data.documents import Piece, input_files, read_pieces
 from moe.data.shards import DTYPES, FORMAT, MANIFEST, token_dtype
 from moe.data.tokenizer import MIN_BPE_VOCAB, load_tokenizer, load_tokenizer_file, train_bpe
 
-BATCH_CHARS = 1 << 20
+BATCH_CHARS = 1 << 18
 """Characters of text per encoding task."""
 TOKENIZER_FILE = "tokenizer.json"
 
