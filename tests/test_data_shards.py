@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from moe.data import Corpus, TokenShards, batch_offsets, eval_offsets, load_corpus, load_prepared, split, windows
+from moe.data import (
+    Corpus,
+    TokenShards,
+    batch_offsets,
+    eval_offsets,
+    load_corpus,
+    load_prepared,
+    split,
+    windows,
+)
 from moe.data.shards import FORMAT
 from moe.training.config import TrainConfig
 from moe.training.distributed import DistInfo

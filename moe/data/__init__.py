@@ -17,7 +17,14 @@ from __future__ import annotations
 import functools
 
 from moe.data.batches import batch_offsets, eval_offsets, windows
-from moe.data.byte_corpora import CANARY_SEED, canary_tokens, load_bytes, read_bytes, stdlib_files, user_files
+from moe.data.byte_corpora import (
+    CANARY_SEED,
+    canary_tokens,
+    load_bytes,
+    read_bytes,
+    stdlib_files,
+    user_files,
+)
 from moe.data.corpus import Corpus, TokenSource, split, split_ranges
 from moe.data.shards import TokenShards, is_prepared, load_prepared
 

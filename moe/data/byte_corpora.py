@@ -22,8 +22,8 @@ import functools
 import os
 import sysconfig
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import Tensor

@@ -12,9 +12,9 @@ a run of whitespace).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from moe.data.byte_corpora import user_files
 

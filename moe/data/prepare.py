@@ -19,16 +19,21 @@ import json
 import multiprocessing
 import os
 import shutil
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from moe.data.documents import Piece, input_files, read_pieces
 from moe.data.shards import DTYPES, FORMAT, MANIFEST, token_dtype
-from moe.data.tokenizer import MIN_BPE_VOCAB, load_tokenizer, load_tokenizer_file, train_bpe
+from moe.data.tokenizer import (
+    MIN_BPE_VOCAB,
+    load_tokenizer,
+    load_tokenizer_file,
+    train_bpe,
+)
 
 BATCH_CHARS = 1 << 18
 """Characters of text per encoding task."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 EOT = "<|endoftext|>"
 """The end-of-document token of trained tokenizers (and the default looked for in brought ones)."""
