@@ -16,11 +16,12 @@ import torch
 
 pytest.importorskip("tokenizers")
 
+from prepared import prepare, write_texts  # noqa: E402
+
 import moe.training.loop as mt  # noqa: E402
 from moe.data import load_corpus  # noqa: E402
 from moe.data.shards import read_manifest  # noqa: E402
 from moe.training import TrainConfig, config_from_args, train  # noqa: E402
-from prepared import prepare, write_texts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}

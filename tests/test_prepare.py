@@ -14,11 +14,12 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from prepared import documents, prepare, sentences, stream, write_texts  # noqa: E402
+
 import moe.data.documents as documents_module  # noqa: E402
 import moe.data.prepare as prepare_module  # noqa: E402
 from moe.data.shards import read_manifest  # noqa: E402
 from moe.data.tokenizer import load_tokenizer_file  # noqa: E402
-from prepared import documents, prepare, sentences, stream, write_texts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
