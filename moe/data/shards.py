@@ -96,10 +96,13 @@ class TokenShards:
             raise IndexError(f"token positions [{pos_I.min()}, {pos_I.max()}] out of range for a view of {n} tokens")
         piece_I = np.searchsorted(self.ends, pos_I, side="right")
         out_I = np.empty(pos_I.shape, dtype=np.int64)
-        for p in np.unique(piece_I):
-            at = piece_I == p
-            mm, start, _ = self.pieces[p]
-            out_I[at] = mm[start + pos_I[at] - self.starts[p]]
+        # positions grouped by piece (one pass over them, however many pieces a batch touches)
+        order_I = np.argsort(piece_I, kind="stable")
+        for group in np.split(order_I, np.flatnonzero(np.diff(piece_I[order_I])) + 1):
+            if group.size:
+                p = piece_I[group[0]]
+                mm, start, _ = self.pieces[p]
+                out_I[group] = mm[start + pos_I[group] - self.starts[p]]
         return torch.from_numpy(out_I).view(idx.shape)
 
 
