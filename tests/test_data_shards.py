@@ -49,7 +49,7 @@ def test_views_hold_the_stream_split_by_the_byte_corpus_rule(tmp_path, dtype, vo
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocab, 5_000)
     write_shards(tmp_path / "d", tokens, [1, 1_234, 1_300, 4_000], vocab, dtype)
-    corpus = load_corpus(str(tmp_path / "d"), val_fraction=0.1)
+    corpus = load_corpus(str(tmp_path / "d"), val_fraction=0.1, max_bytes=100)  # max_bytes: byte corpora only
     assert corpus.vocab_size == vocab and corpus.tokenizer is None
     train_ref, val_ref = split(torch.from_numpy(tokens), 0.1)
     assert corpus.train.numel() == train_ref.numel() and corpus.val.numel() == val_ref.numel() == 500

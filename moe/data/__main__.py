@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args.pop("command")
     try:
         manifest = prepare(PrepareConfig(**args))
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, OSError) as e:  # bad input, a missing extra, an unwritable --out
         print(f"python -m moe.data prepare: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args['out']}: {manifest['num_tokens']:,} tokens of {manifest['num_documents']:,} documents in "
