@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers")
 from prepared import prepare, write_texts  # noqa: E402
 
 import moe.training.loop as mt  # noqa: E402
-from moe.data import load_corpus  # noqa: E402
+from moe.data import batch_offsets, load_corpus  # noqa: E402
 from moe.data.shards import read_manifest  # noqa: E402
 from moe.training import TrainConfig, config_from_args, train  # noqa: E402
 
@@ -79,7 +79,7 @@ def test_resume_continues_at_exactly_the_next_batch_mid_shard(data, tmp_path, mo
     # the checkpoint of step 3 starts in the middle of several shards, as the uninterrupted run's.
     assert set(seen) == {1, 2, 3, 4}
     train_view = load_corpus(data).train
-    offsets = mt.batch_offsets(train_view.numel(), common["seq_len"], common["batch_size"], 0, 4).numpy()
+    offsets = batch_offsets(train_view.numel(), common["seq_len"], common["batch_size"], 0, 4).numpy()
     piece = np.searchsorted(train_view.ends, offsets, side="right")
     in_shard = [train_view.pieces[p][1] + o - train_view.starts[p] for p, o in zip(piece, offsets)]
     shards = {id(train_view.pieces[p][0]) for p in piece}
