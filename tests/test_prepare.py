@@ -165,3 +165,17 @@ def test_preparing_streams_memory_stays_flat_with_the_input_size(trained, tmp_pa
     big = prepare_peak_rss(tmp_path / "big.txt", tmp_path / "b", out / "tokenizer.json")
     assert big - small < 40, (small, big)
     assert read_manifest(tmp_path / "b")["num_tokens"] > 7 * read_manifest(tmp_path / "s")["num_tokens"]
+
+
+def test_a_vocabulary_above_65535_writes_uint32(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(70_000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "words.json"))
+    (tmp_path / "doc.txt").write_text("w69999 w3 w65534 w65535 nope")
+    assert prepare(tmp_path / "doc.txt", "--out", tmp_path / "out", "--tokenizer", tmp_path / "words.json") == 0
+    m = read_manifest(tmp_path / "out")
+    assert m["dtype"] == "uint32" and m["vocab_size"] == 70_002 and m["eot_id"] == 0
+    assert stream(tmp_path / "out").tolist() == [70_001, 5, 65_536, 65_537, 1, 0]
