@@ -54,7 +54,7 @@ def test_views_hold_the_stream_split_by_the_byte_corpus_rule(tmp_path, dtype, vo
     train_ref, val_ref = split(torch.from_numpy(tokens), 0.1)
     assert corpus.train.numel() == train_ref.numel() and corpus.val.numel() == val_ref.numel() == 500
     assert torch.equal(corpus.train[torch.arange(train_ref.numel())], train_ref)
-    assert torch.equal(corpus.val[:], val_ref)
+    assert torch.equal(corpus.val[:], val_ref) and torch.equal(corpus.train[10:1_300:7], train_ref[10:1_300:7])
     for step in range(5):  # training windows, also across shard and segment boundaries
         offsets_B = batch_offsets(corpus.train.numel(), 64, 16, seed=1, step=step)
         for got, want in zip(windows(corpus.train, offsets_B, 64), windows(train_ref, offsets_B, 64)):
@@ -121,6 +121,7 @@ RSS_SCRIPT = textwrap.dedent("""
     for step in range(1, 41):
         windows(corpus.train, batch_offsets(corpus.train.numel(), 256, 32, 0, step), 256)
     windows(corpus.val, eval_offsets(corpus.val.numel(), 256, 64), 256)
+    corpus.train[-1000:]
     print(corpus.train.numel() + corpus.val.numel(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 """)
 

@@ -20,6 +20,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from moe.data.tokenizer import load_tokenizer_file
+
 
 class TokenSource(Protocol):
     """A read-only 1-D token sequence read on demand (``moe.data.shards.TokenShards``): what
@@ -63,8 +65,6 @@ class Corpus:
         for a byte corpus, or the ids written out for the canary."""
         ids = [int(i) for i in ids]
         if self.tokenizer is not None:
-            from moe.data.tokenizer import load_tokenizer_file
-
             return load_tokenizer_file(self.tokenizer).decode(ids, skip_special_tokens=False)
         if self.vocab_size == 256:
             return bytes(ids).decode("utf-8", errors="replace")
@@ -73,8 +73,6 @@ class Corpus:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (a prompt): through the tokenizer, or its UTF-8 bytes."""
         if self.tokenizer is not None:
-            from moe.data.tokenizer import load_tokenizer_file
-
             return load_tokenizer_file(self.tokenizer).encode(text, add_special_tokens=False).ids
         if self.vocab_size != 256:
             raise ValueError(f"corpus {self.source!r} has no text encoding (vocab_size={self.vocab_size})")

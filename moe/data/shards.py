@@ -89,7 +89,7 @@ class TokenShards:
 
     def __getitem__(self, idx: Tensor | slice) -> Tensor:
         if isinstance(idx, slice):
-            idx = torch.arange(self.numel())[idx]
+            idx = torch.arange(*idx.indices(self.numel()))
         pos_I = idx.reshape(-1).numpy().astype(np.int64, copy=False)
         n = self.numel()
         if pos_I.size and (pos_I.min() < 0 or pos_I.max() >= n):
