@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.model import MoETransformer, preset
 from moe.parallel.activation_checkpointing import apply_activation_checkpointing
+from moe.parallel.compile import compile_blocks
 
 ROUTERS = [("topk", {"balance_rate": 0.01}), ("ec_threshold", {}), ("capacity", {"capacity_factor": 1.0})]
 
@@ -65,3 +66,10 @@ def test_checkpointed_blocks_give_the_same_loss_gradients_and_router_state(route
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="one of none, full, selective, got 'some'"):
         apply_activation_checkpointing([], "some")
+
+
+def test_compiling_a_checkpointed_block_is_refused():
+    model = MoETransformer(preset("tiny"), init_seed=0)
+    apply_activation_checkpointing(model.blocks, "full")
+    with pytest.raises(ValueError, match="activation checkpointing of a compiled block is not supported"):
+        compile_blocks(model.blocks)

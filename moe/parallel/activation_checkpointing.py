@@ -14,7 +14,10 @@ same deterministic ops on the same inputs. Blocks may update buffers during thei
 buffer of the block afterwards, so that state counts each forward once.
 
 The block's ``forward`` is replaced on the instance: parameter names do not change, so
-FSDP2, checkpoints and name-seeded initialisation see the same model.
+FSDP2, checkpoints and name-seeded initialisation see the same model. Not together with
+``torch.compile`` of the same block (refused): traced by dynamo, the recomputation replays
+the buffer updates (measured: load statistics counted twice), and the restoring context
+manager above cannot run inside a graph.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("none", "full", "selective")
+COMPILED_REFUSAL = (
+    "activation checkpointing of a compiled block is not supported: traced, the recomputation replays the routers' "
+    "buffer updates (load statistics counted twice, measured); use one of the two"
+)
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset(
@@ -78,16 +85,24 @@ def _contexts(module: nn.Module, selective: bool):
 def _checkpointed(forward, module: nn.Module, selective: bool, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        raise ValueError(COMPILED_REFUSAL)
     context_fn = functools.partial(_contexts, module, selective)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
+def checkpoint_mode(block: nn.Module) -> str:
+    """The mode :func:`apply_activation_checkpointing` gave ``block`` ("none" if it was not given one)."""
+    return getattr(block, "activation_checkpointing", "none")
+
+
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> None:
     """Checkpoint each of ``blocks`` (e.g. a model's transformer blocks) as ``mode`` says (see
-    the module docstring); call before FSDP2 sharding or compiling, as torchtitan does."""
+    the module docstring); call before FSDP2 sharding, as torchtitan does."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "none":
         return
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward, block, mode == "selective")
+        block.activation_checkpointing = mode
