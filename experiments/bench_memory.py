@@ -11,8 +11,9 @@ gloo, one thread each), so a peak is that configuration's alone:
    the 268M-parameter configuration (``--preset small --d-model 1024 --n-layers 16 --n-heads 16
    --moe-d-ff 512 --num-experts 8``): ``--steps`` training steps (forward, backward, AdamW)
    on a global batch of ``--batch`` random sequences of ``--seq`` tokens split over the
-   ranks. The model is built on the meta device, sharded, then materialised shard by shard
-   (``moe.parallel.materialize``); ``--whole-first`` adds the old way at the largest world
+   ranks. The model is built on the meta device, sharded (FSDP2 units: each block's attention
+   and feed-forward, then the block, ``moe.parallel.mesh.fsdp_units``), then materialised
+   shard by shard (``moe.parallel.materialize``); ``--whole-first`` adds the old way at the largest world
    size (every rank builds the whole model, then shards it) for comparison. Per rank: the
    peak resident set size (``ru_maxrss``; on CUDA the allocator's peak instead), the
    resident size before the model exists (the interpreter and torch), and the parameter,
@@ -31,6 +32,8 @@ On CPU, RSS counts what the allocator holds, and glibc keeps freed memory for re
 benchmark sets ``MALLOC_MMAP_THRESHOLD_`` (64 KiB) for its processes, so every tensor larger
 than that is its own mapping, returned to the system when freed, and calls ``malloc_trim``
 before a step's peak is reset. Peaks then follow the live tensors closely (upper bounds still).
+``--glibc-default`` leaves glibc as it is: the resident sizes a user's run shows, where memory
+freed after building the whole model stays counted.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from moe.parallel.activation_checkpointing import apply_activation_checkpointing
 from moe.parallel.compile import compile_blocks  # noqa: E402
 from moe.parallel.launch import ok_values, run_local  # noqa: E402
 from moe.parallel.materialize import materialize, parameters_on_meta  # noqa: E402
-from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model  # noqa: E402
+from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model  # noqa: E402
 
 MODEL_268M = dict(d_model=1024, n_layers=16, n_heads=16, moe_d_ff=512, num_experts=8)
 MIB = 2**20
@@ -101,7 +104,7 @@ def build(model_kw: dict, world: int, whole_first: bool, ac: str, compiled: bool
     if compiled:
         compile_blocks(model.blocks)
     if pmesh is not None:
-        shard_model(model, pmesh, list(model.blocks), mixed_precision(device))
+        shard_model(model, pmesh, fsdp_units(list(model.blocks)), mixed_precision(device))
     if not whole_first:
         materialize(model, device, model.init_parameter)
     return model
@@ -187,7 +190,8 @@ def compile_part(args, model_kw: dict) -> dict:
 def markdown(res: dict) -> str:
     lines = [f"# bench_memory ({res['date']}, {res['device']})", "", f"Command: `{res['command']}`", "",
              f"Model: {res['model']} ({res['num_parameters']:,} parameters); memory steps on a global batch of "
-             f"{res['args']['batch']} x {res['args']['seq']} tokens.", "",
+             f"{res['args']['batch']} x {res['args']['seq']} tokens; malloc: "
+             + ("glibc default" if res["args"].get("glibc_default") else "MALLOC_MMAP_THRESHOLD_=65536") + ".", "",
              "| run | rank | peak MiB | before model MiB | params MiB | grads MiB | optimizer MiB | peak / single |",
              "|---|---|---|---|---|---|---|---|"]
     mem = res["memory"]
@@ -230,9 +234,12 @@ def main() -> None:
     p.add_argument("--compile-warmup", type=int, default=2)
     p.add_argument("--compile-steps", type=int, default=3)
     p.add_argument("--skip", nargs="*", default=[], choices=["memory", "ac", "compile"])
+    p.add_argument("--glibc-default", action="store_true",
+                   help="leave glibc's malloc as it is (RSS then includes freed memory glibc keeps: what a user sees)")
     p.add_argument("--out", help="write <out>.json and <out>.md")
     args = p.parse_args()
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the spawned ranks
+    if not args.glibc_default:
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # inherited by the spawned ranks
     model_kw = {} if args.quick else MODEL_268M
     ac_kw: dict = {}  # parts 2 and 3 run the small preset as it is (d=256, 4 blocks, 8 experts)
     if args.quick:

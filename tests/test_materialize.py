@@ -17,7 +17,7 @@ from moe.model import MoETransformer, preset
 from moe.parallel import full_state_dict
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.materialize import materialize, parameters_on_meta
-from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
+from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model
 
 SEED = 1234
 
@@ -69,7 +69,7 @@ def _sharded_worker(rank: int, world: int, layouts: dict) -> dict:
         pmesh = ParallelMesh(Layout.from_world(world, replicate, ep))
         with parameters_on_meta():
             model = MoETransformer(cfg(), expert_parallel=pmesh.expert_parallel(), init_seed=SEED)
-        shard_model(model, pmesh, list(model.blocks), mixed_precision(torch.device("cpu")))
+        shard_model(model, pmesh, fsdp_units(list(model.blocks)), mixed_precision(torch.device("cpu")))
         materialize(model, "cpu", model.init_parameter)
         local = sum(p.to_local().numel() for p in model.parameters())
         out[name] = (full_state_dict(model), local)
