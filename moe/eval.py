@@ -9,12 +9,34 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.checks import nonnegative_int, positive_int
 from moe.data import eval_offsets, windows
+from moe.lm import lm_loss
+
+
+@dataclass
+class EvalConfig:
+    """The evaluation section of a training run (``moe.training``): when and on what
+    :func:`evaluate` runs."""
+
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only after the last step)."""
+    eval_windows: int = 32
+    """W: validation windows of ``seq_len`` tokens evaluated (W * T positions teacher-forced)."""
+    eval_batch_size: int = 64
+    """Windows per evaluation forward (routers grouped over the batch see this many sequences)."""
+    causal_stride: int = 1
+    """Causal loss at positions t = k-1, 2k-1, ... (every k-th); 1 = every position."""
+
+    def __post_init__(self) -> None:
+        nonnegative_int("eval_every", self.eval_every)
+        for name in ("eval_windows", "eval_batch_size", "causal_stride"):
+            positive_int(name, getattr(self, name))
 
 
 def autocast(device: torch.device):
@@ -73,7 +95,7 @@ def evaluate(
     def nll(idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
         with autocast(device):
             logits_BTV = model(idx_BT).logits
-        return F.cross_entropy(logits_BTV.float().transpose(1, 2), targets_BT, reduction="none").double().cpu()
+        return lm_loss(logits_BTV, targets_BT, reduction="none").double().cpu()
 
     def decoded_nll(idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
         # chunks of k new tokens through the cache, each ending at an evaluated position
@@ -82,7 +104,7 @@ def evaluate(
         for t in pos_P.tolist():
             with autocast(device):
                 logits_BV = model(idx_BT[:, t + 1 - causal_stride : t + 1], cache=cache).logits[:, -1]
-            rows.append(F.cross_entropy(logits_BV.float(), targets_BT[:, t], reduction="none").double().cpu())
+            rows.append(lm_loss(logits_BV, targets_BT[:, t], reduction="none").double().cpu())
         return torch.stack(rows, 1)
 
     model.eval()

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe.checks import positive_int
+
 
 def _entry(rank: int, world: int, workdir: str, fn: Callable, args: tuple, pg_timeout_s: float, threads: int) -> None:
     torch.set_num_threads(threads)
@@ -58,8 +60,7 @@ def run_local(
     ``("ok", result)``, ``("error", traceback)`` or ``("missing", why)`` (the rank died
     without a word). ``pg_timeout_s`` bounds every collective; after ``timeout_s`` every
     process still running is killed and AssertionError raised."""
-    if not isinstance(world, int) or world <= 0:
-        raise ValueError(f"world must be a positive integer, got {world!r}")
+    positive_int("world", world)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as workdir:
         procs = [
