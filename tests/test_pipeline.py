@@ -154,12 +154,12 @@ def test_stage_models_partition_the_parameters_with_the_full_names():
 
 def test_pipeline_options_are_validated():
     with pytest.raises(ValueError, match="pipeline schedule must be one of"):
-        TrainConfig(pipeline_parallel=2, pipeline_schedule="zigzag")
+        TrainConfig.flat(pipeline_parallel=2, pipeline_schedule="zigzag")
     with pytest.raises(ValueError, match="no packet_loss"):
-        TrainConfig(pipeline_parallel=2, packet_loss=0.1)
+        TrainConfig.flat(pipeline_parallel=2, packet_loss=0.1)
     with pytest.raises(ValueError, match="not divisible by microbatches"):
-        TrainConfig(batch_size=8, microbatches=3)
+        TrainConfig.flat(batch_size=8, microbatches=3)
     with pytest.raises(ValueError, match="microbatches must be a positive integer"):
-        TrainConfig(microbatches=0)
+        TrainConfig.flat(microbatches=0)
     with pytest.raises(ValueError, match="must divide the number of processes"):
-        train(TrainConfig(pipeline_parallel=2, steps=1, progress=False, wandb_mode="disabled", max_bytes=20000))
+        train(TrainConfig.flat(pipeline_parallel=2, steps=1, progress=False, wandb_mode="disabled", max_bytes=20000))

@@ -8,7 +8,7 @@ L = E/P experts per expert-parallel rank.
 The world is laid out as a mesh (Q, R, S, P) with W = Q*DP, named ``("pp", "dp_replicate",
 "dp_shard", "ep")``; ``"dp"`` is ``(dp_replicate, dp_shard, ep)`` flattened (the DP ranks of one
 pipeline stage) and ``"fsdp"`` is ``(dp_shard, ep)`` flattened (S*P ranks). The ranks of one
-pipeline stage hold the same blocks (``moe.training.pipeline``); everything below happens
+pipeline stage hold the same blocks (``moe.parallel.pipeline``); everything below happens
 within a stage, and with Q = 1 the stage is the whole model. Every rank of a stage is its own
 data-parallel rank: it draws its own slice of the global batch (data parallel degree DP); the
 ranks of one ``pp`` group (same data-parallel index, consecutive stages) share a slice.
