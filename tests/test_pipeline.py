@@ -1,4 +1,4 @@
-"""Pipeline parallelism (``moe.training.pipeline``) reproduces the single-process run.
+"""Pipeline parallelism (``moe.parallel.pipeline``) reproduces the single-process run.
 
 The reference is independent of the pipeline code: ``train`` on one process, where the aux
 losses are added to the loss. For ``ec_threshold`` without a load-balancing term every loss
@@ -18,7 +18,7 @@ import torch
 
 from moe.model import MoETransformer, preset
 from moe.training import TrainConfig, config_from_args, train
-from moe.training.pipeline import AuxLossInjector, StageModel, bubble_fraction, split_blocks
+from moe.parallel.pipeline import AuxLossInjector, StageModel, bubble_fraction, split_blocks
 from tests.test_parallel_train import COMMON, REL_TOL, _torchrun
 
 EC = ["--router", "ec_threshold", "--router-option", "aux_loss_coef=0"]

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
+import sys
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from moe.checks import nonnegative_int
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 from moe.eval import EvalConfig
 from moe.parallel.placement import ParallelConfig
 from moe.parallel.steps.lossy import LossyConfig
