@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe.routers import build_router
 from moe.eval import evaluate
+from moe.routers import build_router
 from moe.training import TrainConfig, train
 
 RESULTS = Path(__file__).resolve().parent / "results"

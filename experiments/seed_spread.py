@@ -15,9 +15,9 @@ pair of runs only when this spread is well under c%.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import dataclasses
 import statistics
 import time
 from datetime import date

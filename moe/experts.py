@@ -11,7 +11,7 @@ layout Hugging Face transformers 5.x uses (``gate_up_proj`` ``[E, 2F, D]``, ``do
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn

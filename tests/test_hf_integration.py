@@ -23,8 +23,16 @@ from moe.audit import audit  # noqa: E402
 from moe.audit import cli as audit_cli  # noqa: E402
 from moe.data import load_corpus  # noqa: E402
 from moe.integrations.hf import (  # noqa: E402
-    FAMILIES, TINY_CONFIGS, HFCausalLM, HFMoEBlock, build_hf_model, decoding, load_hf_model, swap_moe_blocks,
-    swapped_routings, tiny_config,
+    FAMILIES,
+    TINY_CONFIGS,
+    HFCausalLM,
+    HFMoEBlock,
+    build_hf_model,
+    decoding,
+    load_hf_model,
+    swap_moe_blocks,
+    swapped_routings,
+    tiny_config,
 )
 from moe.training import TrainConfig, train  # noqa: E402
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from moe.model import MoETransformer, preset
-from moe.training import TrainConfig, config_from_args, train
 from moe.parallel.pipeline import AuxLossInjector, StageModel, bubble_fraction, split_blocks
+from moe.training import TrainConfig, config_from_args, train
 from tests.test_parallel_train import COMMON, REL_TOL, _torchrun
 
 EC = ["--router", "ec_threshold", "--router-option", "aux_loss_coef=0"]

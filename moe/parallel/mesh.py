@@ -68,7 +68,7 @@ class Layout:
             positive_int(f"Layout.{name}", getattr(self, name))
 
     @classmethod
-    def from_world(cls, world_size: int, dp_replicate: int = 1, expert_parallel: int = 1, pipeline: int = 1) -> "Layout":
+    def from_world(cls, world_size: int, dp_replicate: int = 1, expert_parallel: int = 1, pipeline: int = 1) -> Layout:
         """The layout of ``world_size`` processes with R = ``dp_replicate``, P = ``expert_parallel``
         and Q = ``pipeline``; sharded data parallel takes the rest, S = W / (Q*R*P)."""
         for name, v in (("dp_replicate", dp_replicate), ("expert_parallel", expert_parallel), ("pipeline", pipeline)):

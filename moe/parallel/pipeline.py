@@ -111,7 +111,7 @@ class _StagePart(nn.Module):
     forward is the whole model's own pieces (``embed_tokens``, ``forward_blocks``,
     ``output_logits`` of the model's class) called on this part."""
 
-    def __init__(self, owner: "StageModel", blocks: list[int], first: bool, last: bool) -> None:
+    def __init__(self, owner: StageModel, blocks: list[int], first: bool, last: bool) -> None:
         super().__init__()
         self.cfg, self.lm = owner.cfg, owner.lm
         self.first, self.last = first, last

@@ -52,11 +52,13 @@ class PipelinedLM(nn.Module):
                 continue
             if k > 0 and self._holder(k - 1) != self.me:
                 x = torch.empty(b, t, self.cfg.d_model, device=device)
-                guarded("pipeline activation recv", self.group, lambda: dist.recv(x, src=self._holder(k - 1), group=self.group))
+                src = self._holder(k - 1)
+                guarded("pipeline activation recv", self.group, lambda x=x, src=src: dist.recv(x, src=src, group=self.group))
             x = self.stage.parts[self.stage.stage_ids.index(k)](x, cache)
             if k < last and self._holder(k + 1) != self.me:
                 x = x.float().contiguous()
-                guarded("pipeline activation send", self.group, lambda: dist.send(x, dst=self._holder(k + 1), group=self.group))
+                dst = self._holder(k + 1)
+                guarded("pipeline activation send", self.group, lambda x=x, dst=dst: dist.send(x, dst=dst, group=self.group))
         logits_BTV = x.float().contiguous() if self._holder(last) == self.me else torch.empty(
             b, t, self.cfg.vocab_size, device=device)
         guarded("pipeline logits broadcast", self.group,

@@ -57,14 +57,16 @@ class StepStrategy(ABC):
 
     @staticmethod
     def check_world(world_size: int) -> None:
-        """ValueError if the strategy cannot run on ``world_size`` processes."""
+        """ValueError if the strategy cannot run on ``world_size`` processes (any number by default)."""
+        return None
 
     def __init__(self, place, cfg) -> None:
         self.place, self.cfg = place, cfg
         self.optimizer: torch.optim.Optimizer | None = None
 
     def placed(self) -> None:
-        """Called once the model is sharded."""
+        """Called once the model is sharded (nothing to finish by default)."""
+        return None
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer of the placed model's parameters."""
