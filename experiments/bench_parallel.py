@@ -81,7 +81,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
     cfg = TrainConfig.flat(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
                            max_bytes=opts["max_bytes"], progress=False)
     corpus = cfg.data.load()
-    mcfg = model_config(cfg.model, corpus.vocab_size, cfg.data.seq_len)
+    mcfg = model_config(cfg.model, corpus.vocab_size)
     device = torch.device("cpu")
     info = DistInfo(rank, world, rank, device)
     n = opts["warmup"] + opts["iters"]
@@ -130,7 +130,7 @@ def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
     cfg = TrainConfig.flat(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
                            max_bytes=opts["max_bytes"], progress=False, model={"n_layers": opts["pipeline_layers"]})
     corpus = cfg.data.load()
-    mcfg = model_config(cfg.model, corpus.vocab_size, cfg.data.seq_len)
+    mcfg = model_config(cfg.model, corpus.vocab_size)
     device = torch.device("cpu")
     info = DistInfo(rank, world, rank, device)
     tied = dist.new_group([0, world - 1])

@@ -65,7 +65,7 @@ def train_lossy(cfg: TrainConfig, dp_cfg: LossyDPConfig, corpus, info: DistInfo,
     """One data-parallel run with :class:`LossyDataParallel` in place of the all-reduce; the
     step is the training loop's (same model, batches, learning-rate schedule, AdamW, router
     updates). Returns the per-step gradient and drift figures and rank 0's final eval."""
-    model = build_model(model_config(cfg.model, corpus.vocab_size, cfg.data.seq_len), cfg.seed, info.device)
+    model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, info.device)
     share_router_statistics(model)
     optimizer = make_optimizer(model, cfg.optimizer)
     dp = LossyDataParallel(model, optimizer, dp_cfg)
@@ -93,7 +93,7 @@ def train_expert_parallel_lossy(cfg: TrainConfig, loss: LossConfig, renormalise:
     """One expert-parallel run (experts sharded over the 4 ranks, the rest data-parallel over a
     reliable all-reduce) whose token exchanges lose rows (``LossyRouter``); evaluated with the
     exchange reliable, so the figure is what the loss during training cost."""
-    model = build_model(model_config(cfg.model, corpus.vocab_size, cfg.data.seq_len), cfg.seed, info.device,
+    model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, info.device,
                         ExpertParallel(dist.group.WORLD))
     share_router_statistics(model, dist.group.WORLD)
     transport = LossyTransport(loss)

@@ -96,6 +96,6 @@ def test_a_strategy_registered_from_outside_the_package_runs(monkeypatch):
     res = train(cfg)
     assert calls == [1, 2, 3]
     assert [r["frozen"] for r in res.history] == [1.0, 1.0, 1.0]
-    init = build_model(model_config(cfg.model, 256, cfg.data.seq_len), cfg.seed, torch.device("cpu"))
+    init = build_model(model_config(cfg.model, 256), cfg.seed, torch.device("cpu"))
     for (name, a), b in zip(init.state_dict().items(), res.model.state_dict().values()):
         assert torch.equal(a, b), name

@@ -103,7 +103,7 @@ def reference_causal_loss(model, val, cfg, stride):
 def test_causal_evaluation(router):
     cfg = TrainConfig.flat(router=router, **SMALL)
     corpus = load_corpus(cfg.data.data, cfg.data.val_fraction, cfg.data.max_bytes)
-    model = build_model(model_config(cfg.model, 256, cfg.data.seq_len), seed=0, device=torch.device("cpu"))
+    model = build_model(model_config(cfg.model, 256), seed=0, device=torch.device("cpu"))
     ev = evaluate(model, corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, causal_stride=4, batch_size=2)
     ref = reference_causal_loss(model, corpus.val, cfg, stride=4)
     assert abs(ev["causal_loss"] - ref) < 1e-5, (ev["causal_loss"], ref)
@@ -140,7 +140,7 @@ def free_port() -> int:
 def test_data_parallel_two_processes_equals_single_process(tmp_path):
     # the Switch loss counts expert fractions over both ranks (share_router_statistics), so it matches too
     args = ["--steps", "4", "--seq-len", "16", "--batch-size", "8", "--max-bytes", "100000", "--eval-windows", "2",
-            "--causal-stride", "8", "--log-every", "0", "--no-progress", "--d-model", "32", "--moe-d-ff", "64",
+            "--causal-stride", "8", "--log-every", "2", "--no-progress", "--d-model", "32", "--moe-d-ff", "64",
             "--router", "topk"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "experiments" / "train.py")
@@ -153,9 +153,15 @@ def test_data_parallel_two_processes_equals_single_process(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(2)
     ]
+    outs = []
     for p in procs:
-        _, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
+        outs.append(out)
+    # the banner (rank 0 only) counts the whole model, not rank 0's shard, and names the mesh
+    whole = MoETransformer(preset("tiny", d_model=32, moe_d_ff=64)).num_parameters()
+    assert f"model: {whole:,} parameters" in outs[0] and "mesh dp_replicate=1 x dp_shard=2 x ep=1" in outs[0], outs[0]
+    assert "model:" not in outs[1], outs[1]
     s, d = read_jsonl(tmp_path / "s.jsonl"), read_jsonl(tmp_path / "d.jsonl")
     assert len(s) == len(d) == 4
     for rs, rd in zip(s, d):
@@ -186,9 +192,8 @@ def test_cli_flags_come_from_the_configs():
                                    steps=7, progress=False, metrics_jsonl="m.jsonl")
     help_text = " ".join(help_of([]).split())
     assert "--causal-stride" in help_text and "--num-experts" in help_text and "every k-th" in help_text
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(ValueError, match="KEY=VALUE"):
         config_from_args(["--router-option", "top_k"])
-    assert exit_info.value.code == 2
     with pytest.raises(ValueError, match="expert"):
         train(TrainConfig.flat(expert_parallel=2, **SMALL))
     with pytest.raises(ValueError, match="unknown model overrides"):
@@ -197,16 +202,16 @@ def test_cli_flags_come_from_the_configs():
 
 def test_model_config_follows_the_preset_router_options_rule_and_refuses_a_useless_d_ff():
     # gpu100m's top_k belongs to its topk router: expert choice (no top_k option) starts from its defaults
-    ec = model_config(TrainConfig.flat(preset="gpu100m", router="expert_choice").model, 256, 128)
+    ec = model_config(TrainConfig.flat(preset="gpu100m", router="expert_choice").model, 256)
     assert ec.router_options == {}
     with torch.device("meta"):
         assert len(MoETransformer(ec).routers()) == 6
-    topk = model_config(TrainConfig.flat(preset="gpu100m", router="topk", router_options={"gate": "sigmoid"}).model, 256, 128)
+    topk = model_config(TrainConfig.flat(preset="gpu100m", router="topk", router_options={"gate": "sigmoid"}).model, 256)
     assert topk.router_options == {"top_k": 2, "gate": "sigmoid"}
     assert topk == preset("gpu100m", vocab_size=256, router="topk", router_options={"gate": "sigmoid"})
     with pytest.raises(ValueError, match="d_ff=64 has no effect: every block is an MoE block"):
-        model_config(config_from_args(["--d-ff", "64"]).model, 256, 128)
-    assert model_config(config_from_args(["--d-ff", "64", "--moe-every", "2"]).model, 256, 128).d_ff == 64
+        model_config(config_from_args(["--d-ff", "64"]).model, 256)
+    assert model_config(config_from_args(["--d-ff", "64", "--moe-every", "2"]).model, 256).d_ff == 64
     help_text = " ".join(help_of([]).split())
     assert "unused when every block is an MoE block (moe_every=1, the default), whose width is moe_d_ff" in help_text
 

@@ -7,6 +7,7 @@ Shape legend: B batch (local to a rank), T sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -37,6 +38,8 @@ class DataConfig:
             positive_int(name, getattr(self, name))
         if not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.data not in ("stdlib", "canary") and not Path(self.data).exists():
+            raise ValueError(f"--data {self.data!r}: no such file or directory (or use stdlib or canary)")
 
     def load(self) -> Corpus:
         """The corpus, split; ValueError if either part is shorter than one window of seq_len + 1 tokens."""

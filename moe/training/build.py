@@ -15,6 +15,7 @@ from torch import nn
 
 from moe.model import PRESETS, ModelConfig, MoETransformer, preset
 from moe.parallel import load_full_state_dict
+from moe.routers import build_router
 from moe.routing import registered_routers
 
 FIXED = ("vocab_size", "router", "router_options")
@@ -98,22 +99,31 @@ class ModelSection:
             raise ValueError(f"unknown preset {self.preset!r}; known presets: {', '.join(PRESETS)}")
         if self.router not in registered_routers():
             raise ValueError(f"unknown router {self.router!r}; known routers: {', '.join(sorted(registered_routers()))}")
+        if not self.hf_model:  # the options of a router that does not build fail here, not mid-setup
+            with torch.device("meta"):
+                build_router(self.router, d_model=8, num_experts=self.num_experts(), **self.router_options)
         if self.hf_model and set(self.given()) - {"backend"}:
             raise ValueError("hf_model takes its architecture from its transformers config: no model overrides "
                              "(except backend) and no expert_parallel")
+
+    def num_experts(self) -> int:
+        """E of the preset, or of its override."""
+        return self.overrides.num_experts or PRESETS[self.preset].num_experts
+
+    def max_seq_len(self) -> int:
+        """The longest sequence the model covers: the preset's, or its override."""
+        return self.overrides.max_seq_len or PRESETS[self.preset].max_seq_len
 
     def given(self) -> dict:
         """The overrides that were set (field -> value)."""
         return {k: v for k, v in dataclasses.asdict(self.overrides).items() if v is not None}
 
 
-def model_config(section: ModelSection, vocab_size: int, seq_len: int) -> ModelConfig:
-    """The preset with the run's router, vocabulary and overrides (max_seq_len grows to seq_len).
-    Router options follow ``moe.model.preset``'s rule: the preset's carry over only to the
+def model_config(section: ModelSection, vocab_size: int) -> ModelConfig:
+    """The preset with the run's router, vocabulary and overrides. Router options follow ``moe.model.preset``'s rule: the preset's carry over only to the
     preset's own router, and the run's are merged on top. A ``d_ff`` override on a model
     without dense blocks is refused: it would change nothing (the expert width is ``moe_d_ff``)."""
     overrides = section.given()
-    overrides.setdefault("max_seq_len", max(PRESETS[section.preset].max_seq_len, seq_len))
     mcfg = preset(section.preset, vocab_size=vocab_size, router=section.router,
                   router_options=dict(section.router_options), **overrides)
     if "d_ff" in overrides and not mcfg.uses_d_ff():

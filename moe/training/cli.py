@@ -5,12 +5,14 @@ other flags override it. User errors end with one line and exit status 2."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import tyro
+import tyro._errors
 
 from moe.training.config import TrainConfig
-from moe.training.loop import TrainResult, train
+from moe.training.loop import SetupError, TrainResult, train
 
 USAGE_EXIT = 2
 """Exit status of a run refused for bad input (as argparse and ``moe-audit`` do)."""
@@ -42,16 +44,34 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     raise ValueError; unknown or mistyped flags exit 2 with tyro's "did you mean"."""
     path, rest = split_config_flag(list(sys.argv[1:] if argv is None else argv))
     default = TrainConfig.load(path) if path else TrainConfig()
-    return tyro.cli(TrainConfig, args=rest, default=default, description=DESCRIPTION,
-                    config=(tyro.conf.OmitArgPrefixes,))
+    with tyro._errors.on_parse_error(_value_errors_pass_through):
+        return tyro.cli(TrainConfig, args=rest, default=default, description=DESCRIPTION,
+                        config=(tyro.conf.OmitArgPrefixes,))
+
+
+def _value_errors_pass_through(event) -> None:
+    """tyro boxes a section's ValueError in a dozen lines of help; re-raise it as the one-line
+    ValueError it was (tyro's parse-error hook, ``tyro._errors``: internal, hence the pin of
+    tyro in pyproject.toml). Every other parse error keeps tyro's message ("Perhaps you meant")."""
+    if isinstance(event, tyro._errors.InstantiationFailure):
+        raise ValueError(event.message)
 
 
 def main(argv: list[str] | None = None) -> TrainResult:
     """``experiments/train.py``: parse, train; a ValueError of the configuration or of the setup
-    (a missing corpus, a layout that does not fit) prints one line and exits 2."""
+    (a missing corpus, a layout that does not fit) prints one line (rank 0) and exits 2."""
     try:
         cfg = config_from_args(argv)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(USAGE_EXIT) from None
-    return train(cfg)
+        fail(e)
+    try:
+        return train(cfg)
+    except SetupError as e:
+        fail(e)
+
+
+def fail(error: ValueError) -> None:
+    """One line on rank 0's stderr, exit status 2 on every rank."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(USAGE_EXIT) from None

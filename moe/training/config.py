@@ -66,6 +66,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         nonnegative_int("seed", self.seed)
         m, par, lossy = self.model, self.parallel, self.lossy
+        if not m.hf_model and self.data.seq_len > m.max_seq_len():
+            raise ValueError(f"seq_len={self.data.seq_len} exceeds the {m.preset} preset's max_seq_len="
+                             f"{m.max_seq_len()}: use a shorter --seq-len or raise --max-seq-len")
         if self.eval.causal_stride > self.data.seq_len:
             raise ValueError(f"causal_stride={self.eval.causal_stride} exceeds seq_len={self.data.seq_len}")
         if lossy.packet_loss > 0 and (par.expert_parallel > 1 or m.hf_model or par.grad_reduce_dtype != "fp32"):

@@ -94,11 +94,21 @@ class Session:
     num_experts: int
 
 
+class SetupError(ValueError):
+    """The run cannot start as configured (a user error: ``experiments/train.py`` prints it in
+    one line and exits 2)."""
+
+
 def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
-    """Train one model as ``cfg`` says (see the module docstring for the distributed contract)."""
+    """Train one model as ``cfg`` says (see the module docstring for the distributed contract).
+    A ValueError before the first step (data, model, layout, checkpoint) is a :class:`SetupError`."""
     info = setup_distributed(cfg.parallel.device, cfg.parallel.collective_timeout_s)
     try:
-        return run(prepare(cfg, corpus, info))
+        try:
+            session = prepare(cfg, corpus, info)
+        except ValueError as e:
+            raise SetupError(str(e)) from e
+        return run(session)
     finally:
         if info.owns_group:
             dist.destroy_process_group()
@@ -108,7 +118,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     """Load the data, build and place the model with its step strategy, make the optimizer,
     resume from the last checkpoint if asked, and open the run's reports."""
     corpus = corpus if corpus is not None else cfg.data.load()
-    mcfg = model_config(cfg.model, corpus.vocab_size, cfg.data.seq_len)
+    mcfg = model_config(cfg.model, corpus.vocab_size)
 
     def build(expert_parallel) -> nn.Module:
         return build_run_model(cfg.model, mcfg, cfg.seed, info.device, info.world_size, expert_parallel)
@@ -116,15 +126,32 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     place = place_model(cfg, mcfg.num_experts, build, info)
     optimizer = make_optimizer(place.model, cfg.optimizer)
     place.strategy.attach(optimizer)
-    found = complete_checkpoints(cfg.checkpoint.directory) if cfg.checkpoint.resume else []
-    start, run_id = load_checkpoint(found[-1], place.model, optimizer, mcfg) if found else (0, None)
+    start, run_id, resumed = resume(cfg, place.model, optimizer, mcfg)
     report = RunReport(cfg, mcfg, info, start, run_id)
+    report.banner(corpus, total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters(),
+                  place.layout if info.world_size > 1 else None)
+    report.say(resumed)
     routers = [m for m in place.model.modules() if isinstance(m, Router)]
-    num_params = total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters()
-    report.say(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
-               f"model: {num_params:,} parameters, router {cfg.model.router} {cfg.model.router_options}")
     return Session(cfg, info, corpus, mcfg, place, optimizer, start, report, RouterEntropy(place.model),
                    routers[0].num_experts if routers else mcfg.num_experts)
+
+
+def resume(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+           mcfg: ModelConfig) -> tuple[int, str | None, str]:
+    """(steps already taken, wandb run id, what happened in words): the last complete checkpoint
+    loaded with ``--resume``, else a fresh start. A checkpoint past ``steps`` is refused."""
+    if not cfg.checkpoint.resume:
+        return 0, None, ""
+    found = complete_checkpoints(cfg.checkpoint.directory)
+    if not found:
+        return 0, None, f"no checkpoint found in {cfg.checkpoint.checkpoint_dir}, starting fresh"
+    start, run_id = load_checkpoint(found[-1], model, optimizer, mcfg)
+    steps = cfg.optimizer.steps
+    if start > steps:
+        raise ValueError(f"--resume: the last checkpoint, {found[-1].name}, is past --steps {steps}: raise --steps "
+                         "or use another --checkpoint-dir")
+    left = f"{steps - start} steps to go" if start < steps else "no steps left: only the final evaluation"
+    return start, run_id, f"resumed from {found[-1].name} ({left})"
 
 
 def train_step(s: Session, step: int) -> tuple[dict, float]:

@@ -40,7 +40,8 @@ class LoggingConfig:
     wandb_mode: Literal["online", "offline", "disabled"] | None = None
     """online | offline | disabled; default: $WANDB_MODE, else online iff $WANDB_API_KEY is set, else offline."""
     wandb_dir: str | None = None
-    """Directory for wandb's files (default: ``checkpoint_dir``, else the current directory)."""
+    """Directory for wandb's files (default: the run's own directory: ``checkpoint_dir``, else the
+    metrics JSONL's directory, else the current directory)."""
 
     def __post_init__(self) -> None:
         nonnegative_int("log_every", self.log_every)
@@ -158,7 +159,8 @@ def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str 
         return None
     import wandb
 
-    run_dir = Path(log.wandb_dir or cfg.checkpoint.checkpoint_dir or ".")
+    jsonl_dir = Path(log.metrics_jsonl).parent if log.metrics_jsonl else None
+    run_dir = Path(log.wandb_dir or cfg.checkpoint.checkpoint_dir or jsonl_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
     return wandb.init(

@@ -44,8 +44,16 @@ class RunReport:
 
     def say(self, line: str) -> None:
         """A line for the user (rank 0, unless logging is off)."""
-        if self.main and self.log.log_every:
+        if line and self.main and self.log.log_every:
             tqdm.write(line)
+
+    def banner(self, corpus, num_params: int, layout=None) -> None:
+        """What is trained on what: the whole model's parameter count (not a rank's shard) and,
+        on more than one process, the mesh layout."""
+        where = f"; mesh {layout}" if layout is not None else ""
+        self.say(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
+                 f"model: {num_params:,} parameters, router {self.cfg.model.router} {self.cfg.model.router_options}"
+                 f"{where}")
 
     def step(self, record: dict) -> None:
         """The record of one finished step: history, JSONL, wandb, progress bar, log line."""
@@ -66,7 +74,10 @@ class RunReport:
         self.bar.close()
         if self.run is not None:
             self.run.summary.update({f"final/{k}": v for k, v in final_eval.items()})
+            offline, run_dir = self.run.settings.mode == "offline", Path(self.run.dir).parent
             self.run.finish()
+            if offline:
+                self.say(f"wandb: offline run written to {run_dir} (upload with: wandb sync {run_dir})")
 
 
 def log_line(record: dict) -> str:
