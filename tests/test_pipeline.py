@@ -97,20 +97,22 @@ def test_interleaved_1f1b_matches_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_checkpoints_load_into_one_process_and_back(tmp_path):
-    full = train(config_from_args([*COMMON, *EC]))
+    # 30 warmup steps: all 12 steps in warmup, so the 6-step half run's schedule is the 12-step run's
+    ec = [*EC, "--warmup-steps", "30"]
+    full = train(config_from_args([*COMMON, *ec]))
     ckpt = tmp_path / "ckpt"
     half = [a if a != "12" else "6" for a in COMMON]
-    _torchrun([*half, *EC, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt)], 2)
-    resumed = train(config_from_args([*COMMON, *EC, "--checkpoint-dir", str(ckpt), "--resume"]))
+    _torchrun([*half, *ec, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt)], 2)
+    resumed = train(config_from_args([*COMMON, *ec, "--checkpoint-dir", str(ckpt), "--resume"]))
     steps = [r["step"] for r in resumed.history]
     assert steps == list(range(7, 13))
     for a, b in zip(full.history[6:], resumed.history):
         assert math.isclose(a["loss"], b["loss"], rel_tol=REL_TOL), (a["step"], a["loss"], b["loss"])
     # and a single-process checkpoint resumed on a pipeline
     ckpt1 = tmp_path / "ckpt1"
-    train(config_from_args([*half, *EC, "--checkpoint-dir", str(ckpt1)]))
+    train(config_from_args([*half, *ec, "--checkpoint-dir", str(ckpt1)]))
     jsonl = tmp_path / "pp.jsonl"
-    _torchrun([*COMMON, *EC, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt1),
+    _torchrun([*COMMON, *ec, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt1),
                "--resume", "--metrics-jsonl", str(jsonl)], 2)
     for a, b in zip(full.history[6:], _records(jsonl)[6:]):
         assert b["step"] == a["step"] and math.isclose(a["loss"], b["loss"], rel_tol=REL_TOL), (a, b)
