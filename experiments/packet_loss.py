@@ -34,6 +34,7 @@ to it, and every run's record (final validation loss, per-step figures) as ``.ra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -51,9 +52,10 @@ from moe.parallel import ExpertParallel, clip_grad_norm_, reduce_gradients, shar
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.lossy import POLICIES, LossConfig, LossyDataParallel, LossyDPConfig, LossyTransport
 from moe.parallel.lossy.expert import wrap_expert_parallel_routers
-from moe.training import TrainConfig
+from moe.training import TrainConfig, build_model, lr_at, model_config
+from moe.training.batches import local_batch
 from moe.training.distributed import DistInfo, sync_router_state
-from moe.training.loop import build_model, local_batch, lr_at, make_optimizer, model_config
+from moe.training.optim import make_optimizer, set_lr
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD = 4
@@ -63,17 +65,16 @@ def train_lossy(cfg: TrainConfig, dp_cfg: LossyDPConfig, corpus, info: DistInfo,
     """One data-parallel run with :class:`LossyDataParallel` in place of the all-reduce; the
     step is the training loop's (same model, batches, learning-rate schedule, AdamW, router
     updates). Returns the per-step gradient and drift figures and rank 0's final eval."""
-    model = build_model(model_config(cfg, corpus.vocab_size), cfg.seed, info.device)
+    model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, info.device)
     share_router_statistics(model)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg.optimizer)
     dp = LossyDataParallel(model, optimizer, dp_cfg)
     keys = ("grad_rel_error", "grad_bias", "received_fraction", "max_drift", "rms_drift")
     history: dict[str, list[float]] = {k: [] for k in keys}
     model.train()
-    for step in range(1, cfg.steps + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step - 1, cfg)
-        idx_BT, targets_BT = local_batch(corpus, cfg, step, info)
+    for step in range(1, cfg.optimizer.steps + 1):
+        set_lr(optimizer, lr_at(step - 1, cfg.optimizer))
+        idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, info.device, (info.rank, info.world_size))
         out = model(idx_BT, targets_BT)
         optimizer.zero_grad(set_to_none=True)
         (out.loss + out.aux_loss).backward()
@@ -83,7 +84,7 @@ def train_lossy(cfg: TrainConfig, dp_cfg: LossyDPConfig, corpus, info: DistInfo,
         for k in keys:
             history[k].append(metrics[k])
     share_router_statistics(model, None)
-    ev = evaluate(model, corpus.val, cfg.seq_len, eval_windows, device=info.device, causal=False)
+    ev = evaluate(model, corpus.val, cfg.data.seq_len, eval_windows, device=info.device, causal=False)
     return {"val_loss": ev["teacher_forced_loss"], "history": history}
 
 
@@ -92,23 +93,23 @@ def train_expert_parallel_lossy(cfg: TrainConfig, loss: LossConfig, renormalise:
     """One expert-parallel run (experts sharded over the 4 ranks, the rest data-parallel over a
     reliable all-reduce) whose token exchanges lose rows (``LossyRouter``); evaluated with the
     exchange reliable, so the figure is what the loss during training cost."""
-    model = build_model(model_config(cfg, corpus.vocab_size), cfg.seed, info.device, ExpertParallel(dist.group.WORLD))
+    model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, info.device,
+                        ExpertParallel(dist.group.WORLD))
     share_router_statistics(model, dist.group.WORLD)
     transport = LossyTransport(loss)
     wrappers = wrap_expert_parallel_routers(model, transport, renormalise)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg.optimizer)
     history: dict[str, list[float]] = {"ep_lost_fraction": [], "dropped_fraction": []}
     model.train()
-    for step in range(1, cfg.steps + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step - 1, cfg)
-        idx_BT, targets_BT = local_batch(corpus, cfg, step, info)
+    for step in range(1, cfg.optimizer.steps + 1):
+        set_lr(optimizer, lr_at(step - 1, cfg.optimizer))
+        idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, info.device, (info.rank, info.world_size))
         transport.begin_step(step)
         out = model(idx_BT, targets_BT)
         optimizer.zero_grad(set_to_none=True)
         (out.loss + out.aux_loss).backward()
         reduce_gradients(model)
-        clip_grad_norm_(model, cfg.grad_clip)
+        clip_grad_norm_(model, cfg.optimizer.grad_clip)
         optimizer.step()
         sync_router_state(model, info)
         update_routers(model)
@@ -116,7 +117,7 @@ def train_expert_parallel_lossy(cfg: TrainConfig, loss: LossConfig, renormalise:
             history[key].append(float(torch.stack([r.stats[key].float() for r in out.routings]).mean()))
     for w in wrappers:
         w.enabled = False
-    ev = evaluate(model, corpus.val, cfg.seq_len, eval_windows, device=info.device, causal=False)
+    ev = evaluate(model, corpus.val, cfg.data.seq_len, eval_windows, device=info.device, causal=False)
     share_router_statistics(model, None)
     return {"val_loss": ev["teacher_forced_loss"], "history": history}
 
@@ -126,21 +127,23 @@ def _worker(rank: int, world: int, jobs: list[dict], common: dict) -> list[dict]
     corpus = load_corpus("stdlib", max_bytes=common["max_bytes"])
     out = []
     for job in jobs:
-        cfg = TrainConfig(preset=common["preset"], steps=common["steps"], batch_size=common["batch_size"],
-                          seq_len=common["seq_len"], seed=job["seed"], warmup_steps=common["warmup_steps"],
-                          progress=False, log_every=0)
-        loss = LossConfig(rate=job["loss_rate"], packet_size=common["packet_size"], seed=job["seed"])
+        expert = job["policy"].startswith("ep_")
+        cfg = TrainConfig.flat(preset=common["preset"], steps=common["steps"], batch_size=common["batch_size"],
+                               seq_len=common["seq_len"], seed=job["seed"], warmup_steps=common["warmup_steps"],
+                               progress=False, log_every=0, packet_loss=job["loss_rate"],
+                               loss_policy="reliable" if expert else job["policy"],
+                               loss_packet_size=common["packet_size"], loss_resync_every=common["resync_every"])
+        dp_cfg = cfg.lossy.transport(cfg.seed, cfg.optimizer.grad_clip)
         t0 = time.perf_counter()
-        if job["policy"].startswith("ep_"):
-            res = train_expert_parallel_lossy(cfg, loss, job["policy"] == "ep_renormalise", corpus, info,
+        if expert:
+            res = train_expert_parallel_lossy(cfg, dp_cfg.loss, job["policy"] == "ep_renormalise", corpus, info,
                                               common["eval_windows"])
             detail = f"lost assignments {np.mean(res['history']['ep_lost_fraction']):.4f}"
         else:
-            dp_cfg = LossyDPConfig(job["policy"], loss, resync_every=common["resync_every"], grad_clip=cfg.grad_clip)
             res = train_lossy(cfg, dp_cfg, corpus, info, common["eval_windows"])
             detail = (f"grad rel err {np.mean(res['history']['grad_rel_error']):.4f}, "
                       f"max drift {max(res['history']['max_drift']):.2e}")
-        out.append({**job, **res, "wall_s": time.perf_counter() - t0})
+        out.append({**job, **res, "wall_s": time.perf_counter() - t0, "config": dataclasses.asdict(cfg)})
         if rank == 0:
             print(f"  {job['policy']:>14} p={job['loss_rate']:.2f} seed {job['seed']}: val loss {res['val_loss']:.4f}, "
                   f"{detail} ({time.perf_counter() - t0:.0f}s)", flush=True)
