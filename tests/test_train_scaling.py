@@ -5,7 +5,6 @@ the trainer places is the single-process initialisation for the seed (built on t
 device, materialised after placement)."""
 
 import pytest
-import torch
 
 from moe.model import MoETransformer
 from moe.training import TrainConfig, train
