@@ -6,6 +6,10 @@ S = max assignments of one token (slots).
 Deterministic on every device: no atomics. Rows are summed into tokens through a padded
 [N, S, D] buffer reduced over S in slot order, and the backward of the gather uses the same
 sum, so outputs and gradients are bitwise reproducible run to run.
+
+Under ``torch.compile`` the sorted path cannot be traced without reading values on the host
+(S, the per-expert slice lengths): :func:`moe_ffn_all_experts` computes the same y with
+static shapes instead, and :func:`moe_ffn_reference` switches to it while being traced.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def moe_ffn_reference(
     n, e = x_ND.shape[0], w_gate_EDF.shape[0]
     if token_A.numel() == 0:
         return x_ND.new_zeros(n, w_down_EFD.shape[-1])
+    if torch.compiler.is_compiling():
+        return moe_ffn_all_experts(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD)
     order_A, counts_E = sort_by_expert(expert_A, e)
     token_sorted_A = token_A[order_A]
     slot_A, num_slots = token_slots(token_sorted_A, n)
@@ -100,3 +106,25 @@ def moe_ffn_reference(
     y_AD = grouped_swiglu(x_AD, counts_E.tolist(), w_gate_EDF, w_up_EDF, w_down_EFD)
     weighted_AD = y_AD * weight_A[order_A].unsqueeze(-1).to(y_AD.dtype)
     return scatter_sum(weighted_AD, token_sorted_A, slot_A, num_slots, n)
+
+
+def moe_ffn_all_experts(
+    x_ND: Tensor,
+    token_A: Tensor,
+    expert_A: Tensor,
+    weight_A: Tensor,
+    w_gate_EDF: Tensor,
+    w_up_EDF: Tensor,
+    w_down_EFD: Tensor,
+) -> Tensor:
+    """The y of :func:`moe_ffn_reference` with static shapes and no host read: every expert
+    runs on every token, weighted by the dense [N, E] combine weights (zero where a token was
+    not routed to an expert), summed over experts in expert order. It costs E/K times the
+    expert FLOPs of the sorted path; a zero-weight row adds exactly nothing, in the output and
+    in every gradient. Assignments must be distinct (token, expert) pairs, as every router
+    of the package produces (and as the fixed-size routing form keeps them)."""
+    n, e = x_ND.shape[0], w_gate_EDF.shape[0]
+    w_NE = weight_A.new_zeros(n, e).index_put((token_A, expert_A), weight_A)
+    h_ENF = F.silu(torch.matmul(x_ND, w_gate_EDF)) * torch.matmul(x_ND, w_up_EDF)
+    y_END = torch.bmm(h_ENF, w_down_EFD)
+    return (y_END * w_NE.T.unsqueeze(-1).to(y_END.dtype)).sum(0)

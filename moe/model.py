@@ -16,6 +16,7 @@ Dh head width, V vocabulary.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -219,25 +220,48 @@ class MoETransformer(nn.Module):
     ``moe.parallel.load_full_state_dict``.
     """
 
-    def __init__(self, cfg: ModelConfig, expert_parallel=None) -> None:
+    def __init__(self, cfg: ModelConfig, expert_parallel=None, init_seed: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        # drawn before any submodule draws, so the global generator's state alone decides it
+        self.init_seed = int(torch.randint(2**62, (), device="cpu")) if init_seed is None else init_seed
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), expert_parallel) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self._init_weights()
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.init_weights()
 
-    def _init_weights(self) -> None:
-        nn.init.normal_(self.embed.weight, std=0.02)
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Give every parameter its initial values from :meth:`init_parameter` (parameters on
+        the meta device are left to ``moe.parallel.materialize``, which uses the same rule)."""
         for name, p in self.named_parameters():
-            if p.dim() == 2 and "embed" not in name and not name.endswith("router.gate.weight"):
-                nn.init.normal_(p, std=1 / math.sqrt(p.shape[1]))
-            if name.endswith(("proj.weight", "w_down.weight", "experts.w_down")):
-                with torch.no_grad():
-                    p.mul_(1 / math.sqrt(2 * self.cfg.n_layers))
+            if not p.is_meta:
+                full = torch.empty(p.shape, dtype=p.dtype)
+                self.init_parameter(name, full)
+                p.copy_(full)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, full: Tensor) -> None:
+        """Fill ``full``, parameter ``name`` at its single-process shape (all experts), with its
+        initial values, drawn from a CPU generator seeded by ``init_seed`` and the name alone:
+        the same numbers whichever rank, layout or device asks, one parameter at a time.
+
+        Norm gains are 1, the embedding is N(0, 0.02), every other weight (attention, dense
+        and expert feed-forwards, router gates, the untied head) is N(0, 1/fan_in) with fan_in
+        = shape[1] ([out, in] linear weights, [E, in, out] expert weights), and the projections
+        back into the residual stream are scaled by 1/sqrt(2 * n_layers)."""
+        if full.dim() == 1:
+            full.fill_(1.0)
+            return
+        # the CPU generator keeps 32 bits of its seed: hash the seed and the name into 32 bits
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.init_seed}/{name}".encode()))
+        std = 0.02 if name == "embed.weight" else full.shape[1] ** -0.5
+        if name.endswith(("proj.weight", "w_down.weight", "experts.w_down")):
+            std /= math.sqrt(2 * self.cfg.n_layers)
+        full.normal_(0.0, std, generator=gen)
 
     def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None) -> ModelOutput:
         """Logits of every position of ``idx_BT``. With ``cache``, ``idx_BT`` holds the next T

@@ -12,10 +12,13 @@ decode-consistent refuse with a ValueError.
 
 Host synchronisation: the default forward, backward and ``update_after_step`` read no tensor
 value on the host (no ``.item()``, ``bool(tensor)``, ``.tolist()``, ``int()``/``float()``
-of a tensor, ``torch.bincount``). What remains is inherent to the Routing contract: a router
+of a tensor, ``torch.bincount``). What remains is inherent to the compact Routing: a router
 whose number of kept assignments A depends on the data (capacity drops, thresholds, the
-predictor) learns A on the host when it selects the kept rows. Checking the logits for
-NaN/inf needs a read too; it runs only with ``check_finite=True`` or ``MOE_DEBUG=1``.
+predictor) learns A on the host when it selects the kept rows. The fixed-size form avoids
+it: every candidate assignment is listed, ``valid`` marks the kept ones and the others carry
+weight exactly 0 (the capacity router returns it while traced by ``torch.compile``, where a
+data-dependent A would break the graph). Checking the logits for NaN/inf needs a read too;
+it runs only with ``check_finite=True`` or ``MOE_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,11 @@ class Routing:
 
     ``token``, ``expert`` and ``weight`` are parallel 1-D tensors of length A. A token may
     appear zero times (dropped) or several times; an expert may receive no token.
+
+    Fixed-size form (``valid`` given): the A rows are candidates, ``valid`` says which were
+    kept, and a row that was not kept has weight exactly 0 with no gradient path. Every data
+    path (dispatch -> experts -> combine) gives the same result for either form, since a
+    zero-weight row adds nothing; :meth:`compact` returns the kept rows only.
     """
 
     token: Tensor
@@ -56,6 +64,9 @@ class Routing:
     """At least ``tokens_per_expert`` (int64 [E]) and ``dropped_fraction`` (scalar)."""
     batch_shape: tuple[int, int] | None = None
     """(B, T) of the routed input, so that :meth:`dense` can restore it."""
+    valid: Tensor | None = None
+    """bool [A] or None: which rows were kept (fixed-size form, see the class docstring);
+    None: every row was kept."""
 
     def __post_init__(self) -> None:
         a = self.token.shape
@@ -64,6 +75,8 @@ class Routing:
                 f"Routing fields must be 1-D of equal length, got token {tuple(self.token.shape)}, "
                 f"expert {tuple(self.expert.shape)}, weight {tuple(self.weight.shape)}"
             )
+        if self.valid is not None and (self.valid.shape != a or self.valid.dtype != torch.bool):
+            raise ValueError(f"valid must be a bool tensor of shape {tuple(a)}, got {self.valid.dtype} {tuple(self.valid.shape)}")
         if self.batch_shape is None:
             self.batch_shape = (1, self.num_tokens)
         elif self.batch_shape[0] * self.batch_shape[1] != self.num_tokens:
@@ -71,7 +84,17 @@ class Routing:
 
     @property
     def num_assignments(self) -> int:
-        return self.token.numel()
+        """Kept assignments (reads ``valid`` on the host in the fixed-size form)."""
+        return self.token.numel() if self.valid is None else int(self.valid.sum())
+
+    def compact(self) -> Routing:
+        """The kept rows only (``valid=None``); the fixed-size form's A is read on the host."""
+        if self.valid is None:
+            return self
+        keep = self.valid
+        return replace(
+            self, token=self.token[keep], expert=self.expert[keep], weight=self.weight[keep], valid=None
+        )
 
     def dense(self) -> Tensor:
         """The [B, T, E] combine-weight matrix, zero where a token was not routed to an expert."""
@@ -83,13 +106,13 @@ class Routing:
     def mask(self) -> Tensor:
         """Boolean [B, T, E]: which (token, expert) pairs were kept. Exact, unlike thresholds on dense()."""
         m_NE = torch.zeros(self.num_tokens, self.num_experts, dtype=torch.bool, device=self.token.device)
-        m_NE[self.token, self.expert] = True
+        m_NE[self.token, self.expert] = True if self.valid is None else self.valid
         b, t = self.batch_shape
         return m_NE.view(b, t, self.num_experts)
 
     def experts_per_token(self) -> Tensor:
         """int64 [N]: how many experts each token was routed to (0 = dropped)."""
-        return count_indices(self.token, self.num_tokens)
+        return count_indices(self.token, self.num_tokens, self.valid)
 
 
 @dataclass(frozen=True)
@@ -263,11 +286,13 @@ class Router(nn.Module):
             return logits_NE.new_zeros(())
         return self.z_loss_coef * torch.logsumexp(logits_NE, dim=-1).square().mean()
 
-    def _stats(self, expert_A: Tensor, num_slots: int) -> dict[str, Tensor]:
-        tokens_per_expert_E = count_indices(expert_A, self.num_experts)
+    def _stats(self, expert_A: Tensor, num_slots: int, valid_A: Tensor | None = None) -> dict[str, Tensor]:
+        """``valid_A``: the kept rows of a fixed-size routing (None: all of ``expert_A``)."""
+        tokens_per_expert_E = count_indices(expert_A, self.num_experts, valid_A)
+        kept = expert_A.numel() if valid_A is None else tokens_per_expert_E.sum()
         return {
             "tokens_per_expert": tokens_per_expert_E,
-            "dropped_fraction": dropped_fraction(expert_A.numel(), num_slots, expert_A.device),
+            "dropped_fraction": dropped_fraction(kept, num_slots, expert_A.device),
         }
 
     def extra_repr(self) -> str:
@@ -305,11 +330,12 @@ def dropped_fraction(kept: int | Tensor, num_slots: int, device: torch.device) -
     return torch.full((), max(1.0 - kept / num_slots, 0.0), device=device)
 
 
-def count_indices(index_A: Tensor, size: int) -> Tensor:
-    """int64 [size]: how often each value in [0, size) occurs in ``index_A``. Unlike
-    ``torch.bincount`` (which reads the maximum on the host to size its output), no device
-    synchronisation."""
-    return torch.zeros(size, dtype=torch.long, device=index_A.device).index_add_(0, index_A, torch.ones_like(index_A))
+def count_indices(index_A: Tensor, size: int, include_A: Tensor | None = None) -> Tensor:
+    """int64 [size]: how often each value in [0, size) occurs in ``index_A`` (only where the
+    bool ``include_A`` is True, if given). Unlike ``torch.bincount`` (which reads the maximum on
+    the host to size its output), no device synchronisation."""
+    ones_A = torch.ones_like(index_A) if include_A is None else include_A.long()
+    return torch.zeros(size, dtype=torch.long, device=index_A.device).index_add_(0, index_A, ones_A)
 
 
 def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_experts: int):

@@ -20,7 +20,11 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.checks import positive_int
-from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
+from moe.parallel.activation_checkpointing import COMPILED_REFUSAL, apply_activation_checkpointing
+from moe.parallel.activation_checkpointing import MODES as AC_MODES
+from moe.parallel.compile import compile_blocks
+from moe.parallel.materialize import materialize
+from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model
 from moe.parallel.pipeline import virtual_stages
 from moe.parallel.reduce_precision import MeasuredReduceScatter
 from moe.parallel.state import share_router_statistics
@@ -55,6 +59,13 @@ class ParallelConfig:
     collective_timeout_s: float = 600.0
     """Every collective of the process group (joined by the loop) fails after this many seconds
     instead of hanging when a peer stops answering."""
+    activation_checkpointing: str = "none"
+    """Per transformer block (``moe.parallel.activation_checkpointing``): none; full (a block
+    keeps only its input and reruns its forward in the backward); selective (a block keeps its
+    matmul and attention outputs and recomputes the rest). Same losses and gradients."""
+    compile: bool = False
+    """Compile each transformer block with torch.compile (in place; ``moe.parallel.compile``);
+    not together with activation_checkpointing."""
     grad_reduce_dtype: str = "fp32"
     """Precision of the data-parallel gradient reduce-scatter: fp32, or bf16 to measure the bias
     low precision adds (bf16 is applied; its difference from an fp32 reduction of the same
@@ -68,6 +79,11 @@ class ParallelConfig:
         if self.grad_reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(f"grad_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}")
         virtual_stages(self.pipeline_schedule)  # validates the name
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}, "
+                             f"got {self.activation_checkpointing!r}")
+        if self.compile and self.activation_checkpointing != "none":
+            raise ValueError(COMPILED_REFUSAL)
 
 
 @dataclass
@@ -113,12 +129,26 @@ class Placement:
         return sum(isinstance(m, Router) for m in self.model.modules())
 
 
+def _blocks(model: nn.Module, par: ParallelConfig) -> list[nn.Module]:
+    """The transformer blocks this rank holds (a stage's, or the whole model's)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        if par.compile or par.activation_checkpointing != "none":
+            raise ValueError("--compile and --activation-checkpointing apply to the preset models' blocks, not to "
+                             f"{type(model).__name__}")
+        return []
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
+
 def place_model(cfg, num_experts: int, build: Callable[[object], nn.Module], info) -> Placement:
     """Choose the step strategy of ``cfg`` (the run's config), build the mesh, build the model
-    with ``build(expert_parallel)`` (a ``moe.parallel.ExpertParallel`` or None), let the strategy
-    cut it (a pipeline stage), shard it with FSDP2 over the stage's data-parallel ranks, make its
-    routers count load-balancing fractions over them and let the strategy finish (the pipeline
-    schedule). ``info``: the process's rank, world size and device. A collective: every rank calls it."""
+    with ``build(expert_parallel)`` (a ``moe.parallel.ExpertParallel`` or None; parameters may be
+    on the meta device, then the model provides ``init_parameter(name, full)``), let the strategy
+    cut it (a pipeline stage), checkpoint or compile its blocks, shard it with FSDP2 over the
+    stage's data-parallel ranks, materialise this rank's shards (``moe.parallel.materialize``:
+    no rank ever holds the whole model), make its routers count load-balancing fractions over
+    them and let the strategy finish (the pipeline schedule). ``info``: the process's rank,
+    world size and device. A collective: every rank calls it."""
     strategy_cls = choose_strategy(cfg)
     par, world = cfg.parallel, info.world_size
     layout = Layout.from_world(world, par.dp_replicate, par.expert_parallel, par.pipeline_parallel)
@@ -133,15 +163,19 @@ def place_model(cfg, num_experts: int, build: Callable[[object], nn.Module], inf
     if local % par.microbatches:
         raise ValueError(f"a rank's batch of {local} sequences does not split into microbatches={par.microbatches} "
                          "equal parts")
+    blocks = _blocks(place.model, par)
+    apply_activation_checkpointing(blocks, par.activation_checkpointing)
+    if par.compile:
+        compile_blocks(blocks)
     if place.sharded:
         # Blocks return views (reshapes); nothing here modifies a block's output in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        blocks = place.model.blocks
-        units = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
-        shard_model(place.model, pmesh, units, mixed_precision(info.device, torch.float32))
+        shard_model(place.model, pmesh, fsdp_units(blocks), mixed_precision(info.device, torch.float32))
         if par.grad_reduce_dtype != "fp32":  # applied, and measured against fp32
             place.reduce_hook = MeasuredReduceScatter(REDUCE_DTYPES[par.grad_reduce_dtype])
             place.reduce_hook.install(place.model)
+    if any(p.is_meta for p in place.model.parameters()):
+        materialize(place.model, info.device, model.init_parameter)
     if place.dp_size > 1:
         share_router_statistics(place.model, place.dp_group)
     strategy.placed()

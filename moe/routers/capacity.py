@@ -33,6 +33,10 @@ k_0 kept, after the r-th request kept = r + min(k_0, min over requests s <= r of
 Decoding (``capacity_scope="prefix"`` only): the decode state holds each group's per-expert
 kept counts (``kept_GE``: G = B for ``group="sequence"``, 1 for ``group="batch"``) and the
 position; a new chunk continues the counters from there.
+
+Under ``torch.compile`` the router returns the fixed-size form of :class:`moe.routing.Routing`
+(all N*K candidates, ``valid`` marking the kept ones, weight 0 on the dropped): the number
+kept depends on the data, and a traced graph needs static shapes and no host read.
 """
 
 from __future__ import annotations
@@ -186,19 +190,24 @@ class CapacityRouter(TokenChoiceBase):
             start_A = None if state is None else state.kept_GE.view(-1)[segment_A]
             keep_A = kept_under_ceiling(segment_A, priority_A, ceiling_A, start_A)
             if state is not None:
-                kept_segment_A = segment_A[keep_A]
-                state.kept_GE.view(-1).index_add_(0, kept_segment_A, torch.ones_like(kept_segment_A))
-        kept_expert_A = expert_A[keep_A]
-        self.record_load(kept_expert_A)
-        stats = self._stats(kept_expert_A, n * k)
+                state.kept_GE.view(-1).index_add_(0, segment_A, keep_A.long())
+        weight_A = weight_NK.reshape(-1)
+        if torch.compiler.is_compiling():
+            # a data-dependent A cannot be traced: the fixed-size form lists every candidate
+            valid_A, weight_A = keep_A, torch.where(keep_A, weight_A, 0.0)
+        else:
+            valid_A, token_A, expert_A, weight_A = None, token_A[keep_A], expert_A[keep_A], weight_A[keep_A]
+        self.record_load(expert_A, valid_A)
+        stats = self._stats(expert_A, n * k, valid_A)
         stats["capacity"] = torch.full((), capacity, device=dev)
         return Routing(
-            token=token_A[keep_A],
-            expert=kept_expert_A,
-            weight=weight_NK.reshape(-1)[keep_A],
+            token=token_A,
+            expert=expert_A,
+            weight=weight_A,
             num_tokens=n,
             num_experts=e,
-            aux_loss=self._aux_loss(logits_NE, probs_NE, expert_A),
+            aux_loss=self._aux_loss(logits_NE, probs_NE, expert_NK.reshape(-1)),
             stats=stats,
             batch_shape=batch_shape,
+            valid=valid_A,
         )

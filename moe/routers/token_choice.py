@@ -57,10 +57,11 @@ class TokenChoiceBase(Router):
             weight_NK = weight_NK / weight_NK.sum(-1, keepdim=True).clamp_min(1e-20)
         return probs_NE, expert_NK, weight_NK
 
-    def record_load(self, expert_A: Tensor) -> None:
+    def record_load(self, expert_A: Tensor, kept_A: Tensor | None = None) -> None:
+        """Count the assignments of ``expert_A`` (where the bool ``kept_A`` is True, if given)."""
         if self.training and self.balance_rate > 0:
             with torch.no_grad():
-                self.load_seen += count_indices(expert_A, self.num_experts).to(self.load_seen)
+                self.load_seen += count_indices(expert_A, self.num_experts, kept_A).to(self.load_seen)
 
     @torch.no_grad()
     def update_after_step(self) -> None:

@@ -14,7 +14,7 @@ import tyro._docstrings
 from torch import nn
 
 from moe.model import PRESETS, ModelConfig, MoETransformer, preset
-from moe.parallel import load_full_state_dict
+from moe.parallel.materialize import materialize, parameters_on_meta
 from moe.routers import build_router
 from moe.routing import registered_routers
 
@@ -133,25 +133,29 @@ def model_config(section: ModelSection, vocab_size: int) -> ModelConfig:
     return mcfg
 
 
-def build_model(mcfg: ModelConfig, seed: int, device: torch.device, expert_parallel=None) -> MoETransformer:
-    """The model, initialised from ``seed`` (identically on every rank) and moved to ``device``.
-    With ``expert_parallel`` (a ``moe.parallel.ExpertParallel``) the full model is built and
-    this rank's expert shard cut from it, so the initialisation is the single-process one
-    whatever the number of processes."""
+def build_model(mcfg: ModelConfig, seed: int, device: torch.device, expert_parallel=None,
+                materialized: bool = True) -> MoETransformer:
+    """The model, initialised from ``seed`` (``init_seed``: every parameter drawn whole from a
+    generator seeded by it and the parameter's name) on ``device``. It is built on the meta
+    device and then materialised, so with ``expert_parallel`` (a ``moe.parallel.ExpertParallel``)
+    this rank allocates and fills only its own experts, with the single-process values.
+    ``materialized=False`` leaves the parameters on the meta device for a placement that shards
+    first and then calls ``moe.parallel.materialize.materialize(model, device, model.init_parameter)``."""
     torch.manual_seed(seed)
-    model = MoETransformer(mcfg)
-    if expert_parallel is not None:
-        full, model = model, MoETransformer(mcfg, expert_parallel=expert_parallel)
-        load_full_state_dict(model, full.state_dict())
-    return model.to(device)
+    with parameters_on_meta():
+        model = MoETransformer(mcfg, expert_parallel=expert_parallel, init_seed=seed)
+    if materialized:
+        materialize(model, device, model.init_parameter)
+    return model
 
 
 def build_run_model(section: ModelSection, mcfg: ModelConfig, seed: int, device: torch.device, world_size: int,
                     expert_parallel=None) -> nn.Module:
-    """The model a run trains: the preset's (:func:`build_model`) or, with ``hf_model``, the
-    swapped transformers model (one process only)."""
+    """The model a run trains: the preset's (:func:`build_model`, its parameters left on the meta
+    device for the placement to shard and materialise) or, with ``hf_model``, the swapped
+    transformers model (one process only)."""
     if not section.hf_model:
-        return build_model(mcfg, seed, device, expert_parallel)
+        return build_model(mcfg, seed, device, expert_parallel, materialized=False)
     if world_size > 1:
         raise ValueError("--hf-model runs on one process (sharding a transformers model is not supported yet)")
     from moe.integrations.hf import build_hf_model  # the [hf] extra, imported only when asked for

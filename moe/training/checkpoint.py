@@ -8,14 +8,23 @@ rank 0 writes the metadata; then a barrier), rank 0 adds ``meta.json`` and the `
 marker and renames the directory into place. An interrupted save leaves at most a temporary
 directory, which loading ignores (and the next save of that step replaces): the last complete
 checkpoint stays the one a resume finds. The file system must be shared by all ranks.
+
+Integrity: ``meta.json`` records the size and SHA-256 of every other file of the checkpoint.
+Loading verifies them (on rank 0, which tells the others); a checkpoint whose files were
+damaged or truncated after the save is skipped with a one-line warning on stderr and the
+newest older checkpoint that verifies is loaded instead. Rotation counts only checkpoints
+that verify: it never deletes the newest one that does. Checkpoints written before the
+checksums existed have none to verify and are accepted as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -31,6 +40,7 @@ from moe.training.distributed import DistInfo
 COMPLETE = "COMPLETE"
 META = "meta.json"
 EXPORT_NAME = "model.pt"
+_CHUNK = 1 << 20  # bytes read at a time while hashing
 
 
 def _barrier() -> None:
@@ -50,11 +60,83 @@ def complete_checkpoints(checkpoint_dir: Path) -> list[Path]:
     return sorted(p for p in checkpoint_dir.glob("step-*") if (p / COMPLETE).exists())
 
 
+def file_checksums(directory: Path) -> dict[str, dict]:
+    """Relative file name -> {"bytes": size, "sha256": hex digest} of every file under
+    ``directory`` except ``meta.json`` and the ``COMPLETE`` marker."""
+    sums = {}
+    for f in sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in (META, COMPLETE)):
+        digest = hashlib.sha256()
+        with f.open("rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+        sums[f.relative_to(directory).as_posix()] = {"bytes": f.stat().st_size, "sha256": digest.hexdigest()}
+    return sums
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every file recorded in ``path``'s ``meta.json`` has its size and checksum (or
+    the checkpoint predates checksums), else why not, in one line."""
+    try:
+        recorded = json.loads((path / META).read_text()).get("checksums")
+    except (OSError, ValueError) as err:
+        return f"{META} unreadable ({err})"
+    if recorded is None:
+        return None
+    for name, want in recorded.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, {want['bytes']} were written (truncated?)"
+    found = file_checksums(path)
+    for name, want in recorded.items():
+        if found[name]["sha256"] != want["sha256"]:
+            return f"{name} does not match its checksum (damaged)"
+    return None
+
+
+def _warn(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def newest_verifying(checkpoints: list[Path]) -> Path | None:
+    """The newest of ``checkpoints`` (oldest first) that verifies, warning once for each newer
+    one that does not; None if none does. Rank 0 reads the files and tells the other ranks, so
+    all load the same one; call on every rank."""
+    chosen = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for p in reversed(checkpoints):
+            reason = verify_checkpoint(p)
+            if reason is None:
+                chosen = p
+                break
+            _warn(f"checkpoint {p} does not verify ({reason}); falling back to an older one")
+    if dist.is_initialized():
+        box = [None if chosen is None else str(chosen)]
+        dist.broadcast_object_list(box, src=0)
+        chosen = None if box[0] is None else Path(box[0])
+    return chosen
+
+
+def rotation_victims(checkpoints: list[Path], keep: int) -> list[Path]:
+    """Which of ``checkpoints`` (complete, oldest first) to delete to keep the last ``keep``,
+    sparing the newest one that verifies when none of the last ``keep`` does (they are checked
+    newest first, so normally only the checkpoint just written is read again)."""
+    victims, kept = checkpoints[:-keep], checkpoints[-keep:]
+    if any(verify_checkpoint(p) is None for p in reversed(kept)):
+        return victims
+    spare = next((p for p in reversed(victims) if verify_checkpoint(p) is None), None)
+    if spare is not None:
+        _warn(f"none of the last {keep} checkpoints verifies: keeping {spare}")
+    return [p for p in victims if p != spare]
+
+
 def save_checkpoint(checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                     cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, keep: int,
                     wandb_run_id: str | None = None) -> Path:
     """Write the checkpoint of ``step`` atomically (see the module docstring) and delete all but
-    the last ``keep`` complete ones. Call on every rank."""
+    the last ``keep`` complete ones (see :func:`rotation_victims`). Call on every rank."""
     final = checkpoint_path(checkpoint_dir, step)
     tmp = checkpoint_dir / f".tmp-{final.name}"
     if info.is_main:
@@ -70,12 +152,13 @@ def save_checkpoint(checkpoint_dir: Path, model: nn.Module, optimizer: torch.opt
             "train_config": dataclasses.asdict(cfg),
             "model_config": dataclasses.asdict(mcfg),
             "wandb_run_id": wandb_run_id,
+            "checksums": file_checksums(tmp),
         }
         (tmp / META).write_text(json.dumps(meta))
         (tmp / COMPLETE).write_text("")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for old in complete_checkpoints(checkpoint_dir)[:-keep]:
+        for old in rotation_victims(complete_checkpoints(checkpoint_dir), keep):
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
@@ -83,8 +166,15 @@ def save_checkpoint(checkpoint_dir: Path, model: nn.Module, optimizer: torch.opt
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                     mcfg: ModelConfig) -> tuple[int, str | None]:
-    """Restore model and optimizer from the complete checkpoint ``path`` (any layout); return
-    (steps already taken, wandb run id). Call on every rank."""
+    """Restore model and optimizer from the complete checkpoint ``path`` (any layout), or, if
+    it does not verify, from the newest older one in its directory that does (one warning line
+    per skipped checkpoint); return (steps already taken, wandb run id). ValueError if none
+    verifies. Call on every rank."""
+    older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
+    chosen = newest_verifying([*older, path])
+    if chosen is None:
+        raise ValueError(f"no checkpoint in {path.parent} verifies (see the warnings above); move them away to start fresh")
+    path = chosen
     meta = json.loads((path / META).read_text())
     if meta["model_config"] != dataclasses.asdict(mcfg):
         raise ValueError(f"checkpoint {path} was written for a different model: {meta['model_config']}")

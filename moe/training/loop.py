@@ -52,7 +52,14 @@ from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
 from moe.training.batches import local_batch
 from moe.training.build import build_run_model, model_config, total_parameters
-from moe.training.checkpoint import EXPORT_NAME, complete_checkpoints, export_model, load_checkpoint, save_checkpoint
+from moe.training.checkpoint import (
+    EXPORT_NAME,
+    checkpoint_path,
+    complete_checkpoints,
+    export_model,
+    load_checkpoint,
+    save_checkpoint,
+)
 from moe.training.config import TrainConfig
 from moe.training.distributed import DistInfo, inject_fault, setup_distributed, sync_router_state
 from moe.training.metrics import RouterEntropy, StepTally
@@ -145,13 +152,13 @@ def resume(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
     found = complete_checkpoints(cfg.checkpoint.directory)
     if not found:
         return 0, None, f"no checkpoint found in {cfg.checkpoint.checkpoint_dir}, starting fresh"
-    start, run_id = load_checkpoint(found[-1], model, optimizer, mcfg)
-    steps = cfg.optimizer.steps
+    start, run_id = load_checkpoint(found[-1], model, optimizer, mcfg)  # or the newest older one that verifies
+    loaded, steps = checkpoint_path(cfg.checkpoint.directory, start).name, cfg.optimizer.steps
     if start > steps:
-        raise ValueError(f"--resume: the last checkpoint, {found[-1].name}, is past --steps {steps}: raise --steps "
+        raise ValueError(f"--resume: the last checkpoint, {loaded}, is past --steps {steps}: raise --steps "
                          "or use another --checkpoint-dir")
     left = f"{steps - start} steps to go" if start < steps else "no steps left: only the final evaluation"
-    return start, run_id, f"resumed from {found[-1].name} ({left})"
+    return start, run_id, f"resumed from {loaded} ({left})"
 
 
 def train_step(s: Session, step: int) -> tuple[dict, float]:
