@@ -8,8 +8,13 @@ Deterministic on every device: no atomics. Rows are summed into tokens through a
 sum, so outputs and gradients are bitwise reproducible run to run.
 
 Under ``torch.compile`` the sorted path cannot be traced without reading values on the host
-(S, the per-expert slice lengths): :func:`moe_ffn_all_experts` computes the same y with
-static shapes instead, and :func:`moe_ffn_reference` switches to it while being traced.
+(S and the per-expert slice lengths size its tensors), so while traced
+:func:`moe_ffn_reference` calls the same computation as one opaque operator,
+``torch.ops.moe_kernels.moe_ffn``, whose output shape [N, D] is known from its inputs: the
+graph holds no data-dependent shape and no host read and the expert FLOPs are those of the
+sorted path. The operator returns, besides y, what its backward (a second operator, the same
+sums written out) needs: the sort order, the gate and up projections [A, F] and the expert
+rows [A, D], the activations eager autograd keeps as well.
 """
 
 from __future__ import annotations
@@ -94,11 +99,24 @@ def moe_ffn_reference(
     Dispatch sorts assignments by expert (stable), the experts run on contiguous slices,
     combine sums each token's rows in a fixed order. Tokens with no assignment get zeros.
     """
-    n, e = x_ND.shape[0], w_gate_EDF.shape[0]
     if token_A.numel() == 0:
-        return x_ND.new_zeros(n, w_down_EFD.shape[-1])
+        return x_ND.new_zeros(x_ND.shape[0], w_down_EFD.shape[-1])
     if torch.compiler.is_compiling():
-        return moe_ffn_all_experts(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD)
+        return torch.ops.moe_kernels.moe_ffn(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD)[0]
+    return _sorted_moe_ffn(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def _sorted_moe_ffn(
+    x_ND: Tensor,
+    token_A: Tensor,
+    expert_A: Tensor,
+    weight_A: Tensor,
+    w_gate_EDF: Tensor,
+    w_up_EDF: Tensor,
+    w_down_EFD: Tensor,
+) -> Tensor:
+    """The eager sorted path of :func:`moe_ffn_reference` (at least one assignment)."""
+    n, e = x_ND.shape[0], w_gate_EDF.shape[0]
     order_A, counts_E = sort_by_expert(expert_A, e)
     token_sorted_A = token_A[order_A]
     slot_A, num_slots = token_slots(token_sorted_A, n)
@@ -108,23 +126,90 @@ def moe_ffn_reference(
     return scatter_sum(weighted_AD, token_sorted_A, slot_A, num_slots, n)
 
 
-def moe_ffn_all_experts(
-    x_ND: Tensor,
-    token_A: Tensor,
-    expert_A: Tensor,
-    weight_A: Tensor,
-    w_gate_EDF: Tensor,
-    w_up_EDF: Tensor,
+
+
+def _sorted_layout(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_experts: int):
+    """(order_A, counts_E as a list, token_sorted_A, slot_A, S) of the sorted path."""
+    order_A, counts_E = sort_by_expert(expert_A, num_experts)
+    token_sorted_A = token_A[order_A]
+    slot_A, num_slots = token_slots(token_sorted_A, num_tokens)
+    return order_A, counts_E.tolist(), token_sorted_A, slot_A, num_slots
+
+
+@torch.library.custom_op("moe_kernels::moe_ffn", mutates_args=())
+def _moe_ffn_op(
+    x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, w_gate_EDF: Tensor, w_up_EDF: Tensor,
     w_down_EFD: Tensor,
-) -> Tensor:
-    """The y of :func:`moe_ffn_reference` with static shapes and no host read: every expert
-    runs on every token, weighted by the dense [N, E] combine weights (zero where a token was
-    not routed to an expert), summed over experts in expert order. It costs E/K times the
-    expert FLOPs of the sorted path; a zero-weight row adds exactly nothing, in the output and
-    in every gradient. Assignments must be distinct (token, expert) pairs, as every router
-    of the package produces (and as the fixed-size routing form keeps them)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y_ND, gate_AF, up_AF, rows_AD) of the sorted path, rows in expert order (module docstring)."""
     n, e = x_ND.shape[0], w_gate_EDF.shape[0]
-    w_NE = weight_A.new_zeros(n, e).index_put((token_A, expert_A), weight_A)
-    h_ENF = F.silu(torch.matmul(x_ND, w_gate_EDF)) * torch.matmul(x_ND, w_up_EDF)
-    y_END = torch.bmm(h_ENF, w_down_EFD)
-    return (y_END * w_NE.T.unsqueeze(-1).to(y_END.dtype)).sum(0)
+    order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, e)
+    x_AD = x_ND.index_select(0, token_sorted_A)
+    gate_AF = torch.cat([x_e @ w for x_e, w in zip(x_AD.split(counts), w_gate_EDF.unbind(0))])
+    up_AF = torch.cat([x_e @ w for x_e, w in zip(x_AD.split(counts), w_up_EDF.unbind(0))])
+    h_AF = F.silu(gate_AF) * up_AF
+    rows_AD = torch.cat([h_e @ w for h_e, w in zip(h_AF.split(counts), w_down_EFD.unbind(0))])
+    weighted_AD = rows_AD * weight_A[order_A].unsqueeze(-1).to(rows_AD.dtype)
+    return scatter_sum(weighted_AD, token_sorted_A, slot_A, num_slots, n), gate_AF, up_AF, rows_AD
+
+
+@_moe_ffn_op.register_fake
+def _moe_ffn_fake(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD):
+    a, f = token_A.shape[0], w_gate_EDF.shape[-1]
+    return (x_ND.new_empty(x_ND.shape[0], w_down_EFD.shape[-1]), x_ND.new_empty(a, f), x_ND.new_empty(a, f),
+            x_ND.new_empty(a, w_down_EFD.shape[-1]))
+
+
+@torch.library.custom_op("moe_kernels::moe_ffn_backward", mutates_args=())
+def _moe_ffn_backward_op(
+    grad_ND: Tensor, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, w_gate_EDF: Tensor,
+    w_up_EDF: Tensor, w_down_EFD: Tensor, gate_AF: Tensor, up_AF: Tensor, rows_AD: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of y w.r.t. (x, weight, w_gate, w_up, w_down), the SwiGLU backward per expert
+    slice, the gradient of x summed per token in slot order as the eager path does."""
+    n, e = x_ND.shape[0], w_gate_EDF.shape[0]
+    order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, e)
+    x_AD = x_ND.index_select(0, token_sorted_A)
+    grad_rows_AD = grad_ND.index_select(0, token_sorted_A)
+    grad_weight_A = torch.empty_like(weight_A)
+    grad_weight_A[order_A] = (grad_rows_AD * rows_AD).sum(-1).to(weight_A.dtype)
+    grad_rows_AD = grad_rows_AD * weight_A[order_A].unsqueeze(-1).to(grad_rows_AD.dtype)
+    sig_AF = torch.sigmoid(gate_AF)
+    h_AF = gate_AF * sig_AF * up_AF
+    grads = {"x": [], "gate": [], "up": [], "down": []}
+    for x_e, g_e, u_e, s_e, h_e, dr_e, wg, wu, wd in zip(
+        x_AD.split(counts), gate_AF.split(counts), up_AF.split(counts), sig_AF.split(counts), h_AF.split(counts),
+        grad_rows_AD.split(counts), w_gate_EDF.unbind(0), w_up_EDF.unbind(0), w_down_EFD.unbind(0),
+    ):
+        dh_e = dr_e @ wd.T
+        dgate_e = dh_e * u_e * (s_e * (1 + g_e * (1 - s_e)))
+        dup_e = dh_e * g_e * s_e
+        grads["down"].append(h_e.T @ dr_e)
+        grads["gate"].append(x_e.T @ dgate_e)
+        grads["up"].append(x_e.T @ dup_e)
+        grads["x"].append(dgate_e @ wg.T + dup_e @ wu.T)
+    grad_x_ND = scatter_sum(torch.cat(grads["x"]), token_sorted_A, slot_A, num_slots, n)
+    return (grad_x_ND, grad_weight_A, torch.stack(grads["gate"]), torch.stack(grads["up"]),
+            torch.stack(grads["down"]))
+
+
+@_moe_ffn_backward_op.register_fake
+def _moe_ffn_backward_fake(grad_ND, x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF,
+                           up_AF, rows_AD):
+    return tuple(torch.empty_like(t) for t in (x_ND, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD))
+
+
+def _save_for_backward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs, *output[1:])
+
+
+def _moe_ffn_op_backward(ctx, grad_ND, _grad_gate, _grad_up, _grad_rows):
+    x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF, up_AF, rows_AD = ctx.saved_tensors
+    dx, dweight, dgate, dup, ddown = torch.ops.moe_kernels.moe_ffn_backward(
+        grad_ND.contiguous(), x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF, up_AF,
+        rows_AD,
+    )
+    return dx, None, None, dweight, dgate, dup, ddown
+
+
+_moe_ffn_op.register_autograd(_moe_ffn_op_backward, setup_context=_save_for_backward)
