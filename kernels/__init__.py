@@ -10,7 +10,6 @@ from importlib import import_module
 
 from kernels.reference import (
     gather_rows,
-    moe_ffn_all_experts,
     moe_ffn_reference,
     scatter_sum,
     sort_by_expert,
@@ -26,7 +25,7 @@ _LAZY = {
     "grouped_mm": "kernels.grouped_mm",
 }
 
-__all__ = ["gather_rows", "moe_ffn_all_experts", "moe_ffn_reference", "scatter_sum", "sort_by_expert", "token_slots", *_LAZY]
+__all__ = ["gather_rows", "moe_ffn_reference", "scatter_sum", "sort_by_expert", "token_slots", *_LAZY]
 
 
 def __getattr__(name: str):
