@@ -14,13 +14,14 @@ import torch
 from torch import Tensor, nn
 
 from moe.audit import AuditReport, AuditUsageError, audit, builtin_targets, summary_table
-from moe.audit.report import FUTURE_PROBES
 from moe.layer import MoELayer
 from moe.model import MoETransformer, preset
 from moe.routers import CapacityRouter, ExpertChoiceRouter
 from moe.routers import build_router
 from moe.routing import Claims
 
+FUTURE_PROBES = ("random_future", "adversarial_future", "jacobian")
+"""The built-in probes of kind "future"."""
 B, T, D = 4, 16, 8
 LEAK_FROM, LEAK_TO = 11, 5
 """The single-position control: output position LEAK_TO reads input position LEAK_FROM."""

@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 
 from moe.routing import Claims
 
-FUTURE_PROBES = ("random_future", "adversarial_future", "jacobian")
-"""Probes whose leaks are future leaks: an output at position <= t moved when only positions > t changed."""
+KINDS = ("future", "batch", "decode")
+"""What a probe's ``leaks`` means. future: an output at position <= t moved when only positions
+> t changed; batch: a sample's output moved when only other samples of the batch changed;
+decode: the output at t from the prefix 0..t alone differs from the full-sequence one."""
 BATCH_PROBE = "batch_interference"
-"""Its ``leaks`` means: a sample's output moved when only the other samples of the batch changed."""
+"""The built-in probe of kind "batch"."""
 DECODE_PROBE = "decode_consistency"
-"""Its ``leaks`` means: the output at t from the prefix 0..t alone differs from the full-sequence one."""
+"""The built-in probe of kind "decode"."""
 
 
 @dataclass
@@ -21,7 +23,7 @@ class ProbeResult:
     """One probe in one mode."""
 
     name: str
-    """One of FUTURE_PROBES, BATCH_PROBE, DECODE_PROBE."""
+    """The probe's name in the registry (:mod:`moe.audit.registry`)."""
     mode: str
     """"train" or "eval" (the module's training flag while probing)."""
     leaks: bool
@@ -31,9 +33,18 @@ class ProbeResult:
     outputs. For ``jacobian``: the largest |sum_f w_f d output[s, f] / d input[r]| over r > s,
     for random signs w (the Jacobian entry itself when features map one to one)."""
     first_leaking_position: int | None
-    """Earliest output position that moved (for ``batch_interference``: of the probed sample)."""
+    """Earliest output position that moved (for ``batch_interference``: of the probed samples)."""
     fraction_affected: float
     """Fraction of the probed output positions that moved at least once."""
+    kind: str = "future"
+    """One of :data:`KINDS`: what ``leaks`` means."""
+    compares_forwards: bool = True
+    """Judged by comparing forwards (False: the Jacobian, which reads gradients)."""
+    leaking_positions: list[int] = field(default_factory=list)
+    """Every output position that moved."""
+    found_by: str | None = None
+    """The first variant that moved an output (e.g. "every sample's future = exact copies of
+    x[1, 5]"): how the leak was provoked."""
     routing_flips: int = 0
     """Exact decisions (kept (token, expert) pairs, integer outputs) that changed, summed over trials."""
     tolerance: float = 0.0
@@ -63,9 +74,13 @@ class ProbeResult:
         return {
             "name": self.name,
             "mode": self.mode,
+            "kind": self.kind,
+            "compares_forwards": self.compares_forwards,
             "leaks": self.leaks,
             "max_abs_delta": _finite(self.max_abs_delta),
             "first_leaking_position": self.first_leaking_position,
+            "leaking_positions": self.leaking_positions,
+            "found_by": self.found_by,
             "fraction_affected": self.fraction_affected,
             "routing_flips": self.routing_flips,
             "tolerance": _finite(self.tolerance),
@@ -93,6 +108,9 @@ class AuditReport:
     may still judge its cross-shape comparisons of a stochastic target by distribution)."""
     nonfinite: dict[str, int] = field(default_factory=dict)
     """Per mode: NaN / inf entries in the example's output (compared as values, never ignored)."""
+    per_comparison_alpha: float | None = None
+    """The level of each distribution comparison (Bonferroni over the probes that compare
+    forwards, :func:`moe.audit.comparator.per_comparison_alpha`)."""
     error: str | None = None
     """Why the target could not be audited (it failed on the example, or no future-perturbation
     probe ran); None when it was. With an error, ``leaks`` means nothing."""
@@ -108,7 +126,7 @@ class AuditReport:
     @property
     def leaks_in(self) -> list[str]:
         """Modes in which a future probe (random, adversarial, Jacobian) saw a leak."""
-        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.name in FUTURE_PROBES)]
+        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.kind == "future")]
 
     @property
     def leaks(self) -> bool:
@@ -118,7 +136,7 @@ class AuditReport:
     @property
     def batch_invariant(self) -> bool:
         """No sample's output moved when only the other samples changed, in any mode."""
-        return not any(p.leaks for p in self.probes if p.name == BATCH_PROBE)
+        return not any(p.leaks for p in self.probes if p.kind == "batch")
 
     @property
     def decode_consistent(self) -> bool:
@@ -130,7 +148,7 @@ class AuditReport:
     @property
     def decode_differs_in(self) -> list[str]:
         """Modes in which a prefix-only forward changed the output at its last position."""
-        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.name == DECODE_PROBE)]
+        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.kind == "decode")]
 
     @property
     def claimed_causal(self) -> dict[str, bool] | None:
@@ -164,14 +182,14 @@ class AuditReport:
         for mode, causal in claimed.items():
             if not causal and mode not in self.leaks_in:
                 out.append(f"claims a leak in {mode} mode; none found")
-        ran = {p.name for p in self.probes if p.ran}
-        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant and BATCH_PROBE in ran:
+        ran = {p.kind for p in self.probes if p.ran}
+        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant and "batch" in ran:
             out.append("claims batch interference; none found")
         if (
             self.claims is not None
             and not self.claims.decode_consistent
             and self.decode_consistent
-            and DECODE_PROBE in ran
+            and "decode" in ran
         ):
             out.append("claims decode inconsistency; none found")
         return out
@@ -188,12 +206,16 @@ class AuditReport:
     @property
     def max_abs_delta(self) -> float:
         """Worst float change at positions <= t from perturbing positions > t (random or adversarial)."""
-        return max((p.max_abs_delta for p in self.probes if p.name in FUTURE_PROBES[:2]), default=0.0)
+        return max((p.max_abs_delta for p in self._forward_future_probes), default=0.0)
 
     @property
     def routing_flips(self) -> int:
         """Routing decisions at positions <= t flipped by perturbing positions > t."""
-        return sum(p.routing_flips for p in self.probes if p.name in FUTURE_PROBES[:2])
+        return sum(p.routing_flips for p in self._forward_future_probes)
+
+    @property
+    def _forward_future_probes(self) -> list[ProbeResult]:
+        return [p for p in self.probes if p.kind == "future" and p.compares_forwards]
 
     def probe(self, name: str, mode: str) -> ProbeResult | None:
         return next((p for p in self.probes if p.name == name and p.mode == mode), None)
@@ -205,6 +227,7 @@ class AuditReport:
             "error": self.error,
             "regime": self.regime,
             "nonfinite": self.nonfinite,
+            "per_comparison_alpha": self.per_comparison_alpha,
             "claimed_causal": None if claimed is None else all(claimed.values()),
             "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],
             "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,
