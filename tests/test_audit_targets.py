@@ -264,6 +264,63 @@ def test_nan_at_one_position_does_not_hide_a_small_leak():
         assert report.probe(DECODE_PROBE, "eval").routing_flips == 0, report.table()
 
 
+class AllNaN(nn.Module):
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        return torch.full_like(x_BTD, float("nan"))
+
+
+class InfWhenFutureIsLarge(nn.Module):
+    """Causal (y = x) except that position 0 turns +inf when the sum of positions > 0 exceeds
+    the example's: the only trace of the leak is a finite value turning infinite."""
+
+    def __init__(self, example_BTD: Tensor) -> None:
+        super().__init__()
+        self.threshold = float(example_BTD[:, 1:].sum())
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        y = x_BTD.clone()
+        if x_BTD.shape[1] > 1:
+            y[:, 0] = torch.where(x_BTD[:, 1:].sum() > self.threshold, float("inf"), y[:, 0])
+        return y
+
+
+class CausalWithNaN(nn.Module):
+    """A position-wise linear map with a NaN at output position 5 of every sample."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        y = self.lin(x_BTD)
+        if x_BTD.shape[1] > 5:
+            y[:, 5] = float("nan")
+        return y
+
+
+def test_output_with_nothing_finite_is_not_audited():
+    report = audit(AllNaN(), example(0))
+    assert report.error is not None and "nothing to compare" in report.error, report.table()
+    assert f"{B * T * D} entries" in report.error and report.nonfinite == {"train": B * T * D}
+
+
+def test_finite_turning_infinite_under_a_future_perturbation_is_a_leak():
+    for seed in SEEDS:
+        x = example(seed)
+        report = audit(InfWhenFutureIsLarge(x), x, seed=seed)
+        assert report.error is None and report.leaks_in == ["train", "eval"], report.table()
+        p = report.probe("random_future", "eval")
+        assert p.first_leaking_position == 0 and p.max_abs_delta == 0.0 and p.routing_flips > 0, report.table()
+
+
+def test_nan_at_one_position_of_a_causal_target_leaves_it_clean():
+    for seed in SEEDS:
+        report = audit(CausalWithNaN(seed), example(seed), seed=seed)
+        _assert_clean(report)
+        assert report.nonfinite == {"train": B * D, "eval": B * D} and report.batch_invariant, report.table()
+
+
 # -- structured outputs, keyword inputs --------------------------------------------------------
 @dataclass
 class PlainOutput:

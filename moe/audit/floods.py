@@ -31,7 +31,7 @@ ADVERSARIAL_CUTS = 5
 MAX_EXPERTS_FLOODED = 4
 """Experts flooded / drained per router and cut: the ones earlier tokens use most; also the
 earlier positions of each sample whose copies fill its future."""
-MAX_SOURCES = 8
+MAX_SOURCES = 16
 """Positions of the whole example whose copies fill every sample's future (per cut)."""
 FLOOD_SCALE = 3.0
 """Scaled floods have this many times the input of the position they copy (or, along gate
