@@ -73,7 +73,7 @@ def jacobian(ctx: ProbeContext) -> ProbeResult | None:
         max_abs_delta=max(future, default=0.0),
         first_leaking_position=moved[0] if moved else None,
         leaking_positions=moved,
-        found_by="a nonzero gradient of an output at s with respect to an input after s" if moved else None,
+        found_by="d output[s] / d input[> s] nonzero" if moved else None,
         fraction_affected=len(moved) / len(ctx.cuts) if ctx.cuts else 0.0,
         tolerance=tol if math.isfinite(tol) else 0.0,
         comparisons=len(ctx.cuts),
