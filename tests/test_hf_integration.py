@@ -6,7 +6,6 @@ inside a swapped model, training with this package's loop, and the audit's verdi
 
 import copy
 import math
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -291,14 +290,3 @@ def test_audit_cli_with_a_factory(tmp_path, capsys):
     assert audit_cli.main([*argv, "--target", f"{target}:build"]) == 1
     assert "leak" in capsys.readouterr().out
 
-
-def test_readme_hf_example_runs():
-    # the README's ```python hf blocks (skipped by test_readme.py, which runs without transformers)
-    blocks = re.findall(r"```python hf\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    assert len(blocks) == 2
-    namespace: dict = {}
-    for i, block in enumerate(blocks):  # the second continues the first's session
-        exec(compile(block, f"README.md python hf block {i}", "exec"), namespace)
-    report = namespace["report"]
-    assert report.leaks is False and report.decode_consistent is True and report.violations == []
-    assert namespace["new"].shape == (2, 12) and torch.equal(namespace["new"][:, :4], namespace["ids"][:, :4])
