@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--zoo",
         action="store_true",
-        help="audit every sparse MoE block of the installed Hugging Face transformers (needs the [zoo] extra)",
+        help="audit every sparse MoE block of the installed Hugging Face transformers ([zoo] extra) and the routers of "
+        "Megatron-Core, DeepSpeed, fairscale and torchtitan ([zoo-frameworks], installed with --no-deps)",
     )
     p.add_argument(
         "--verbose", action="store_true", help="also print the per-probe table of every target (and, for --target, of its probes)"
