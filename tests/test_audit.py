@@ -16,8 +16,7 @@ from torch import Tensor, nn
 from moe.audit import AuditReport, AuditUsageError, audit, builtin_targets, summary_table
 from moe.layer import MoELayer
 from moe.model import MoETransformer, preset
-from moe.routers import CapacityRouter, ExpertChoiceRouter
-from moe.routers import build_router
+from moe.routers import CapacityRouter, ExpertChoiceRouter, build_router
 from moe.routing import Claims
 
 FUTURE_PROBES = ("random_future", "adversarial_future", "jacobian")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for the many tiny forwards)
 from torch import Tensor, nn
 
 from moe.audit import audit
@@ -128,14 +129,6 @@ CONTROLS = [m for m in FAMILY if not leaks(m)]
 
 def example(seed: int) -> Tensor:
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(1000 + seed))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_planted_family_has_both_kinds():

@@ -284,13 +284,8 @@ class InfWhenFutureIsLarge(nn.Module):
         return y
 
 
-class CausalWithNaN(nn.Module):
-    """A position-wise linear map with a NaN at output position 5 of every sample."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.lin = nn.Linear(D, D)
+class CausalWithNaN(NaNAndMeanLeak):
+    """A position-wise linear map (no leak) with a NaN at output position 5 of every sample."""
 
     def forward(self, x_BTD: Tensor) -> Tensor:
         y = self.lin(x_BTD)

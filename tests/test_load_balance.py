@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from helpers import identity_router
 
 

@@ -10,29 +10,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from test_zoo_frameworks import Expect  # noqa: E402
+
 from moe.audit import cli  # noqa: E402
 from moe.audit.report import BATCH_PROBE  # noqa: E402
 from moe.audit.zoo import ZooRow, audit_zoo, build, discover, zoo_json, zoo_markdown  # noqa: E402
 from moe.audit.zoo import run as zoo_run  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Expect:
-    """The verdict read from the code, in both modes."""
-
-    leaks_in: tuple[str, ...]
-    batch_invariant: bool
-    decode_consistent: bool
-    why: str
-    runs: bool = True
-    """False: the zoo cannot build or call it standalone (``why`` says why)."""
 
 
 def per_token(why: str) -> Expect:

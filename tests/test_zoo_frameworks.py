@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-import torch
+from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for the many tiny forwards)
 
 from moe.audit.zoo import FRAMEWORKS, audit_framework, zoo_markdown
 from moe.audit.zoo.frameworks import installed
@@ -20,10 +20,14 @@ from moe.audit.zoo.frameworks import installed
 
 @dataclass(frozen=True)
 class Expect:
+    """The verdict read from the code, in both modes (tests/test_zoo.py uses it too)."""
+
     leaks_in: tuple[str, ...]
     batch_invariant: bool
     decode_consistent: bool
     why: str
+    runs: bool = True
+    """False: the zoo cannot build or call it standalone (``why`` says why)."""
 
 
 BOTH = ("train", "eval")
@@ -113,14 +117,6 @@ FAST = (
     "TokenChoiceTopKRouter _debug_force_load_balance",
 )
 """Deterministic, quick configurations (one per verdict kind) for the default suite."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_every_configuration_has_an_expectation_and_three_frameworks_at_least():

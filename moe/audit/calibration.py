@@ -19,8 +19,8 @@ returns a frozen :class:`Calibration`; nothing is toggled on the runner or the t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import Tensor

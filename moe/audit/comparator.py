@@ -19,8 +19,8 @@ a flip; where both are NaN (or the same inf) nothing changed.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from torch import Tensor

@@ -17,7 +17,7 @@ samples (and, the other way round, a changed sample 0 watched from every other s
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor

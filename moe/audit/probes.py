@@ -19,7 +19,7 @@ Shape legend: B batch, T sequence, F output features per position.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

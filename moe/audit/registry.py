@@ -13,8 +13,9 @@ forward depends on them), then the others in registration order.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from moe.audit.comparator import Variant
 from moe.audit.report import KINDS, ProbeResult

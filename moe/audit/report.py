@@ -412,12 +412,11 @@ def _yes(flag: bool) -> str:
 def _ranges(positions: list[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
     out: list[str] = []
-    for q in positions:
-        if out and q == last + 1:
+    for i, q in enumerate(positions):
+        if i and q == positions[i - 1] + 1:
             out[-1] = f"{out[-1].split('-')[0]}-{q}"
         else:
             out.append(str(q))
-        last = q
     return ", ".join(out)
 
 

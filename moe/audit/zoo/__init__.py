@@ -15,7 +15,16 @@ modules only.
 
 from moe.audit.zoo.build import Built, ZooEntry, build, discover
 from moe.audit.zoo.frameworks import FRAMEWORKS, FrameworkConfig
-from moe.audit.zoo.run import ZooRow, audit_entry, audit_framework, audit_frameworks, audit_zoo, run_zoo, zoo_json, zoo_markdown
+from moe.audit.zoo.run import (
+    ZooRow,
+    audit_entry,
+    audit_framework,
+    audit_frameworks,
+    audit_zoo,
+    run_zoo,
+    zoo_json,
+    zoo_markdown,
+)
 
 __all__ = [
     "FRAMEWORKS",

@@ -20,9 +20,10 @@ import inspect
 import math
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -201,7 +202,7 @@ def build(entry: ZooEntry) -> Built:
             return _BlockAdapter(init_parameters(cls(**_init_args(cls, config))))
 
     kind = router_kind(probe)
-    prioritized = [getattr(c, "batch_prioritized_routing") for c in _configs_in(config) if hasattr(c, "batch_prioritized_routing")]
+    prioritized = [c.batch_prioritized_routing for c in _configs_in(config) if hasattr(c, "batch_prioritized_routing")]
     if prioritized:
         kind = kind.replace(
             _PRIORITY, f"priority: {'score' if prioritized[0] else 'position'} (batch_prioritized_routing={prioritized[0]})"

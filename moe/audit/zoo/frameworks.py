@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

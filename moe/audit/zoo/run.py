@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -132,13 +133,7 @@ def audit_zoo(
     """Discover the zoo (only ``families`` when given) and audit every entry; ``progress``: a
     tqdm bar on stderr."""
     entries = discover(families)
-    bar = tqdm(entries, desc="moe-audit --zoo", unit="block", file=sys.stderr, disable=not progress, leave=False)
-    rows = []
-    for entry in bar:
-        bar.set_postfix_str(entry.cls_name)
-        rows.append(audit_entry(entry, modes, trials, seed))
-    bar.close()
-    return rows
+    return _each(entries, "block", progress, lambda e: (e.cls_name, audit_entry(e, modes, trials, seed)))
 
 
 def audit_frameworks(
@@ -152,11 +147,17 @@ def audit_frameworks(
     only those of ``libraries`` when given); a framework that is not installed gets rows saying so."""
     keep = None if libraries is None else set(libraries)
     configs = [fc for fc in FRAMEWORKS if keep is None or fc.library in keep]
-    bar = tqdm(configs, desc="moe-audit --zoo", unit="router", file=sys.stderr, disable=not progress, leave=False)
+    return _each(configs, "router", progress, lambda fc: (fc.library, audit_framework(fc, modes, trials, seed)))
+
+
+def _each(items: list, unit: str, progress: bool, audit_one: Callable[[Any], tuple[str, ZooRow]]) -> list[ZooRow]:
+    """audit_one(item) -> (progress label, row) for every item, under a tqdm bar on stderr."""
+    bar = tqdm(items, desc="moe-audit --zoo", unit=unit, file=sys.stderr, disable=not progress, leave=False)
     rows = []
-    for fc in bar:
-        bar.set_postfix_str(fc.library)
-        rows.append(audit_framework(fc, modes, trials, seed))
+    for item in bar:
+        label, row = audit_one(item)
+        bar.set_postfix_str(label)
+        rows.append(row)
     bar.close()
     return rows
 
