@@ -40,7 +40,7 @@ class ZooRow:
     error (a target it could not judge) and its verdicts mean nothing."""
     dropped: dict[str, float] = field(default_factory=dict)
     """Per mode: fraction of the example's tokens whose output row is exactly zero, i.e. served
-    by no expert (blocks only; a lower bound on dropping with shared experts or top-k > 1)."""
+    by no expert (float inputs only; a lower bound on dropping with shared experts or top-k > 1)."""
     seconds: float = 0.0
 
     @property
