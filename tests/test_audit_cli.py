@@ -340,6 +340,7 @@ def test_decode_inconsistency_is_not_printed_as_a_leak(capsys):
     report = audit(router, torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0)), modes=("eval",))
     assert not report.leaks and not report.decode_consistent, report.table()
     assert "DIFFERS" in report.table() and "LEAKS" not in report.table(), report.table()
+    assert max(len(line) for line in report.table().splitlines()[1:]) <= 100, report.table()
     assert "decode-consistent: no: prefix-only forwards differ" in report.summary() and "not a leak" in report.summary()
 
 

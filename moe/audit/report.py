@@ -335,7 +335,7 @@ class AuditReport:
                 f"{p.fraction_affected:.0%}",
                 str(p.routing_flips),
                 f"{p.tolerance:.1e}",
-                p.regime if p.p_value is None else f"{p.regime} (p={p.p_value:.1e})",
+                _REGIME_SHORT.get(p.regime, p.regime) + ("" if p.p_value is None else f" p={p.p_value:.0e}"),
             )
             for p in self.probes
         ]
@@ -401,6 +401,8 @@ def _claimed(claimed: dict[str, bool] | None) -> str:
     return " ".join(f"{m} only" for m, c in claimed.items() if c)
 
 
+_REGIME_SHORT = {"deterministic": "det", "distribution": "dist"}
+"""The per-probe table's regime column (the summary line above it spells the regime out)."""
 _LEAK_WORD = {"future": "LEAKS", "batch": "MIXES", "decode": "DIFFERS"}
 """What the per-probe table prints for a probe that saw a change, by kind."""
 
