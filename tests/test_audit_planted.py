@@ -136,12 +136,12 @@ def test_the_planted_family_has_both_kinds():
 
 
 def test_planted_router_keeps_by_the_rule_on_a_hand_case():
-    """Top-1, one sequence of 4 tokens all on the same expert, capacity 1 (cf 4 of 16 experts):
+    """Top-1, one sequence of 4 tokens all on the same expert, capacity 1 (cf 1 of 4 experts):
     position keeps token 0; score keeps the highest logit; choice at top-1 is position."""
     x = torch.zeros(1, 4, D)
     x[0, :, 0] = torch.tensor([1.0, 3.0, 2.0, 0.5])
     for priority, kept in (("position", 0), ("score", 1), ("probability", 1), ("choice", 0)):
-        r = PlantedRouter(Member(1, 4.0, "sequence", priority), seed=0)
+        r = PlantedRouter(Member(1, 1.0, "sequence", priority), seed=0)
         with torch.no_grad():
             r.gate.weight.zero_()
             r.gate.bias.zero_()

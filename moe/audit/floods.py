@@ -148,11 +148,13 @@ def batch_interference(ctx: ProbeContext) -> Iterator[Variant]:
     """Sample 0 among changed other samples (resampled, copies of sample 0, copies of one of its
     positions, floods along gate vectors, token ids routers favour), compared at sample 0; and
     alone (B = 1). Then, for B > 1, sample 0 changed (resampled, copies of one position of
-    another sample), compared at every other sample."""
+    another sample), compared at every other sample; and the other samples made of copies of
+    one position of the last sample, compared at the last."""
     yield from _others_changed(ctx)
     if ctx.b > 1:
         yield Variant(ctx.x[:1], ctx.t, rows=(0,), label="sample 0 alone")
         yield from _first_changed(ctx)
+        yield from _last_watched(ctx)
 
 
 def _others_changed(ctx: ProbeContext) -> Iterator[Variant]:
@@ -172,6 +174,18 @@ def _others_changed(ctx: ProbeContext) -> Iterator[Variant]:
         blocks += [(label, f[:1].expand(shape)) for label, f in gate_floods(ctx, x0, ctx.t, gate_ED, gen)]
     for label, blk in blocks:
         yield Variant(torch.cat([x0, blk]), ctx.t, rows=(0,), label=label)
+
+
+def _last_watched(ctx: ProbeContext) -> Iterator[Variant]:
+    """Every sample but the last made of copies of one position of the last sample, compared at
+    the last: a router that counts capacity over the flattened batch in sample order serves
+    sample 0 first, so only a later sample can show that the others crowd it out."""
+    last = ctx.b - 1
+    for _, q in ctx.sources(MAX_EXPERTS_FLOODED, samples=[last]):
+        for s in _scales(ctx)[:2]:
+            x = ctx.x.clone()
+            x[:last] = _filled(ctx.x[last, q], last, ctx.t, s)
+            yield Variant(x, ctx.t, rows=(last,), label=f"the other samples = {_how(s)} copies of x[{last}, {q}]")
 
 
 def _first_changed(ctx: ProbeContext) -> Iterator[Variant]:
