@@ -14,13 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from moe.audit import AuditReport, AuditUsageError, audit, builtin_targets, summary_table
-from moe.audit.report import FUTURE_PROBES
 from moe.layer import MoELayer
 from moe.model import MoETransformer, preset
-from moe.routers import CapacityRouter, ExpertChoiceRouter
-from moe.routers import build_router
+from moe.routers import CapacityRouter, ExpertChoiceRouter, build_router
 from moe.routing import Claims
 
+FUTURE_PROBES = ("random_future", "adversarial_future", "jacobian")
+"""The built-in probes of kind "future"."""
 B, T, D = 4, 16, 8
 LEAK_FROM, LEAK_TO = 11, 5
 """The single-position control: output position LEAK_TO reads input position LEAK_FROM."""
@@ -345,3 +345,67 @@ def test_bad_modes_and_trials():
         audit(PrefixMean(), example(0), modes=("test",))
     with pytest.raises(AuditUsageError, match="trials"):
         audit(PrefixMean(), example(0), trials=0)
+
+
+class LastSampleReadsFirstSample(PositionwiseMLP):
+    """The last sample's output at t also reads sample 0's input at t (same position: no
+    future leak, but interference that lands on a sample other than the changed one)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.net(x)
+        if x.shape[0] > 1:  # a sample alone is its own last sample
+            y[-1] = y[-1] + 0.5 * x[0]
+        return y
+
+
+def test_batch_interference_landing_on_another_sample_is_found():
+    for seed in SEEDS:
+        report = audit(LastSampleReadsFirstSample(seed=seed), example(seed), seed=seed)
+        assert not report.batch_invariant and not report.leaks, report.table()
+        p = report.probe("batch_interference", "eval")
+        assert p.found_by is not None and "compared at the other samples" in p.found_by, report.table()
+
+
+# -- the probe registry ------------------------------------------------------------------------
+def _reversed_future(ctx):
+    """Positions after each cut reversed in time: a probe written outside the package."""
+    for c in [c for c in ctx.cuts if c % 4 == 1]:
+        yield ctx.with_future(c, ctx.x[:, c + 1 :].flip(1), f"positions > {c} reversed")
+
+
+def test_a_probe_registered_from_outside_runs_and_is_counted():
+    from moe.audit.comparator import ALPHA, MAX_DISTRIBUTION_COMPARISONS
+    from moe.audit.registry import Probe, register_probe, registered_probes, unregister_probe
+
+    before = audit(SinglePositionLeak(seed=0), example(0), modes=("eval",))
+    builtin = sum(p.compares_forwards for p in registered_probes())
+    assert before.per_comparison_alpha == pytest.approx(ALPHA / (MAX_DISTRIBUTION_COMPARISONS * builtin))
+    register_probe(Probe("reversed_future", "future", variants=_reversed_future))
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_probe(Probe("reversed_future", "future", variants=_reversed_future))
+        report = audit(SinglePositionLeak(seed=0), example(0), modes=("eval",))
+    finally:
+        unregister_probe("reversed_future")
+    p = report.probe("reversed_future", "eval")
+    assert p is not None and p.ran and p.comparisons == 4 and p.kind == "future", report.table()
+    # Reversing positions > LEAK_TO moves input LEAK_FROM: the leak into LEAK_TO is seen.
+    assert p.leaks and LEAK_TO in p.leaking_positions, report.table()
+    assert report.per_comparison_alpha == pytest.approx(ALPHA / (MAX_DISTRIBUTION_COMPARISONS * (builtin + 1)))
+    assert [q.name for q in report.probes][-1] == "reversed_future"
+    assert audit(SinglePositionLeak(seed=0), example(0), modes=("eval",)).probe("reversed_future", "eval") is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"name": "", "kind": "future", "variants": _reversed_future}, "non-empty name"),
+        ({"name": "p", "kind": "sideways", "variants": _reversed_future}, "kind must be one of"),
+        ({"name": "p", "kind": "future"}, "exactly one of"),
+    ],
+)
+def test_bad_probe_declarations(kwargs, match):
+    from moe.audit.registry import Probe
+
+    with pytest.raises(ValueError, match=match):
+        Probe(**kwargs)

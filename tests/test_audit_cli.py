@@ -151,7 +151,12 @@ def run(*argv: str) -> int:
 def test_causal_target_exits_0(target_file, capsys):
     assert run("--target", f"{target_file}:causal", "--input", "float:4,16,8") == 0
     out = capsys.readouterr().out
-    assert "causal: no leak found" in out and "random_future" in out
+    # One summary: the verdict, batch / decode findings and how it was judged; no tables.
+    assert out.startswith("causal: no leak found\n") and "judged: deterministic regime" in out, out
+    assert "random_future" not in out and "max |delta|" not in out and "verdict" not in out, out
+    assert run("--target", f"{target_file}:causal", "--input", "float:4,16,8", "--modes", "eval", "--trials", "1", "--verbose") == 0
+    verbose = capsys.readouterr().out
+    assert "random_future" in verbose and "max |delta|" in verbose, verbose
 
 
 def test_factory_and_token_input(target_file, capsys):
@@ -165,7 +170,11 @@ def test_leaky_target_exits_1_and_writes_json(target_file, tmp_path, capsys):
     out_json = tmp_path / "audit.json"
     code = run("--target", f"{target_file}:leaky", "--input", "float:4,16,8", "--modes", "eval", "--json", str(out_json))
     assert code == 1
-    assert "leaky: LEAKS in eval mode" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "leaky: LEAKS in eval mode" in out
+    # The mechanism (probe, positions, the variant that showed it) and what to use instead.
+    assert "found by random_future (eval): outputs at positions 0-14 moved (positions > 0 resampled)" in out, out
+    assert 'instead: a causal router: capacity with capacity_scope="prefix"' in out and "ec_threshold" in out, out
     (entry,) = json.loads(out_json.read_text())["targets"]
     assert entry["name"] == "leaky" and entry["claimed_causal"] is None
     assert entry["leaks"] is True and entry["leaks_in"] == ["eval"] and entry["batch_invariant"] is True
@@ -186,7 +195,7 @@ def test_module_path_target(tmp_path, monkeypatch):
     "argv, message",
     [
         (["--target", "no_such_package_xyz.mod:thing"], "cannot import no_such_package_xyz.mod"),
-        (["--target", "{file}:missing"], "has no attribute 'missing'"),
+        (["--target", "{file}:missing"], "has no 'missing'; its modules and factories: Broken(), ClaimsALeak()"),
         (["--target", "{file}"], "pkg.module:name or path/to/file.py:name"),
         (["--target", "/no/such/file.py:x"], "does not exist"),
         (["--target", "{file}:NOT_A_MODULE"], "neither an nn.Module nor a factory"),
@@ -234,7 +243,7 @@ def test_future_annotations_dataclass_file_and_output_field(target_file, capsys)
 def test_claimed_leak_that_is_not_demonstrated_exits_1(target_file, capsys):
     assert run("--target", f"{target_file}:claims_a_leak", "--input", "float:2,8,8", "--trials", "1") == 1
     out = capsys.readouterr().out
-    assert "claims_a_leak: no leak found" in out and "FALSE CLAIMS: claims a leak in eval mode; none found" in out
+    assert "claims_a_leak: no leak found (FALSE CLAIM)" in out and "FALSE CLAIM: claims a leak in eval mode; none found" in out
 
 
 def test_dtype_and_device(target_file, capsys):
@@ -292,7 +301,8 @@ def test_no_argument_run_checks_claims_both_ways(monkeypatch, capsys, tmp_path, 
     out_json = tmp_path / "suite.json"
     assert run("--json", str(out_json)) == code
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split()[:3] == ["target", "claims", "causal"]
+    assert out.splitlines()[0].split()[:3] == ["target", "causal", "claim"]
+    assert "claims hold" in out and "? = it claims" in out and " ok " not in out, out
     assert "router topk" in out and ("FALSE CLAIMS" in out) == bool(extra) and ("every claim holds" in out) != bool(extra)
     if extra == "pessimistic":
         assert "router pessimistic topk: claims a leak in eval mode; none found" in out
@@ -300,6 +310,38 @@ def test_no_argument_run_checks_claims_both_ways(monkeypatch, capsys, tmp_path, 
     assert [t["claims_hold"] for t in targets] == [True] + [False] * bool(extra)
     assert [t["leaks"] for t in targets] == [False, extra == "lying"][: len(targets)]
     assert torch.get_num_threads() == 1, "the built-in suite runs single-threaded by default"
+
+
+def test_mistyped_name_lists_modules_and_factories_not_imports(target_file, capsys):
+    assert run("--target", f"{target_file}:caual") == 2
+    err = capsys.readouterr().err
+    listed = err.split("its modules and factories: ")[1].strip().split(", ")
+    assert "causal" in listed and "make_causal()" in listed and "Positionwise()" in listed, err
+    assert not {"torch", "nn", "dataclass", "Claims", "needs_args()"} & set(listed), err
+
+
+def test_summary_table_fits_100_columns():
+    from moe.audit import AuditReport, builtin_targets, summary_table
+
+    claims = Claims(causal_train=False, causal_eval=True, batch_invariant=False, decode_consistent=False)
+    reports = [AuditReport(name=bt.name, modes=("train", "eval"), claims=claims) for bt in builtin_targets()]
+    for r in reports:
+        r.error = "x"  # the widest verdict
+    lines = summary_table(reports).splitlines()
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+
+
+def test_decode_inconsistency_is_not_printed_as_a_leak(capsys):
+    """Capacity per sequence in position order: causal, but its capacity depends on T."""
+    from moe.audit import audit
+
+    torch.manual_seed(0)
+    router = build_router("capacity", d_model=32, num_experts=4, capacity_factor=1.0, priority="position")
+    report = audit(router, torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0)), modes=("eval",))
+    assert not report.leaks and not report.decode_consistent, report.table()
+    assert "DIFFERS" in report.table() and "LEAKS" not in report.table(), report.table()
+    assert max(len(line) for line in report.table().splitlines()[1:]) <= 100, report.table()
+    assert "decode-consistent: no: prefix-only forwards differ" in report.summary() and "not a leak" in report.summary()
 
 
 def test_python_dash_m_end_to_end(target_file):

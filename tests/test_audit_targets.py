@@ -264,6 +264,58 @@ def test_nan_at_one_position_does_not_hide_a_small_leak():
         assert report.probe(DECODE_PROBE, "eval").routing_flips == 0, report.table()
 
 
+class AllNaN(nn.Module):
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        return torch.full_like(x_BTD, float("nan"))
+
+
+class InfWhenFutureIsLarge(nn.Module):
+    """Causal (y = x) except that position 0 turns +inf when the sum of positions > 0 exceeds
+    the example's: the only trace of the leak is a finite value turning infinite."""
+
+    def __init__(self, example_BTD: Tensor) -> None:
+        super().__init__()
+        self.threshold = float(example_BTD[:, 1:].sum())
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        y = x_BTD.clone()
+        if x_BTD.shape[1] > 1:
+            y[:, 0] = torch.where(x_BTD[:, 1:].sum() > self.threshold, float("inf"), y[:, 0])
+        return y
+
+
+class CausalWithNaN(NaNAndMeanLeak):
+    """A position-wise linear map (no leak) with a NaN at output position 5 of every sample."""
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        y = self.lin(x_BTD)
+        if x_BTD.shape[1] > 5:
+            y[:, 5] = float("nan")
+        return y
+
+
+def test_output_with_nothing_finite_is_not_audited():
+    report = audit(AllNaN(), example(0))
+    assert report.error is not None and "nothing to compare" in report.error, report.table()
+    assert f"{B * T * D} entries" in report.error and report.nonfinite == {"train": B * T * D}
+
+
+def test_finite_turning_infinite_under_a_future_perturbation_is_a_leak():
+    for seed in SEEDS:
+        x = example(seed)
+        report = audit(InfWhenFutureIsLarge(x), x, seed=seed)
+        assert report.error is None and report.leaks_in == ["train", "eval"], report.table()
+        p = report.probe("random_future", "eval")
+        assert p.first_leaking_position == 0 and p.max_abs_delta == 0.0 and p.routing_flips > 0, report.table()
+
+
+def test_nan_at_one_position_of_a_causal_target_leaves_it_clean():
+    for seed in SEEDS:
+        report = audit(CausalWithNaN(seed), example(seed), seed=seed)
+        _assert_clean(report)
+        assert report.nonfinite == {"train": B * D, "eval": B * D} and report.batch_invariant, report.table()
+
+
 # -- structured outputs, keyword inputs --------------------------------------------------------
 @dataclass
 class PlainOutput:
@@ -420,6 +472,9 @@ def test_transformers_mixtral_block_reaches_a_verdict():
         hidden_size=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1
     )
     block = mixtral.MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():  # its experts are created with torch.empty: NaN-laden until initialised
+        for p in block.parameters():
+            p.normal_(0.0, 0.25)
     report = audit(block, example(0, 16), name="MixtralSparseMoeBlock")
     _assert_clean(report)
     assert report.batch_invariant and report.decode_consistent, report.table()

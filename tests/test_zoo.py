@@ -10,29 +10,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from test_zoo_frameworks import Expect  # noqa: E402
+
 from moe.audit import cli  # noqa: E402
 from moe.audit.report import BATCH_PROBE  # noqa: E402
-from moe.audit.zoo import ZooRow, audit_zoo, build, discover, zoo_json, zoo_markdown  # noqa: E402
+from moe.audit.zoo import FRAMEWORKS, ZooRow, audit_zoo, build, discover, zoo_json, zoo_markdown  # noqa: E402
 from moe.audit.zoo import run as zoo_run  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Expect:
-    """The verdict read from the code, in both modes."""
-
-    leaks_in: tuple[str, ...]
-    batch_invariant: bool
-    decode_consistent: bool
-    why: str
-    runs: bool = True
-    """False: the zoo cannot build or call it standalone (``why`` says why)."""
 
 
 def per_token(why: str) -> Expect:
@@ -269,13 +258,15 @@ def test_json_and_markdown_rows(fast_rows):
 
 
 def test_cli_zoo_flag(monkeypatch, tmp_path, capsys):
-    real = zoo_run.discover
+    real, real_frameworks = zoo_run.discover, zoo_run.audit_frameworks
     monkeypatch.setattr(zoo_run, "discover", lambda families=None: real(["jetmoe"]))
+    monkeypatch.setattr(zoo_run, "audit_frameworks", lambda *a, **k: real_frameworks(*a, libraries=["torchtitan"], **k))
     out = tmp_path / "zoo.json"
     assert cli.main(["--zoo", "--no-progress", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "`JetMoeMoE`" in printed and "could not run" in printed
-    assert {t["class"] for t in json.loads(out.read_text())["targets"]} == {"JetMoeMoE", "JetMoeMoA"}
+    assert "`JetMoeMoE`" in printed and "could not run" in printed and "`TokenChoiceTopKRouter softmax top-2`" in printed
+    titan = {fc.name for fc in FRAMEWORKS if fc.library == "torchtitan"}
+    assert {t["class"] for t in json.loads(out.read_text())["targets"]} == {"JetMoeMoE", "JetMoeMoA"} | titan
     assert cli.main(["--zoo", "--target", "x.py:y"]) == 2
 
 

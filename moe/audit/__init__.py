@@ -5,7 +5,8 @@
     print(report.table()); report.leaks, report.leaks_in, report.batch_invariant, report.regime
 
 ``moe-audit`` (or ``python -m moe.audit``) runs it over every built-in router, or over
-``--target``; see :mod:`moe.audit.cli`.
+``--target``; see :mod:`moe.audit.cli`. The probes are registered in :mod:`moe.audit.registry`
+(``register_probe`` adds one); :mod:`moe.audit.calibration` decides how a mode is judged.
 """
 
 from moe.audit.engine import audit

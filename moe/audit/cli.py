@@ -4,6 +4,7 @@
     moe-audit --target mypkg.models:build --input tokens:4,32,256
     moe-audit --target path/to/file.py:layer --input float:4,16,64 --json audit.json
     python -m moe.audit --modes eval --trials 4 --seed 1
+    moe-audit --target path/to/file.py:layer --modes eval --trials 1   # the quick check (about 4x faster)
 
 Exit codes: 0 no leak (built-in suite: no leak it does not claim) and every claim holds;
 1 a leak (``--target``), or a false claim either way: a target claiming causality, batch
@@ -22,6 +23,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 from types import ModuleType
@@ -31,7 +33,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from moe.audit.engine import MODES, audit
-from moe.audit.report import AuditReport, reports_to_json, summary_table
+from moe.audit.report import SUMMARY_LEGEND, AuditReport, reports_to_json, summary_table
 from moe.audit.suite import builtin_targets
 from moe.audit.target import AuditUsageError
 from moe.layer import MoELayer
@@ -48,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Causality audit: does the output at position t ignore inputs at positions > t? "
         "Without --target, audits every built-in router (alone, in an MoELayer, in the tiny model) "
         "against its claims.",
-        epilog="Exit codes: 0 no leak and every claim holds; 1 a leak (--target) or a false claim, either way "
+        epilog="Quick check: --modes eval --trials 1 (one mode, one random future per cut; the adversarial floods "
+        "still run). Exit codes: 0 no leak and every claim holds; 1 a leak (--target) or a false claim, either way "
         "(a claimed leak the audit cannot demonstrate is false too); 2 usage error, or a target that could not be run.",
     )
     p.add_argument(
@@ -89,9 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--zoo",
         action="store_true",
-        help="audit every sparse MoE block of the installed Hugging Face transformers (needs the [zoo] extra)",
+        help="audit every sparse MoE block of the installed Hugging Face transformers ([zoo] extra) and the routers of "
+        "Megatron-Core, DeepSpeed, fairscale and torchtitan ([zoo-frameworks], installed with --no-deps)",
     )
-    p.add_argument("--verbose", action="store_true", help="print the per-probe table of every target")
+    p.add_argument(
+        "--verbose", action="store_true", help="also print the per-probe table of every target (and, for --target, of its probes)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -151,23 +157,19 @@ def exit_code(reports: list[AuditReport], user_target: bool) -> int:
 
 
 def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float) -> None:
-    if args.verbose or args.target:
+    if args.target:
+        r = reports[0]
+        if args.verbose:
+            print(r.table(), end="\n\n")
+        print(r.summary())
+        if r.error:
+            print(f"moe-audit: error: {r.name} could not be audited: {r.error}", file=sys.stderr)
+        return
+    if args.verbose:
         for r in reports:
             print(r.table(), end="\n\n")
     print(summary_table(reports))
-    if args.target:
-        r = reports[0]
-        if r.error:
-            print(f"moe-audit: error: {r.name} could not be audited: {r.error}", file=sys.stderr)
-            return
-        verdict = f"LEAKS in {', '.join(r.leaks_in)} mode" if r.leaks else "no leak found"
-        print(
-            f"\n{r.name}: {verdict}; batch-invariant: {'yes' if r.batch_invariant else 'no'}; "
-            f"regime: {r.regime}; {elapsed:.1f} s"
-        )
-        if r.false_claims:
-            print(f"FALSE CLAIMS: {'; '.join(r.false_claims)}")
-        return
+    print(textwrap.fill(SUMMARY_LEGEND, width=100))
     print(f"\n{len(reports)} targets audited in {elapsed:.1f} s (modes: {args.modes}, trials: {args.trials}, seed: {args.seed})")
     for r in reports:
         if r.error:
@@ -178,7 +180,7 @@ def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float)
         for r in bad:
             print(f"  {r.name}: {'; '.join(r.false_claims)}")
     elif not any(r.error for r in reports):
-        print("every claim holds")
+        print("every claim holds (the suite's leaks are claimed by the routers that have them)")
 
 
 def _parse_modes(text: str) -> tuple[str, ...]:
@@ -234,8 +236,7 @@ def load_target(spec: str) -> tuple[nn.Module, str]:
         raise AuditUsageError(f"--target must be pkg.module:name or path/to/file.py:name, got {spec!r}")
     source = _import_file(where) if where.endswith(".py") or os.sep in where or "/" in where else _import_module(where)
     if not hasattr(source, attr):
-        public = sorted(n for n in vars(source) if not n.startswith("_"))
-        raise AuditUsageError(f"{where} has no attribute {attr!r}; it defines: {', '.join(public) or 'nothing public'}")
+        raise AuditUsageError(f"{where} has no {attr!r}; its modules and factories: {', '.join(_candidates(source)) or 'none'}")
     obj = getattr(source, attr)
     if isinstance(obj, nn.Module):
         return obj, attr
@@ -257,6 +258,24 @@ def load_target(spec: str) -> tuple[nn.Module, str]:
             raise AuditUsageError(f"{attr}() returned {type(built).__name__}, not an nn.Module")
         return built, attr
     raise AuditUsageError(f"{attr} in {where} is a {type(obj).__name__}, neither an nn.Module nor a factory of one")
+
+
+def _candidates(source: ModuleType) -> list[str]:
+    """Names --target could take from ``source``: nn.Module instances, and the classes and
+    functions defined in it (not imported) that can be called without arguments."""
+    out = []
+    for name, obj in vars(source).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(obj, nn.Module):
+            out.append(name)
+        elif callable(obj) and getattr(obj, "__module__", None) == source.__name__:
+            try:
+                inspect.signature(obj).bind()
+            except (TypeError, ValueError):
+                continue
+            out.append(f"{name}()")
+    return sorted(out)
 
 
 def _import_file(path: str) -> ModuleType:

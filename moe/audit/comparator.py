@@ -1,21 +1,14 @@
-"""The judge of every comparison in one mode: noise, tolerance, regime, batching policy.
+"""The judge of every comparison in one mode, given the mode's :class:`Calibration`.
 
 Shape legend: K draws (seeds) per input, B batch, S compared positions, F output features per
 position, X exact decisions per position, M compared elements (B * S * F, times the kinds of
 value kept when some are not finite), P permutations.
 
-Built once per mode from forwards of the example itself:
-
-* **deterministic regime**: the target repeats itself under a fixed seed and input shape (its
-  random draws, if any, are the same ops of the same shapes for every input of that shape).
-  Every comparison is then between two forwards of the same shape under the same seed; a float
-  change beyond the tolerance (10x the repeat's noise floor, at least ``ulps`` of the output
-  scale at the target's dtype) or any change of an exact decision counts.
-* **distribution regime**: the target's output varies under a fixed seed and shape (a
-  nondeterministic kernel, noise from an unseeded generator), or its random draws change
-  shape with the data (dropout inside per-expert batches), so equal seeds do not mean equal
-  noise. Each input is run under ``DRAWS`` seeds and a change counts only when a permutation
-  test finds it significant (:func:`distribution_change`).
+Deterministic regime: every comparison is between two forwards of the same shape under the
+same seed (perturbed copies of a batch-invariant target may share one forward). Distribution
+regime: each input is run under ``DRAWS`` seeds and a change counts only when a permutation
+test finds it significant (:func:`distribution_change`), at a per-comparison level the caller
+derives from the probes that compare forwards (:func:`per_comparison_alpha`).
 
 Comparisons between different input shapes (decode prefixes, a sample run alone) of a target
 that draws random numbers are always judged by distribution: no seed gives two shapes the same
@@ -26,35 +19,26 @@ a flip; where both are NaN (or the same inf) nothing changed.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 from torch import Tensor
 
+from moe.audit.calibration import Calibration, difference
 from moe.audit.report import ProbeResult
 from moe.audit.runner import Forward, Runner, TargetFailure
 from moe.audit.target import Outputs
 
-FLOOR_FACTOR = 10.0
-"""Tolerance = this times the noise floor (the largest change between two identical forwards)."""
-ULPS_32, ULPS_16 = 100, 4
-"""Least tolerance, in units of the output dtype's eps times the output scale: fp32 / fp64
-outputs carry the accumulation-order differences of a changed batch or length (a few dozen ulp
-at most for the widths audited); 16-bit outputs are rounded from fp32 accumulators, which hides
-those differences but for one or two ulps."""
 DRAWS = 8
 """Seeds per input in the distribution regime (C(16, 8) = 12870 ways to relabel the draws)."""
 ALPHA = 0.01
 """Distribution regime: the family-wise false-positive rate of one mode of one audit."""
 MAX_DISTRIBUTION_COMPARISONS = 12
 """Distribution comparisons per probe and mode (spread over the probe's variants)."""
-DISTRIBUTION_PROBES = 4
-"""Probes that compare forwards (random, adversarial, batch, decode); the Jacobian does not."""
-PER_COMPARISON_ALPHA = ALPHA / (MAX_DISTRIBUTION_COMPARISONS * DISTRIBUTION_PROBES)
-"""Bonferroni over every distribution comparison a mode can make."""
 PERMUTATIONS = 9999
-"""Random relabellings per permutation test: the smallest p-value is 1e-4 < PER_COMPARISON_ALPHA."""
+"""Random relabellings per permutation test: the smallest p-value, 1e-4, must stay below the
+per-comparison level (:func:`per_comparison_alpha`; 2e-4 with the five built-in probes)."""
 MAX_ROWS = 512
 """Most samples in one forward when perturbed copies are concatenated along the batch."""
 
@@ -72,46 +56,27 @@ class Variant:
     """The input: the example's shape, or another batch size / length (batch, decode probes)."""
     upto: int
     """Compare output positions < upto."""
-    rows: int | None = None
-    """Compare only samples 0..rows-1 (None: all of the example's samples)."""
+    rows: tuple[int, ...] | None = None
+    """The samples compared (None: all of the example's samples); they must be samples the
+    variant did not change, at the same index in the variant and in the example."""
+    label: str = ""
+    """What the variant is, for the report (e.g. "every sample's future = copies of (1, 5)")."""
 
 
 def spread(values: list, k: int) -> list:
     """At most k of the values, evenly spread, first and last included."""
     if len(values) <= k:
         return list(values)
+    if k <= 1:
+        return list(values[:k])
     idx = sorted({round(i * (len(values) - 1) / (k - 1)) for i in range(k)})
     return [values[i] for i in idx]
 
 
-def resolution_of(value_BTF: Tensor | None, dtype: torch.dtype | None) -> float:
-    """The least change that counts: ulps of the dtype's eps times the largest finite |output|."""
-    if value_BTF is None or dtype is None:
-        return 0.0
-    finite = value_BTF[torch.isfinite(value_BTF)]
-    scale = float(finite.abs().max()) if finite.numel() else 0.0
-    ulps = ULPS_16 if torch.finfo(dtype).bits <= 16 else ULPS_32
-    return ulps * torch.finfo(dtype).eps * scale
-
-
-def difference(ref: Outputs, out: Outputs, upto: int, rows: int | None) -> tuple[Tensor, Tensor]:
-    """Per position s < upto, over the compared rows: the largest finite float change (float64
-    [S]) and the changed exact decisions plus changed NaN / inf entries (int64 [S])."""
-    delta_S = torch.zeros(upto, dtype=torch.float64)
-    flips_S = torch.zeros(upto, dtype=torch.long)
-    r = slice(None) if rows is None else slice(0, rows)
-    if ref.value_BTF is not None and out.value_BTF is not None:
-        a, b = ref.value_BTF[r, :upto], out.value_BTF[r, :upto]
-        both = torch.isfinite(a) & torch.isfinite(b)
-        same = (a == b) | (a.isnan() & b.isnan())
-        if a.numel():
-            delta_S = torch.where(both, a - b, 0.0).abs().amax(dim=(0, 2)).cpu()
-            flips_S = flips_S + (~both & ~same).sum(dim=(0, 2)).cpu()
-    if ref.exact_BTX is not None and out.exact_BTX is not None:
-        a, b = ref.exact_BTX[r, :upto], out.exact_BTX[r, :upto]
-        if a.shape[-1] == b.shape[-1] and a.numel():
-            flips_S = flips_S + (a != b).sum(dim=(0, 2)).cpu()
-    return delta_S, flips_S
+def per_comparison_alpha(forward_probes: int) -> float:
+    """Bonferroni over every distribution comparison a mode can make: ``forward_probes`` probes
+    that compare forwards, each at most MAX_DISTRIBUTION_COMPARISONS times."""
+    return ALPHA / (MAX_DISTRIBUTION_COMPARISONS * max(1, forward_probes))
 
 
 def _elements(values_KBSF: Tensor) -> tuple[Tensor, Tensor]:
@@ -131,7 +96,7 @@ def distribution_change(
     ref_KBSF: Tensor,
     var_KBSF: Tensor,
     resolution: float,
-    alpha: float = PER_COMPARISON_ALPHA,
+    alpha: float,
     permutations: int = PERMUTATIONS,
     gen: torch.Generator | None = None,
 ) -> tuple[float, Tensor, Tensor]:
@@ -179,6 +144,7 @@ class Tally:
     """One probe in one mode: per output position, the largest change, the flips, whether it moved."""
 
     name: str
+    kind: str
     mode: str
     t: int
     regime: str
@@ -189,6 +155,8 @@ class Tally:
     comparisons: int = 0
     distribution_comparisons: int = 0
     p_value: float | None = None
+    found_by: str | None = None
+    """The label of the first variant that moved an output."""
     failures: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -197,34 +165,39 @@ class Tally:
         self.moved_T = torch.zeros(self.t, dtype=torch.bool)
         self.probed_T = torch.zeros(self.t, dtype=torch.bool)
 
-    def add(self, delta_S: Tensor, flips_S: Tensor, moved_S: Tensor) -> None:
+    def add(self, delta_S: Tensor, flips_S: Tensor, moved_S: Tensor, label: str = "") -> None:
         s = delta_S.numel()
         self.delta_T[:s] = torch.maximum(self.delta_T[:s], delta_S)
         self.flips_T[:s] += flips_S
         self.moved_T[:s] |= moved_S
         self.probed_T[:s] = True
         self.comparisons += 1
+        if self.found_by is None and bool(moved_S.any()):
+            self.found_by = label or None
 
     def fail(self, failure: TargetFailure) -> None:
         self.failures.append((failure.shape, f"{type(failure.error).__name__}: {failure.error}"))
 
     def result(self, tolerance: float) -> ProbeResult:
-        moved = self.moved_T.nonzero()
+        moved = self.moved_T.nonzero().flatten().tolist()
         probed = int(self.probed_T.sum())
         skipped = sorted({shape[1] for shape, _ in self.failures if len(shape) > 1})
         errors = list(dict.fromkeys(f"input {shape}: {msg}" for shape, msg in self.failures))
         return ProbeResult(
             name=self.name,
             mode=self.mode,
-            leaks=bool(moved.numel()),
+            kind=self.kind,
+            leaks=bool(moved),
             max_abs_delta=float(self.delta_T.max()) if self.delta_T.numel() else 0.0,
-            first_leaking_position=int(moved[0]) if moved.numel() else None,
-            fraction_affected=float(self.moved_T.sum()) / probed if probed else 0.0,
+            first_leaking_position=moved[0] if moved else None,
+            leaking_positions=moved,
+            fraction_affected=len(moved) / probed if probed else 0.0,
             routing_flips=int(self.flips_T.sum()),
             tolerance=tolerance,
             comparisons=self.comparisons,
             regime="distribution" if self.distribution_comparisons else self.regime,
             p_value=self.p_value,
+            found_by=self.found_by,
             failed=len(self.failures),
             skipped_lengths=skipped,
             errors=errors[:3],
@@ -233,53 +206,30 @@ class Tally:
 
 # -- the judge -------------------------------------------------------------------------------
 class Comparator:
-    """Measures the example's noise in one mode and judges every variant against it.
+    """Judges every variant of one mode against the example, as ``cal`` says.
 
-    Raises :class:`TargetFailure` when the target cannot run the example itself, and
-    :class:`Misaligned` from :meth:`judge` when a deterministic-regime target turns out to draw
-    data-dependent noise (the caller then builds a new one with ``regime="distribution"``).
+    Raises :class:`Misaligned` from :meth:`judge` when a deterministic-regime target turns out
+    to draw data-dependent noise (the caller then judges the mode with ``cal.by_distribution()``).
+    ``alpha``: the per-comparison level of the distribution regime.
     """
 
-    def __init__(self, runner: Runner, x: Tensor, mode: str, probes_x: Iterable[Tensor] = (), regime: str | None = None) -> None:
-        self.runner, self.x, self.mode = runner, x, mode
+    def __init__(self, runner: Runner, x: Tensor, mode: str, cal: Calibration, alpha: float) -> None:
+        self.runner, self.x, self.mode, self.cal, self.alpha = runner, x, mode, cal, alpha
         self.b, self.t = x.shape[0], x.shape[1]
-        runner.record_draws = True
-        self.base: Forward = runner.forward(x)
-        self.resolution = resolution_of(self.base.out.value_BTF, self.base.out.dtype)
-        self.stochastic = bool(self.base.draws) and self._seed_matters()
-        """The target draws random numbers (with torch's generators) that change its output
-        (not, e.g., an attention kernel with a dropout argument of 0)."""
-        runner.record_draws = self.stochastic
-        again = runner.forward(x)
-        delta_S, flips_S = difference(self.base.out, again.out, self.t, None)
-        self.floor = float(delta_S.max())
-        repeats = int(flips_S.sum()) == 0 and self.floor <= self.resolution
-        aligned = not self.stochastic or all(self._draws_of(p) == self.base.draws for p in probes_x)
-        self.regime = regime or ("deterministic" if repeats and aligned else "distribution")
-        self.nonfinite = 0 if self.base.out.value_BTF is None else int((~torch.isfinite(self.base.out.value_BTF)).sum())
-        """Entries of the example's output that are NaN or inf."""
-        self.tolerance = max(FLOOR_FACTOR * self.floor, self.resolution) if self.regime == "deterministic" else self.resolution
         self.batchable = False
         self._reference: Tensor | None = None
         self._gen = torch.Generator().manual_seed(runner.seed + 7)
 
-    def _seed_matters(self) -> bool:
-        other = self.runner.forward(self.x, seed=self.runner.seed + 1).out
-        delta_S, flips_S = difference(self.base.out, other, self.t, None)
-        return bool(flips_S.sum()) or float(delta_S.max()) > self.resolution
-
-    def _draws_of(self, x: Tensor) -> object:
-        try:
-            return self.runner.forward(x).draws
-        except TargetFailure:
-            return self.base.draws  # a shape it cannot run tells nothing about its noise
+    @property
+    def base(self) -> Forward:
+        return self.cal.base
 
     # -- batching ----------------------------------------------------------------------------
     def allow_batching(self) -> None:
         """Concatenate perturbed copies along the batch from now on, if two copies of the example
         in one forward give what one forward of it gives (the same exact decisions, float changes
         within the tolerance); only for deterministic targets that draw no random numbers."""
-        if self.stochastic or self.regime != "deterministic":
+        if self.cal.stochastic or self.cal.regime != "deterministic":
             return
         try:
             twice = self.runner.forward(torch.cat([self.x, self.x])).out
@@ -287,17 +237,17 @@ class Comparator:
             return
         for half in (twice.rows(0, self.b), twice.rows(self.b, 2 * self.b)):
             delta_S, flips_S = difference(self.base.out, half, self.t, None)
-            if int(flips_S.sum()) or float(delta_S.max()) > self.tolerance:
+            if int(flips_S.sum()) or float(delta_S.max()) > self.cal.tolerance:
                 return
         self.batchable = True
 
     # -- judging ------------------------------------------------------------------------------
-    def tally(self, name: str) -> Tally:
-        return Tally(name, self.mode, self.t, self.regime)
+    def tally(self, name: str, kind: str) -> Tally:
+        return Tally(name, kind, self.mode, self.t, self.cal.regime)
 
     def _by_distribution(self, v: Variant) -> bool:
         cross_shape = tuple(v.x.shape) != tuple(self.x.shape)
-        return self.regime == "distribution" or (cross_shape and self.stochastic)
+        return self.cal.regime == "distribution" or (cross_shape and self.cal.stochastic)
 
     def judge(self, variants: Iterable[Variant], tally: Tally) -> ProbeResult:
         """Compare every variant with the example; record changes and failures in ``tally``."""
@@ -311,19 +261,20 @@ class Comparator:
         self._judge_batched(batched, tally)
         for v in spread(by_dist, MAX_DISTRIBUTION_COMPARISONS):
             self._judge_distribution(v, tally)
-        return tally.result(self.tolerance)
+        return tally.result(self.cal.tolerance)
 
     def _record(self, tally: Tally, ref: Outputs, out: Outputs, v: Variant) -> None:
         delta_S, flips_S = difference(ref, out, v.upto, v.rows)
-        tally.add(delta_S, flips_S, (delta_S > self.tolerance) | (flips_S > 0))
+        tally.add(delta_S, flips_S, (delta_S > self.cal.tolerance) | (flips_S > 0), v.label)
 
     def _judge_one(self, v: Variant, tally: Tally) -> None:
+        same_shape = tuple(v.x.shape) == tuple(self.x.shape)
         try:
-            fwd = self.runner.forward(v.x)
+            fwd = self.runner.forward(v.x, record=self.cal.stochastic and same_shape)
         except TargetFailure as e:
             tally.fail(e)
             return
-        if self.stochastic and tuple(v.x.shape) == tuple(self.x.shape) and fwd.draws != self.base.draws:
+        if self.cal.stochastic and same_shape and fwd.draws != self.base.draws:
             raise Misaligned
         self._record(tally, self.base.out, fwd.out, v)
 
@@ -343,9 +294,9 @@ class Comparator:
             for j, v in enumerate(chunk):
                 self._record(tally, ref, out.rows((j + 1) * self.b, (j + 2) * self.b), v)
 
-    def _draws_KBSF(self, x: Tensor, upto: int, rows: int | None, first_seed: int) -> Tensor:
+    def _draws_KBSF(self, x: Tensor, upto: int, rows: tuple[int, ...] | None, first_seed: int) -> Tensor:
         """The outputs of ``DRAWS`` forwards under seeds first_seed, first_seed + 1, ..."""
-        r = slice(None) if rows is None else slice(0, rows)
+        r = slice(None) if rows is None else list(rows)
         seeds = [first_seed + k for k in range(DRAWS)]
         return torch.stack([self._value(self.runner.forward(x, seed=s).out)[r, :upto].cpu() for s in seeds])
 
@@ -365,11 +316,12 @@ class Comparator:
         except TargetFailure as e:
             tally.fail(e)
             return
-        ref_KBSF = self._reference[:, : (v.rows or self.b), : v.upto]
+        rows = slice(None) if v.rows is None else list(v.rows)
+        ref_KBSF = self._reference[:, rows, : v.upto]
         if ref_KBSF.shape[-1] != var_KBSF.shape[-1]:  # another number of router calls: exact parts differ
             ref_KBSF, var_KBSF = ref_KBSF[..., : self._width()], var_KBSF[..., : self._width()]
-        p, changed_S, change_S = distribution_change(ref_KBSF, var_KBSF, self.resolution, gen=self._gen)
-        tally.add(change_S, torch.zeros(v.upto, dtype=torch.long), changed_S)
+        p, changed_S, change_S = distribution_change(ref_KBSF, var_KBSF, self.cal.resolution, self.alpha, gen=self._gen)
+        tally.add(change_S, torch.zeros(v.upto, dtype=torch.long), changed_S, v.label)
         tally.distribution_comparisons += 1
         tally.p_value = p if tally.p_value is None else min(tally.p_value, p)
 

@@ -8,12 +8,19 @@ from dataclasses import dataclass, field
 
 from moe.routing import Claims
 
-FUTURE_PROBES = ("random_future", "adversarial_future", "jacobian")
-"""Probes whose leaks are future leaks: an output at position <= t moved when only positions > t changed."""
+INSTEAD = (
+    'a causal router: capacity with capacity_scope="prefix" (slots counted over the prefix), '
+    "ec_threshold or ec_predictor (expert choice made causal at inference), or dropless topk"
+)
+"""What the summary of a leaking target suggests."""
+KINDS = ("future", "batch", "decode")
+"""What a probe's ``leaks`` means. future: an output at position <= t moved when only positions
+> t changed; batch: a sample's output moved when only other samples of the batch changed;
+decode: the output at t from the prefix 0..t alone differs from the full-sequence one."""
 BATCH_PROBE = "batch_interference"
-"""Its ``leaks`` means: a sample's output moved when only the other samples of the batch changed."""
+"""The built-in probe of kind "batch"."""
 DECODE_PROBE = "decode_consistency"
-"""Its ``leaks`` means: the output at t from the prefix 0..t alone differs from the full-sequence one."""
+"""The built-in probe of kind "decode"."""
 
 
 @dataclass
@@ -21,7 +28,7 @@ class ProbeResult:
     """One probe in one mode."""
 
     name: str
-    """One of FUTURE_PROBES, BATCH_PROBE, DECODE_PROBE."""
+    """The probe's name in the registry (:mod:`moe.audit.registry`)."""
     mode: str
     """"train" or "eval" (the module's training flag while probing)."""
     leaks: bool
@@ -31,9 +38,18 @@ class ProbeResult:
     outputs. For ``jacobian``: the largest |sum_f w_f d output[s, f] / d input[r]| over r > s,
     for random signs w (the Jacobian entry itself when features map one to one)."""
     first_leaking_position: int | None
-    """Earliest output position that moved (for ``batch_interference``: of the probed sample)."""
+    """Earliest output position that moved (for ``batch_interference``: of the probed samples)."""
     fraction_affected: float
     """Fraction of the probed output positions that moved at least once."""
+    kind: str = "future"
+    """One of :data:`KINDS`: what ``leaks`` means."""
+    compares_forwards: bool = True
+    """Judged by comparing forwards (False: the Jacobian, which reads gradients)."""
+    leaking_positions: list[int] = field(default_factory=list)
+    """Every output position that moved."""
+    found_by: str | None = None
+    """The first variant that moved an output (e.g. "every sample's future = exact copies of
+    x[1, 5]"): how the leak was provoked."""
     routing_flips: int = 0
     """Exact decisions (kept (token, expert) pairs, integer outputs) that changed, summed over trials."""
     tolerance: float = 0.0
@@ -63,9 +79,13 @@ class ProbeResult:
         return {
             "name": self.name,
             "mode": self.mode,
+            "kind": self.kind,
+            "compares_forwards": self.compares_forwards,
             "leaks": self.leaks,
             "max_abs_delta": _finite(self.max_abs_delta),
             "first_leaking_position": self.first_leaking_position,
+            "leaking_positions": self.leaking_positions,
+            "found_by": self.found_by,
             "fraction_affected": self.fraction_affected,
             "routing_flips": self.routing_flips,
             "tolerance": _finite(self.tolerance),
@@ -93,6 +113,9 @@ class AuditReport:
     may still judge its cross-shape comparisons of a stochastic target by distribution)."""
     nonfinite: dict[str, int] = field(default_factory=dict)
     """Per mode: NaN / inf entries in the example's output (compared as values, never ignored)."""
+    per_comparison_alpha: float | None = None
+    """The level of each distribution comparison (Bonferroni over the probes that compare
+    forwards, :func:`moe.audit.comparator.per_comparison_alpha`)."""
     error: str | None = None
     """Why the target could not be audited (it failed on the example, or no future-perturbation
     probe ran); None when it was. With an error, ``leaks`` means nothing."""
@@ -108,7 +131,7 @@ class AuditReport:
     @property
     def leaks_in(self) -> list[str]:
         """Modes in which a future probe (random, adversarial, Jacobian) saw a leak."""
-        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.name in FUTURE_PROBES)]
+        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.kind == "future")]
 
     @property
     def leaks(self) -> bool:
@@ -118,7 +141,7 @@ class AuditReport:
     @property
     def batch_invariant(self) -> bool:
         """No sample's output moved when only the other samples changed, in any mode."""
-        return not any(p.leaks for p in self.probes if p.name == BATCH_PROBE)
+        return not any(p.leaks for p in self.probes if p.kind == "batch")
 
     @property
     def decode_consistent(self) -> bool:
@@ -130,7 +153,7 @@ class AuditReport:
     @property
     def decode_differs_in(self) -> list[str]:
         """Modes in which a prefix-only forward changed the output at its last position."""
-        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.name == DECODE_PROBE)]
+        return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.kind == "decode")]
 
     @property
     def claimed_causal(self) -> dict[str, bool] | None:
@@ -164,14 +187,14 @@ class AuditReport:
         for mode, causal in claimed.items():
             if not causal and mode not in self.leaks_in:
                 out.append(f"claims a leak in {mode} mode; none found")
-        ran = {p.name for p in self.probes if p.ran}
-        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant and BATCH_PROBE in ran:
+        ran = {p.kind for p in self.probes if p.ran}
+        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant and "batch" in ran:
             out.append("claims batch interference; none found")
         if (
             self.claims is not None
             and not self.claims.decode_consistent
             and self.decode_consistent
-            and DECODE_PROBE in ran
+            and "decode" in ran
         ):
             out.append("claims decode inconsistency; none found")
         return out
@@ -186,14 +209,86 @@ class AuditReport:
         return not self.false_claims
 
     @property
+    def verdict(self) -> str:
+        """NOT AUDITED, FALSE CLAIM, claims hold; for a target without claims LEAKS or clean."""
+        if self.error:
+            return "NOT AUDITED"
+        if self.false_claims:
+            return "FALSE CLAIM"
+        if self.claims is None:
+            return "LEAKS" if self.leaks else "clean"
+        return "claims hold"
+
+    def summary(self) -> str:
+        """What a reader needs once: the verdict; on a leak, which probe found it at which
+        positions and what to use instead; batch invariance and decode consistency; any false
+        claim; how the verdict was reached."""
+        if self.error:
+            return f"{self.name}: NOT AUDITED: {self.error}"
+        found = f"LEAKS in {', '.join(self.leaks_in)} mode" if self.leaks else "no leak found"
+        lines = [f"{self.name}: {found}" + ("" if self.claims is None else f" ({self.verdict})")]
+        for p in self._first_of_each([q for q in self.probes if q.kind == "future" and q.leaks]):
+            how = f" ({p.found_by})" if p.found_by else ""
+            lines.append(f"  found by {p.name} ({p.mode}): outputs at positions {_ranges(p.leaking_positions)} moved{how}")
+        lines.append(f"  batch-invariant: {self._batch_text()}")
+        lines.append(f"  decode-consistent: {self._decode_text()}")
+        lines += [f"  FALSE CLAIM: {c}" for c in self.false_claims]
+        if self.leaks:
+            lines.append(f"  instead: {INSTEAD}")
+        lines.append(f"  judged: {self._how_judged()}")
+        for p in self.probes:
+            if p.errors:
+                state = "did not run" if not p.ran else f"{p.failed} forward(s) failed"
+                lines.append(f"  {p.name}/{p.mode} {state}: {p.errors[0]}")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _first_of_each(probes: list[ProbeResult]) -> list[ProbeResult]:
+        """The first mode's result of each probe name."""
+        return list({p.name: p for p in reversed(probes)}.values())[::-1]
+
+    def _batch_text(self) -> str:
+        if self.batch_invariant:
+            return "yes"
+        p = next(q for q in self.probes if q.kind == "batch" and q.leaks)
+        return f"no: {p.name} ({p.mode}) moved the outputs of a sample" + (f" ({p.found_by})" if p.found_by else "")
+
+    def _decode_text(self) -> str:
+        if self.decode_consistent:
+            return "yes"
+        p = next(q for q in self.probes if q.kind == "decode" and q.leaks)
+        return (
+            f"no: prefix-only forwards differ at positions {_ranges(p.leaking_positions)} ({p.mode}); not a leak by "
+            "itself (a capacity that depends on T differs without reading the future)"
+        )
+
+    def _how_judged(self) -> str:
+        compared = sum(p.comparisons for p in self.probes)
+        parts = [f"{len(self.probes)} probe runs over {', '.join(self.modes)}, {compared} comparisons"]
+        regimes = set(self.regimes.values())
+        if "deterministic" in regimes:
+            tol = max((p.tolerance for p in self.probes if p.compares_forwards), default=0.0)
+            parts.append(f"same seed for every forward, a change counts above {tol:.1e} or as any flip of a routing decision")
+        if "distribution" in regimes or any(p.p_value is not None for p in self.probes):
+            parts.append(f"random targets by permutation tests over seeds (level {self.per_comparison_alpha or 0:.0e} each)")
+        nonfinite = sum(self.nonfinite.values())
+        if nonfinite:
+            parts.append(f"{nonfinite} NaN/inf output entries compared as values")
+        return f"{self.regime} regime; " + "; ".join(parts) + f"; {self.seconds:.1f} s"
+
+    @property
     def max_abs_delta(self) -> float:
         """Worst float change at positions <= t from perturbing positions > t (random or adversarial)."""
-        return max((p.max_abs_delta for p in self.probes if p.name in FUTURE_PROBES[:2]), default=0.0)
+        return max((p.max_abs_delta for p in self._forward_future_probes), default=0.0)
 
     @property
     def routing_flips(self) -> int:
         """Routing decisions at positions <= t flipped by perturbing positions > t."""
-        return sum(p.routing_flips for p in self.probes if p.name in FUTURE_PROBES[:2])
+        return sum(p.routing_flips for p in self._forward_future_probes)
+
+    @property
+    def _forward_future_probes(self) -> list[ProbeResult]:
+        return [p for p in self.probes if p.kind == "future" and p.compares_forwards]
 
     def probe(self, name: str, mode: str) -> ProbeResult | None:
         return next((p for p in self.probes if p.name == name and p.mode == mode), None)
@@ -205,6 +300,7 @@ class AuditReport:
             "error": self.error,
             "regime": self.regime,
             "nonfinite": self.nonfinite,
+            "per_comparison_alpha": self.per_comparison_alpha,
             "claimed_causal": None if claimed is None else all(claimed.values()),
             "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],
             "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,
@@ -228,18 +324,18 @@ class AuditReport:
 
     def table(self) -> str:
         """A per-probe table of this report (rows: probe x mode)."""
-        head = ("probe", "mode", "leaks", "max |delta|", "first pos", "affected", "flips", "tolerance", "regime")
+        head = ("probe", "mode", "found", "max |delta|", "first pos", "affected", "flips", "tolerance", "regime")
         rows = [
             (
                 p.name,
                 p.mode,
-                "LEAKS" if p.leaks else ("-" if p.ran else "not run"),
+                _LEAK_WORD[p.kind] if p.leaks else ("-" if p.ran else "not run"),
                 f"{p.max_abs_delta:.2e}",
                 "-" if p.first_leaking_position is None else str(p.first_leaking_position),
                 f"{p.fraction_affected:.0%}",
                 str(p.routing_flips),
                 f"{p.tolerance:.1e}",
-                p.regime if p.p_value is None else f"{p.regime} (p={p.p_value:.1e})",
+                _REGIME_SHORT.get(p.regime, p.regime) + ("" if p.p_value is None else f" p={p.p_value:.0e}"),
             )
             for p in self.probes
         ]
@@ -267,34 +363,29 @@ def reports_to_json(reports: list[AuditReport], indent: int | None = 2) -> str:
     return json.dumps({"targets": [r.to_dict() for r in reports]}, indent=indent)
 
 
+SUMMARY_LEGEND = (
+    "causal claim: what the target claims (train only / eval only: causal in that mode); ? = it claims "
+    "nothing (an opaque module: only leaks count). batch-inv, decode: claimed/found. verdict: claims hold, "
+    "FALSE CLAIM (either way), NOT AUDITED; for opaque targets LEAKS or clean."
+)
+"""Printed under :func:`summary_table`: what its columns and marks mean."""
+
+
 def summary_table(reports: list[AuditReport]) -> str:
-    """One row per target: what it claims, what the audit found, and the verdict."""
-    head = (
-        "target", "claims causal", "leaks in", "batch-inv claim/found", "decode claim/found", "worst delta", "flips",
-        "verdict", "time",
-    )
+    """One row per target: what it claims, what the audit found, and the verdict (at most
+    about 100 columns for the built-in suite's names)."""
+    head = ("target", "causal claim", "leaks in", "batch-inv", "decode", "verdict")
     rows = []
     for r in reports:
-        if r.error:
-            verdict = "NOT AUDITED"
-        elif r.false_claims:
-            verdict = "FALSE CLAIM"
-        elif r.claims is None:
-            verdict = "LEAKS" if r.leaks else "clean"
-        else:
-            verdict = "ok"
+        claims = r.claims
         rows.append(
             (
                 r.name,
                 _claimed(r.claimed_causal),
                 ",".join(r.leaks_in) or "-",
-                f"{'?' if r.claims is None else _yes(r.claims.batch_invariant)}/{_yes(r.batch_invariant)}",
-                f"{'?' if r.claims is None else _yes(r.claims.decode_consistent)}/"
-                f"{'same' if r.decode_consistent else 'differs:' + ','.join(r.decode_differs_in)}",
-                f"{r.max_abs_delta:.1e}",
-                str(r.routing_flips),
-                verdict,
-                f"{r.seconds:.2f}s",
+                f"{'?' if claims is None else _yes(claims.batch_invariant)}/{_yes(r.batch_invariant)}",
+                f"{'?' if claims is None else _yes(claims.decode_consistent)}/{'same' if r.decode_consistent else 'differs'}",
+                r.verdict,
             )
         )
     return _format(head, rows)
@@ -307,11 +398,28 @@ def _claimed(claimed: dict[str, bool] | None) -> str:
         return "yes"
     if not any(claimed.values()):
         return "no"
-    return " ".join(f"{m}:{_yes(c)}" for m, c in claimed.items())
+    return " ".join(f"{m} only" for m, c in claimed.items() if c)
+
+
+_REGIME_SHORT = {"deterministic": "det", "distribution": "dist"}
+"""The per-probe table's regime column (the summary line above it spells the regime out)."""
+_LEAK_WORD = {"future": "LEAKS", "batch": "MIXES", "decode": "DIFFERS"}
+"""What the per-probe table prints for a probe that saw a change, by kind."""
 
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
+
+
+def _ranges(positions: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out: list[str] = []
+    for i, q in enumerate(positions):
+        if i and q == positions[i - 1] + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{q}"
+        else:
+            out.append(str(q))
+    return ", ".join(out)
 
 
 def _finite(v: float) -> float | None:

@@ -1,5 +1,5 @@
 """The one place the audit calls its target: a fresh contiguous copy of the input for every
-forward, the CPU and CUDA generators seeded before it, the random draws it makes recorded,
+forward, the CPU and CUDA generators seeded before it, the random draws it makes recorded when asked,
 and its exceptions turned into :class:`TargetFailure` naming the input shape.
 
 Shape legend: B batch, T sequence, F output features per position.
@@ -49,7 +49,7 @@ class Forward:
 
     out: Outputs
     draws: Draws | None
-    """Its random draws, when the runner records them (None: not recorded)."""
+    """Its random draws, when the call asked for them (None: not recorded)."""
 
 
 class Runner:
@@ -58,8 +58,6 @@ class Runner:
 
     def __init__(self, target: AuditTarget, seed: int) -> None:
         self.target, self.seed = target, seed
-        self.record_draws = True
-        """Record random draws (turned off for a target that made none on the example)."""
 
     @staticmethod
     def _reseed(seed: int) -> None:
@@ -69,10 +67,12 @@ class Runner:
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(seed)
 
-    def forward(self, x: Tensor, seed: int | None = None) -> Forward:
+    def forward(self, x: Tensor, seed: int | None = None, record: bool = False) -> Forward:
+        """One call of the target on a fresh copy of x; ``record``: also list its random draws
+        (a dispatch mode around the call: slower, so only where the draws are compared)."""
         fresh = x.detach().clone(memory_format=torch.contiguous_format)
         self._reseed(self.seed if seed is None else seed)
-        recorder = _DrawRecorder() if self.record_draws else None
+        recorder = _DrawRecorder() if record else None
         try:
             if recorder is None:
                 out = self.target(fresh)

@@ -3,8 +3,8 @@ alone, inside an MoELayer, and inside the ``tiny`` model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor, nn

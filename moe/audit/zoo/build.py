@@ -20,9 +20,10 @@ import inspect
 import math
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -129,6 +130,8 @@ class Built:
     """The capacity settings used (None: the block has no capacity)."""
     train_noise: str | None
     """What makes it random in training mode (dropout, jitter), None if nothing."""
+    note: str | None = None
+    """How the audited code was reached, where the library's own module cannot run here."""
 
 
 def transformers_module() -> Any:
@@ -184,7 +187,7 @@ def build(entry: ZooEntry) -> Built:
         probe = cls(config)
 
         def make() -> nn.Module:
-            return _LMAdapter(_init(cls(config)))
+            return _LMAdapter(init_parameters(cls(config)))
 
     else:
         if "position_embeddings" in inspect.signature(cls.forward).parameters:
@@ -196,10 +199,10 @@ def build(entry: ZooEntry) -> Built:
         probe, config = _build_block(cls, _config_classes(module, entry.family), _counts_per_sequence(module))
 
         def make() -> nn.Module:
-            return _BlockAdapter(_init(cls(**_init_args(cls, config))))
+            return _BlockAdapter(init_parameters(cls(**_init_args(cls, config))))
 
     kind = router_kind(probe)
-    prioritized = [getattr(c, "batch_prioritized_routing") for c in _configs_in(config) if hasattr(c, "batch_prioritized_routing")]
+    prioritized = [c.batch_prioritized_routing for c in _configs_in(config) if hasattr(c, "batch_prioritized_routing")]
     if prioritized:
         kind = kind.replace(
             _PRIORITY, f"priority: {'score' if prioritized[0] else 'position'} (batch_prioritized_routing={prioritized[0]})"
@@ -308,7 +311,7 @@ def _init_args(cls: type, cfg: Any) -> dict[str, Any]:
     return args
 
 
-def _init(module: nn.Module) -> nn.Module:
+def init_parameters(module: nn.Module) -> nn.Module:
     """Seeded random init of every parameter: matrices N(0, 1/fan_in), norm-like vectors 1,
     other vectors N(0, 0.1^2)."""
     gen = torch.Generator().manual_seed(0)

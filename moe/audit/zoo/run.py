@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +19,7 @@ from tqdm import tqdm
 
 from moe.audit import AuditReport, AuditUsageError, audit
 from moe.audit.zoo.build import VOCAB, Built, ZooEntry, build, discover, example_for, reason, transformers_module
+from moe.audit.zoo.frameworks import FRAMEWORKS, FrameworkConfig, installed
 
 MODES = ("train", "eval")
 """Both training-flag settings, each audited (the audit's public API takes them by name)."""
@@ -38,7 +40,7 @@ class ZooRow:
     error (a target it could not judge) and its verdicts mean nothing."""
     dropped: dict[str, float] = field(default_factory=dict)
     """Per mode: fraction of the example's tokens whose output row is exactly zero, i.e. served
-    by no expert (blocks only; a lower bound on dropping with shared experts or top-k > 1)."""
+    by no expert (float inputs only; a lower bound on dropping with shared experts or top-k > 1)."""
     seconds: float = 0.0
 
     @property
@@ -73,18 +75,40 @@ def audit_entry(entry: ZooEntry, modes: tuple[str, ...] = MODES, trials: int = 2
     row = ZooRow(entry, "transformers", transformers_module().__version__)
     start = time.perf_counter()
     try:
-        row.built = build(entry)
-        x = example_for(entry, seed)
-        # A fresh target for the audit: some blocks keep per-call state in plain attributes
-        # (NLLB-MoE's router overwrites expert_capacity in eval), which no state_dict restores.
-        row.dropped = _dropped(row.built.make(), x, modes)
-        vocab = VOCAB if entry.kind == "causal LM" else None
-        row.report = audit(row.built.make(), x, modes=modes, trials=trials, seed=seed, name=entry.name, vocab_size=vocab)
-        row.error = getattr(row.report, "error", None)  # the audit ran but could not judge the target
+        _audit_built(row, build(entry), example_for(entry, seed), modes, trials, seed)
     except Exception as e:  # the row says why this entry could not be audited
         row.report, row.error = None, reason(e)
     row.seconds = time.perf_counter() - start
     return row
+
+
+def audit_framework(fc: FrameworkConfig, modes: tuple[str, ...] = MODES, trials: int = 2, seed: int = 0) -> ZooRow:
+    """Audit one training-framework router configuration (a row saying so when the framework
+    is not installed)."""
+    entry = ZooEntry(fc.library, fc.name, "router", fc.module)
+    version = installed(fc.library)
+    row = ZooRow(entry, fc.library, version or "not installed")
+    if version is None:
+        row.error = f"{fc.library} is not installed (pip install --no-deps {fc.library}; see moe.audit.zoo.frameworks)"
+        return row
+    start = time.perf_counter()
+    built = Built(fc.make, fc.router_kind, fc.capacity, fc.train_noise, fc.note)
+    try:
+        _audit_built(row, built, example_for(entry, seed), modes, trials, seed)
+    except Exception as e:  # the row says why this configuration could not be audited
+        row.report, row.error = None, reason(e)
+    row.seconds = time.perf_counter() - start
+    return row
+
+
+def _audit_built(row: ZooRow, built: Built, x: Tensor, modes: tuple[str, ...], trials: int, seed: int) -> None:
+    row.built = built
+    # A fresh target for the audit: some blocks keep per-call state in plain attributes
+    # (NLLB-MoE's router overwrites expert_capacity in eval), which no state_dict restores.
+    row.dropped = _dropped(built.make(), x, modes)
+    vocab = VOCAB if row.entry.kind == "causal LM" else None
+    row.report = audit(built.make(), x, modes=modes, trials=trials, seed=seed, name=row.entry.name, vocab_size=vocab)
+    row.error = row.report.error  # the audit ran but could not judge the target
 
 
 def _dropped(target: nn.Module, x: Tensor, modes: tuple[str, ...]) -> dict[str, float]:
@@ -109,11 +133,31 @@ def audit_zoo(
     """Discover the zoo (only ``families`` when given) and audit every entry; ``progress``: a
     tqdm bar on stderr."""
     entries = discover(families)
-    bar = tqdm(entries, desc="moe-audit --zoo", unit="block", file=sys.stderr, disable=not progress, leave=False)
+    return _each(entries, "block", progress, lambda e: (e.cls_name, audit_entry(e, modes, trials, seed)))
+
+
+def audit_frameworks(
+    modes: tuple[str, ...] = MODES,
+    trials: int = 2,
+    seed: int = 0,
+    libraries: Iterable[str] | None = None,
+    progress: bool = False,
+) -> list[ZooRow]:
+    """Audit every training-framework configuration (:data:`~moe.audit.zoo.frameworks.FRAMEWORKS`;
+    only those of ``libraries`` when given); a framework that is not installed gets rows saying so."""
+    keep = None if libraries is None else set(libraries)
+    configs = [fc for fc in FRAMEWORKS if keep is None or fc.library in keep]
+    return _each(configs, "router", progress, lambda fc: (fc.library, audit_framework(fc, modes, trials, seed)))
+
+
+def _each(items: list, unit: str, progress: bool, audit_one: Callable[[Any], tuple[str, ZooRow]]) -> list[ZooRow]:
+    """audit_one(item) -> (progress label, row) for every item, under a tqdm bar on stderr."""
+    bar = tqdm(items, desc="moe-audit --zoo", unit=unit, file=sys.stderr, disable=not progress, leave=False)
     rows = []
-    for entry in bar:
-        bar.set_postfix_str(entry.cls_name)
-        rows.append(audit_entry(entry, modes, trials, seed))
+    for item in bar:
+        label, row = audit_one(item)
+        bar.set_postfix_str(label)
+        rows.append(row)
     bar.close()
     return rows
 
@@ -140,7 +184,8 @@ def zoo_markdown(rows: list[ZooRow]) -> str:
 def _cells(r: ZooRow) -> list[str]:
     e, b, rep = r.entry, r.built, r.report
     head = [f"{r.library} {r.library_version}", f"`{e.cls_name}`", e.kind]
-    head += ["-", "-", "-"] if b is None else [b.router_kind, b.capacity or "-", b.train_noise or "-"]
+    kind = None if b is None else b.router_kind + (f" (audited: {b.note})" if b.note else "")
+    head += ["-", "-", "-"] if b is None else [kind, b.capacity or "-", b.train_noise or "-"]
     if rep is None or r.error is not None:
         return head + ["-", f"not run: {r.error}", "-", "-", r.regime or "-", f"{r.seconds:.1f}s"]
     dropped = "/".join(f"{r.dropped[m]:.0%}" for m in rep.modes if m in r.dropped) or "-"
@@ -156,11 +201,17 @@ def _cells(r: ZooRow) -> list[str]:
 
 
 def run_zoo(modes: tuple[str, ...], trials: int, seed: int, json_path: str | None, progress: bool) -> int:
-    """``moe-audit --zoo``: audit, print the table and a summary, write ``json_path``. Exit code 0
-    (the zoo reports on other libraries; their leaks are findings, not failures of this run),
-    2 when transformers is missing or the JSON cannot be written."""
+    """``moe-audit --zoo``: audit the transformers blocks (when transformers is installed) and
+    every training-framework router, print the table and a summary, write ``json_path``. Exit
+    code 0 (the zoo reports on other libraries; their leaks are findings, not failures of this
+    run), 2 when the JSON cannot be written."""
     start = time.perf_counter()
-    rows = audit_zoo(modes, trials, seed, progress=progress)
+    try:
+        rows = audit_zoo(modes, trials, seed, progress=progress)
+    except AuditUsageError as e:  # no transformers: the frameworks still run
+        print(f"moe-audit: {e}; auditing the training frameworks only", file=sys.stderr)
+        rows = []
+    rows += audit_frameworks(modes, trials, seed, progress=progress)
     print(zoo_markdown(rows))
     ran = [r for r in rows if r.report is not None and r.error is None]
     leaky = [r.entry.name for r in ran if r.report.leaks]
