@@ -39,6 +39,7 @@ from moe.parallel.lossy import (
     LossyDataParallel,
     LossyDPConfig,
     LossyTransport,
+    Workers,
     aggregate_gradient,
     lost_packets,
     shard_bounds,
@@ -120,10 +121,15 @@ def _backward(model: nn.Module, rank: int, step: int) -> None:
     ((model(x) - y) ** 2).mean().backward()
 
 
+def _aggregate(flat: torch.Tensor, policy: str, t: LossyTransport) -> torch.Tensor:
+    """This rank's shard of the aggregated gradient, one worker per process."""
+    return aggregate_gradient([flat], policy, t, Workers.from_group())[0]
+
+
 def _gather_shards(shard, n: int, size: int) -> torch.Tensor:
     """Reliable all-gather of uneven shards into the full vector (test helper)."""
     t = LossyTransport(LossConfig(), None)
-    return t.all_gather_stale(shard, torch.zeros(n, dtype=shard.dtype), reliable=True)
+    return t.all_gather_stale([shard], [torch.zeros(n, dtype=shard.dtype)], Workers.from_group(), reliable=True)[0]
 
 
 def _bitwise_checks(rank: int, size: int) -> dict:
@@ -137,7 +143,7 @@ def _bitwise_checks(rank: int, size: int) -> dict:
     for policy in ("unbiased", "naive", "reweighted"):
         t = LossyTransport(LossConfig(rate=0.0, packet_size=3, seed=1))
         t.begin_step(0)
-        full = _gather_shards(aggregate_gradient(flat, policy, t), flat.numel(), size)
+        full = _gather_shards(_aggregate(flat, policy, t), flat.numel(), size)
         out[f"bitwise_grad/{policy}"] = bool(torch.equal(full, today))
     # Three AdamW steps: plain data parallel vs LossyDataParallel (reliable, and unbiased at p = 0).
     finals = {}
@@ -171,7 +177,7 @@ def _reference_checks(rank: int, size: int) -> dict:
         for policy in ("unbiased", "naive", "reweighted"):
             t = LossyTransport(cfg)
             t.begin_step(step)
-            got = aggregate_gradient(flat, policy, t)
+            got = _aggregate(flat, policy, t)
             arrived = [~expand_packets(lost_packets(cfg, step, 0, src, rank, cfg.num_packets(hi - lo)), hi - lo, 2)
                        for src in range(size)]
             parts = [every[src][lo:hi] * arrived[src] for src in range(size)]
@@ -203,7 +209,7 @@ def _statistics(rank: int, size: int) -> dict:
             t = LossyTransport(cfg)
             t.begin_step(step)
             ratio = torch.zeros(n * blocks, dtype=torch.float64)
-            ratio[lo:hi] = aggregate_gradient(grad, policy, t) / ref[lo:hi]
+            ratio[lo:hi] = _aggregate(grad, policy, t) / ref[lo:hi]
             dist.all_reduce(ratio)
             if key == "fixed/unbiased":  # one sample per step: rank 0's shard, where the owner's gradient is smallest
                 out[key].append(float(ratio[slice(*shard_bounds(n * blocks, size)[0])].mean()))
