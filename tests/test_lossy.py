@@ -123,13 +123,13 @@ def _backward(model: nn.Module, rank: int, step: int) -> None:
 
 def _aggregate(flat: torch.Tensor, policy: str, t: LossyTransport) -> torch.Tensor:
     """This rank's shard of the aggregated gradient, one worker per process."""
-    return aggregate_gradient([flat], policy, t, Workers.from_group())[0]
+    return aggregate_gradient(flat[None], policy, t, Workers.from_group())[0]
 
 
 def _gather_shards(shard, n: int, size: int) -> torch.Tensor:
     """Reliable all-gather of uneven shards into the full vector (test helper)."""
     t = LossyTransport(LossConfig(), None)
-    return t.all_gather_stale([shard], [torch.zeros(n, dtype=shard.dtype)], Workers.from_group(), reliable=True)[0]
+    return t.all_gather_stale([shard], torch.zeros(1, n, dtype=shard.dtype), Workers.from_group(), reliable=True)[0]
 
 
 def _bitwise_checks(rank: int, size: int) -> dict:

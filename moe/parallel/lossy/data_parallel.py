@@ -93,29 +93,29 @@ class LossyDPConfig:
             raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip}")
 
 
-def aggregate_gradient(flats_n: list[Tensor], policy: str, transport: LossyTransport, workers: Workers) -> list[Tensor]:
+def aggregate_gradient(flats_Ln: Tensor, policy: str, transport: LossyTransport, workers: Workers) -> list[Tensor]:
     """[S] per local worker: its shard of the estimate of the mean over the workers of their
-    flat gradients (``flats_n``: the local workers'), combined by ``policy``. A collective over
-    ``workers``."""
+    flat gradients (``flats_Ln``: the local workers', stacked), combined by ``policy``. A
+    collective over ``workers``."""
     if policy == "reliable":
-        total_n = workers.sum(flats_n)
+        total_n = workers.sum(flats_Ln)
         return [total_n[lo:hi] / workers.size for lo, hi in (shard_bounds(total_n.numel(), workers.size)[r]
                                                              for r in workers.local)]
     if policy == "unbiased":
-        return [total_S / arrivals_S for total_S, arrivals_S in transport.reduce_scatter_sum(flats_n, workers)]
+        return [total_S / arrivals_S for total_S, arrivals_S in transport.reduce_scatter_sum(flats_Ln, workers)]
     if policy == "naive":
-        return [total_S / workers.size for total_S, _ in transport.reduce_scatter_sum(flats_n, workers)]
+        return [total_S / workers.size for total_S, _ in transport.reduce_scatter_sum(flats_Ln, workers)]
     if policy == "reweighted":
         scale = 1.0 / (1.0 - transport.cfg.rate)
-        return [total_S / workers.size for total_S, _ in transport.reduce_scatter_sum(flats_n, workers, scale)]
+        return [total_S / workers.size for total_S, _ in transport.reduce_scatter_sum(flats_Ln, workers, scale)]
     raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
 
 
-def replica_spread(flats_n: list[Tensor], workers: Workers) -> Tensor:
-    """[n]: max minus min over every worker's ``flats_n`` of each element (one reliable maximum
-    over the workers of the values and their negatives)."""
-    both_2n = workers.max([torch.cat([flat_n, -flat_n]) for flat_n in flats_n])
-    n = flats_n[0].numel()
+def replica_spread(flats_Ln: Tensor, workers: Workers) -> Tensor:
+    """[n]: max minus min over every worker's vector (``flats_Ln``: the local workers', stacked)
+    of each element (one reliable maximum over the workers of the values and their negatives)."""
+    both_2n = workers.max(torch.cat([flats_Ln, -flats_Ln], dim=1))
+    n = flats_Ln.shape[1]
     return both_2n[:n] + both_2n[n:]
 
 
@@ -162,9 +162,9 @@ class LossyReplicas:
     def _estimate(self) -> tuple[list[Tensor], dict]:
         """Each local owner's shard of the aggregated gradient, clipped, and its error figures
         against the reliable mean of the same gradients."""
-        flats_n = [_flat_grads(params) for params in self.params]
-        ests_S = aggregate_gradient(flats_n, self.cfg.policy, self.transport, self.workers)
-        mean_n = self.workers.sum(flats_n) / self.workers.size
+        flats_Ln = torch.stack([_flat_grads(params) for params in self.params])
+        ests_S = aggregate_gradient(flats_Ln, self.cfg.policy, self.transport, self.workers)
+        mean_n = self.workers.sum(flats_Ln) / self.workers.size
         sums = [0.0] * 4
         for (lo, hi), est_S in zip(self.bounds, ests_S):
             mean_S = mean_n[lo:hi].double()
@@ -179,8 +179,8 @@ class LossyReplicas:
                    "grad_norm": grad_norm}
         return [est_S * coef if coef < 1.0 else est_S for est_S in ests_S], figures
 
-    def _drift(self, news_n: list[Tensor]) -> dict:
-        spread_n = replica_spread(news_n, self.workers).double()
+    def _drift(self, news_Ln: Tensor) -> dict:
+        spread_n = replica_spread(news_Ln, self.workers).double()
         drift, offset = {}, 0
         for name, p in zip(self.names, self.params[0]):
             part = spread_n[offset : offset + p.numel()]
@@ -207,11 +207,11 @@ class LossyReplicas:
             optimizer.step()
             shards.append(_flat_params(params)[lo:hi])
         resync = self.cfg.policy == "reliable" or (self.cfg.resync_every > 0 and step % self.cfg.resync_every == 0)
-        news_n = self.transport.all_gather_stale(shards, stales_n, self.workers, reliable=resync)
-        for params, new_n in zip(self.params, news_n):
+        news_Ln = self.transport.all_gather_stale(shards, torch.stack(stales_n), self.workers, reliable=resync)
+        for params, new_n in zip(self.params, news_Ln):
             _write(params, new_n)
         received, expected = self._sum([float(self.transport.received), float(self.transport.expected)])
-        return {**figures, "received_fraction": received / expected if expected else 1.0, **self._drift(news_n),
+        return {**figures, "received_fraction": received / expected if expected else 1.0, **self._drift(news_Ln),
                 "resync": resync}
 
 

@@ -64,6 +64,6 @@ class SimulatedDataParallel(LossyReplicas):
         for group in zip(*modules):
             for bufs in zip(*(m.buffers(recurse=False) for m in group)):
                 if bufs[0].is_floating_point():
-                    mean = self.workers.sum(list(bufs)) / self.workers.size
+                    mean = self.workers.sum(torch.stack(bufs)) / self.workers.size
                     for buf in bufs:
                         buf.copy_(mean)

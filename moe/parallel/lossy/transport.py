@@ -207,21 +207,20 @@ class Workers:
             guarded(f"lossy {op} all-reduce", self.group, lambda: dist.all_reduce(t, op=red, group=self.group))
         return t
 
-    def _reduce(self, parts: list[Tensor], op: str) -> Tensor:
-        if len(parts) != len(self.local):
-            raise ValueError(f"{len(parts)} tensors for {len(self.local)} local workers")
-        out = parts[0].clone()
-        for part in parts[1:]:
-            out = out + part if op == "sum" else torch.maximum(out, part)
+    def _reduce(self, parts_L: Tensor, op: str) -> Tensor:
+        if parts_L.shape[0] != len(self.local):
+            raise ValueError(f"{parts_L.shape[0]} tensors for {len(self.local)} local workers")
+        out = parts_L.sum(0) if op == "sum" else parts_L.amax(0)
         return self.across_processes(out, op)
 
-    def sum(self, parts: list[Tensor]) -> Tensor:
-        """The elementwise sum over every worker of its tensor (``parts``: the local workers')."""
-        return self._reduce(parts, "sum")
+    def sum(self, parts_L: Tensor) -> Tensor:
+        """The elementwise sum over every worker of its tensor (``parts_L``: the local workers',
+        stacked along dim 0)."""
+        return self._reduce(parts_L, "sum")
 
-    def max(self, parts: list[Tensor]) -> Tensor:
-        """The elementwise maximum over every worker of its tensor."""
-        return self._reduce(parts, "max")
+    def max(self, parts_L: Tensor) -> Tensor:
+        """The elementwise maximum over every worker of its tensor (stacked as for :meth:`sum`)."""
+        return self._reduce(parts_L, "max")
 
 
 class LossyTransport:
@@ -257,86 +256,98 @@ class LossyTransport:
         lost_K = lost_packets(self.cfg, self.step, stream, src, dst, self.cfg.num_packets(n))
         return expand_packets(lost_K, n, self.cfg.packet_size)
 
-    def _shard_table(self, stream: int, n: int, size: int) -> tuple[list[tuple[int, int]], Tensor, Tensor, Tensor]:
-        """The shards of a flat vector of ``n`` elements over ``size`` workers and the loss of the
-        messages that carry them: (bounds, lost_PPK (bool [src, dst, packet]; for a message to dst
-        the first ``num_packets`` of shard dst's length count), owner_n (the shard of each
-        element), packet_n (the packet of each element within its shard))."""
+    def _shard_table(self, stream: int, n: int, size: int) -> _ShardTable:
         bounds = shard_bounds(n, size)
-        lengths = [hi - lo for lo, hi in bounds]
+        lengths = torch.tensor([hi - lo for lo, hi in bounds])
+        packets_P = (lengths + self.cfg.packet_size - 1) // self.cfg.packet_size
+        width = int(packets_P.max())
         src_M, dst_M = np.divmod(np.arange(size * size), size)
-        lost_MK = lost_packet_table(self.cfg, self.step, stream, src_M, dst_M, self.cfg.num_packets(max(lengths)))
-        owner_n = torch.repeat_interleave(torch.arange(size), torch.tensor(lengths))
-        packet_n = torch.cat([torch.arange(length) // self.cfg.packet_size for length in lengths])
-        return bounds, torch.from_numpy(lost_MK).view(size, size, -1), owner_n, packet_n
+        lost_PPK = torch.from_numpy(lost_packet_table(self.cfg, self.step, stream, src_M, dst_M, width)).view(size, size, width)
+        owner_n = torch.repeat_interleave(torch.arange(size), lengths)
+        packet_n = torch.cat([torch.arange(int(length)) // self.cfg.packet_size for length in lengths])
+        return _ShardTable(bounds, lost_PPK, packets_P, owner_n, owner_n * width + packet_n, packet_n)
 
-    def _count(self, lost_MK: Tensor, length: int) -> None:
-        """Count the network packets of the messages ``lost_MK`` (one row each) that carry a shard
-        of ``length`` elements."""
-        k = self.cfg.num_packets(length)
-        self.expected += lost_MK.shape[0] * k
-        self.received += int((~lost_MK[:, :k]).sum())
+    def _count(self, lost_PPK: Tensor, valid_PPK: Tensor, receivers: list[int]) -> None:
+        """Count the network packets (``valid_PPK``: [src, dst, packet] of real messages) that
+        this process's ``receivers`` expected and received."""
+        valid = valid_PPK[:, receivers]
+        self.expected += int(valid.sum())
+        self.received += int((valid & ~lost_PPK[:, receivers]).sum())
 
-    def reduce_scatter_sum(self, flats_n: list[Tensor], workers: Workers,
-                           sender_scale: float = 1.0) -> list[tuple[Tensor, Tensor]]:
+    def reduce_scatter_sum(self, flats_Ln: Tensor, workers: Workers, sender_scale: float = 1.0) -> list[tuple[Tensor, Tensor]]:
         """Per local worker (as the owner of its shard, ``shard_bounds``): (sum, arrivals): ``sum``
         adds the shard of every worker whose packet arrived (the owner's own always does), each
         other worker's contribution multiplied by ``sender_scale``; ``arrivals`` (same dtype)
-        counts the contributions that arrived, per element. ``flats_n``: the local workers'
-        vectors. A collective over ``workers``.
+        counts the contributions that arrived, per element. ``flats_Ln``: the local workers'
+        vectors, stacked. A collective over ``workers``.
 
         Simulation: each sender zeroes the packets it loses, then one reliable sum over the
         workers (an all-reduce between processes: the simulation moves the whole vector where a
         real reduce-scatter moves 1/P of it). With nothing lost and scale 1 the one worker per
-        process reduces ``flat_n`` itself, so the sum is bitwise the reliable one."""
+        process reduces its ``flat_n`` itself, so the sum is bitwise the reliable one."""
         stream = self.next_stream()
-        bounds, lost_PPK, owner_n, packet_n = self._shard_table(stream, flats_n[0].numel(), workers.size)
-        masked = []
-        for src, flat_n in zip(workers.local, flats_n):
-            keep_n = ~lost_PPK[src, owner_n, packet_n].to(flat_n.device)
-            if sender_scale != 1.0:
-                other_n = (owner_n != src).to(flat_n.device)
-                flat_n = torch.where(other_n, flat_n * sender_scale, flat_n)
-            masked.append(torch.where(keep_n, flat_n, torch.zeros_like(flat_n)))
-        total_n = workers.sum(masked)
+        size, local = workers.size, list(workers.local)
+        tab = self._shard_table(stream, flats_Ln.shape[1], size)
+        device = flats_Ln.device
+        if sender_scale != 1.0:  # x * 1.0 == x bitwise, but skip the pass
+            own_Ln = tab.owner_n.to(device)[None, :] == torch.tensor(local, device=device)[:, None]
+            flats_Ln = torch.where(own_Ln, flats_Ln, flats_Ln * sender_scale)
+        lost_Ln = tab.lost_PPK[local].reshape(len(local), -1).index_select(1, tab.flat_packet_n).to(device)
+        total_n = workers.sum(torch.where(lost_Ln, 0.0, flats_Ln))
+        carries_PPK = torch.arange(tab.lost_PPK.shape[2])[None, None, :] < tab.packets_P[None, :, None]  # shard dst
+        self._count(tab.lost_PPK, carries_PPK & ~torch.eye(size, dtype=torch.bool)[:, :, None], local)
+        arrivals_LK = (~tab.lost_PPK[:, local]).sum(0).to(flats_Ln.dtype).to(device)
         out = []
-        for dst in workers.local:
-            lo, hi = bounds[dst]
-            self._count(lost_PPK[[src for src in range(workers.size) if src != dst], dst], hi - lo)
-            arrivals_S = (~lost_PPK[:, dst, packet_n[lo:hi]]).sum(0).to(total_n.dtype).to(total_n.device)
-            out.append((total_n[lo:hi], arrivals_S))
+        for i, dst in enumerate(local):
+            lo, hi = tab.bounds[dst]
+            out.append((total_n[lo:hi], arrivals_LK[i, tab.packet_n[lo:hi]]))
         return out
 
-    def all_gather_stale(self, shards: list[Tensor], stales_n: list[Tensor], workers: Workers,
-                         reliable: bool = False) -> list[Tensor]:
-        """Per local worker: [n], every worker's shard (``shard_bounds`` of n) gathered into one
+    def all_gather_stale(self, shards: list[Tensor], stales_Ln: Tensor, workers: Workers,
+                         reliable: bool = False) -> Tensor:
+        """[L, n]: per local worker, every worker's shard (``shard_bounds`` of n) gathered into one
         vector, where an element of another worker's shard whose packet is lost keeps its value
-        from that local worker's ``stales_n`` entry; ``shards``: the local workers' own shards.
+        from that local worker's row of ``stales_Ln``; ``shards``: the local workers' own shards.
         ``reliable`` loses nothing (a resync). A collective over ``workers``.
 
         Simulation: a reliable sum of the shards placed in zero vectors (bitwise the shards:
         every other term is 0), then each receiver puts its stale values back where packets
         were lost."""
         stream = self.next_stream()
-        n = stales_n[0].numel()
-        bounds, lost_PPK, owner_n, packet_n = self._shard_table(stream, n, workers.size)
-        placed = []
-        for rank, shard in zip(workers.local, shards):
-            lo, hi = bounds[rank]
+        size, local = workers.size, list(workers.local)
+        n = stales_Ln.shape[1]
+        tab = self._shard_table(stream, n, size)
+        placed_Ln = stales_Ln.new_zeros(len(local), n)
+        for i, (rank, shard) in enumerate(zip(local, shards)):
+            lo, hi = tab.bounds[rank]
             if shard.numel() != hi - lo:
                 raise ValueError(f"worker {rank} holds a shard of {shard.numel()} elements, expected {hi - lo}")
-            full_n = shard.new_zeros(n)
-            full_n[lo:hi] = shard
-            placed.append(full_n)
-        gathered_n = workers.sum(placed)
-        out = []
-        for rank, stale_n in zip(workers.local, stales_n):
-            if reliable:
-                out.append(gathered_n.clone())
-                continue
-            for src, (lo, hi) in enumerate(bounds):
-                if src != rank:
-                    self._count(lost_PPK[src : src + 1, rank], hi - lo)
-            lost_n = lost_PPK[owner_n, rank, packet_n].to(stale_n.device)
-            out.append(torch.where(lost_n, stale_n, gathered_n))
-        return out
+            placed_Ln[i, lo:hi] = shard
+        gathered_n = workers.sum(placed_Ln)
+        if reliable:
+            return gathered_n.expand(len(local), n).clone()
+        lost_recv_PPK = tab.lost_PPK.transpose(0, 1)  # [receiver, owner, packet]
+        carries_PPK = torch.arange(tab.lost_PPK.shape[2])[None, None, :] < tab.packets_P[:, None, None]  # shard src
+        self._count(tab.lost_PPK, carries_PPK & ~torch.eye(size, dtype=torch.bool)[:, :, None], local)
+        lost_Ln = lost_recv_PPK[local].reshape(len(local), -1).index_select(1, tab.flat_packet_n).to(stales_Ln.device)
+        return torch.where(lost_Ln, stales_Ln, gathered_n[None, :])
+
+
+@dataclass
+class _ShardTable:
+    """A flat vector of n elements cut into the shards of P workers, and the loss of the
+    messages of one stream that carry them."""
+
+    bounds: list[tuple[int, int]]
+    """[start, stop) of each worker's shard (``shard_bounds``)."""
+    lost_PPK: Tensor
+    """bool [src, dst, packet]: packet k of the message src -> dst lost (K: the longest shard's
+    packets; a message carries as many packets as its shard has)."""
+    packets_P: Tensor
+    """Packets of each shard."""
+    owner_n: Tensor
+    """int64 [n]: the shard (owner) of each element."""
+    flat_packet_n: Tensor
+    """int64 [n]: owner * K + packet of each element: its packet's column in ``lost_PPK[s].reshape(-1)``."""
+    packet_n: Tensor
+    """int64 [n]: the packet of each element within its shard."""
