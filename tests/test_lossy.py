@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from kernels.reference import moe_ffn_reference
+from moe import MoELayer
 from moe.experts import SwiGLUExperts
 from moe.parallel import ExpertParallel, expert_parallel_ffn, local_expert_range, reduce_gradients
 from moe.parallel.launch import ok_values, run_local
@@ -48,7 +49,6 @@ from moe.parallel.lossy import (
     lost_packets,
     shard_bounds,
 )
-from moe import MoELayer
 from moe.parallel.lossy.expert import LossyExpertParallel, drop_lost_assignments, wrap_expert_parallel_routers
 from moe.parallel.lossy.transport import expand_packets
 
@@ -249,11 +249,8 @@ def _drift_run(rank: int, size: int, resync_every: int, steps: int) -> dict:
             "received": float(np.mean(received))}
 
 
-def _expert_checks(rank: int, size: int) -> dict:
-    """Expert-parallel exchange under loss: the surviving assignments through
-    ``expert_parallel_ffn`` == the single-process reference on them; the lost set == a
-    brute-force reading of the two messages' packets; renormalised weights keep each token's sum."""
-    num_experts, d, f, n = 4, 8, 12, 10
+def _experts(num_experts: int, d: int, f: int) -> tuple[SwiGLUExperts, SwiGLUExperts, int, int]:
+    """(all experts, this rank's block of them, its first and past-last expert), float64, seed 0."""
     torch.manual_seed(0)
     full = SwiGLUExperts(num_experts, d, f).double()
     start, stop = local_expert_range(num_experts, None)
@@ -261,6 +258,15 @@ def _expert_checks(rank: int, size: int) -> dict:
     with torch.no_grad():
         for name in ("w_gate", "w_up", "w_down"):
             getattr(local, name).copy_(getattr(full, name)[start:stop])
+    return full, local, start, stop
+
+
+def _expert_checks(rank: int, size: int) -> dict:
+    """Expert-parallel exchange under loss: the surviving assignments through
+    ``expert_parallel_ffn`` == the single-process reference on them; the lost set == a
+    brute-force reading of the two messages' packets; renormalised weights keep each token's sum."""
+    num_experts, d, f, n = 4, 8, 12, 10
+    full, local, start, stop = _experts(num_experts, d, f)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(n, d, dtype=torch.float64, generator=g)
     expert_A = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(n)]).reshape(-1)
@@ -342,13 +348,7 @@ def _expert_backward_checks(rank: int, size: int) -> dict:
     brute-force from the two messages' packets (streams 0: return backward, 1: dispatch backward)."""
     num_experts, d, f, n, step = 4, 8, 12, 10, 5
     cfg = LossConfig(rate=0.3, packet_size=4, seed=7)
-    torch.manual_seed(0)
-    full = SwiGLUExperts(num_experts, d, f).double()
-    start, stop = local_expert_range(num_experts, None)
-    local = SwiGLUExperts(stop - start, d, f).double()
-    with torch.no_grad():
-        for name in ("w_gate", "w_up", "w_down"):
-            getattr(local, name).copy_(getattr(full, name)[start:stop])
+    full, local, start, stop = _experts(num_experts, d, f)
     x, token_A, expert_A, weight_A, grad_out = _ep_data(rank, num_experts, d, n)
     x.requires_grad_(True)
     weight_A.requires_grad_(True)

@@ -29,7 +29,7 @@ over ranks.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
