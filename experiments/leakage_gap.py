@@ -7,10 +7,12 @@ does). Their difference is the leakage gap.
     python experiments/leakage_gap.py                  # the committed full run (18 min on 2 shared CPU cores)
     python experiments/leakage_gap.py --corpora canary --routers topk expert_choice --canary-steps 3000
     python experiments/leakage_gap.py --data path/to/texts --json runs/gap.json
+    python experiments/leakage_gap.py --corpora text --data data/mine     # a prepared directory (python -m moe.data prepare)
     python experiments/leakage_gap.py --replot experiments/results/leakage_gap.json
     python experiments/leakage_gap.py --update experiments/results/leakage_gap.json --routers capacity_prefix
 
-Two corpora: ``text`` (byte-level Python standard library source, or ``--data PATH``) and
+Two corpora: ``text`` (byte-level Python standard library source, ``--data PATH`` of text, or a
+prepared token directory, whose vocabulary the model then has) and
 ``canary`` (uniformly random tokens over V=8: no causal model can beat log 8 nats, so any
 teacher-forced loss below it is information taken from the future). The causal loss is what
 decoding computes: through the KV cache for routers that can decode from a state, by
@@ -19,7 +21,9 @@ recomputing every prefix for those that cannot (``moe.eval.evaluate``; the row's
 in the quick run and at every position in the full run; on the canary at every position.
 
 Writes ``--json`` (``{"routers": [{"router", "corpus", "teacher_forced_loss", "causal_loss",
-"leakage_gap", ...}]}``), a markdown table and a figure (loss curves and gap bars) next to it.
+"leakage_gap", ..., "sample"}]}``, the sample: text greedily decoded after the start of the
+validation split, through the data's tokenizer, also printed for the text corpus), a markdown
+table and a figure (loss curves and gap bars) next to it.
 Jobs run in ``--workers`` processes with one thread each (tiny models run fastest that way).
 """
 
@@ -44,6 +48,8 @@ from moe.eval import evaluate
 from moe.training import TrainConfig, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SAMPLE_PROMPT, SAMPLE_NEW = 32, 48
+"""Tokens of the prompt (the start of the validation split) and greedily decoded tokens of each row's sample."""
 
 ROUTERS: dict[str, tuple[str, dict]] = {
     # label: (registered router name, options). Capacity factor 1 everywhere: leaks need contention.
@@ -92,12 +98,16 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
     name, options = ROUTERS[label]
     cfg = TrainConfig(router=name, router_options=options, **fields)
     res = train(cfg)
-    val = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab).val
+    data = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
+    val = data.val
     train_mode = evaluate(res.model, val, cfg.seq_len, cfg.eval_windows, cfg.causal_stride, cfg.eval_batch_size,
                           causal=False, with_train_mode=True)
     ev = {**res.final_eval, "train_mode_loss": train_mode["train_mode_loss"]}
     claims = res.model.blocks[0].ffn.router.claims
     causal_method = "cache" if res.model.eval().decode_support() is None else "recompute"
+    with torch.no_grad():  # greedy, from the start of the validation split, as decoding sees it
+        sample = res.model.generate(val[torch.arange(SAMPLE_PROMPT)].long().view(1, -1), SAMPLE_NEW, temperature=0,
+                                    recompute=causal_method == "recompute")[0]
     return {
         "router": label,
         "router_name": name,
@@ -112,6 +122,7 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
         "train_time_s": res.train_time_s,
         "steps": cfg.steps,
         "loss_curve": [r["loss"] for r in res.history],
+        "sample": data.decode(sample),
     }
 
 
@@ -192,7 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="fewer steps and positions (< 5 min on 2 CPU cores)")
     p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
     p.add_argument("--corpora", nargs="+", default=["canary", "text"], choices=["canary", "text"])
-    p.add_argument("--data", default="stdlib", help="text corpus: 'stdlib' or a path (default: stdlib)")
+    p.add_argument("--data", default="stdlib", help="text corpus: 'stdlib', a text path or a prepared directory "
+                                                   "(default: stdlib)")
     p.add_argument("--canary-steps", type=int, help="override the canary's training steps")
     p.add_argument("--text-steps", type=int, help="override the text corpus's training steps")
     p.add_argument("--canary-lr", type=float, default=3e-3, help="peak learning rate on the canary")
@@ -235,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(r)
             tqdm.write(f"{r['corpus']:>6} {r['router']:<18} tf {r['teacher_forced_loss']:.4f}  "
                        f"causal {r['causal_loss']:.4f}  gap {r['leakage_gap']:+.4f}  ({r['train_time_s']:.0f} s)")
+            if r["corpus"] == "text":
+                tqdm.write(f"{'':>6} {r['router']} sample: {r['sample']!r}")
     wall = time.perf_counter() - t0
     if previous is not None:
         fresh = {(r["corpus"], r["router"]) for r in rows}

@@ -88,3 +88,14 @@ def test_batches_are_a_function_of_seed_and_step():
     assert eval_offsets(100, 8, 4).tolist() == [0, 24, 48, 72]
     with pytest.raises(ValueError, match="non-overlapping windows"):
         eval_offsets(100, 8, 50)
+
+
+def test_byte_and_canary_corpora_decode_and_encode():
+    text = "déjà vu: def f(x):\n"
+    c = load_corpus("stdlib", max_bytes=10_000)
+    assert c.encode(text) == list(text.encode()) and c.decode(c.encode(text)) == text
+    assert c.decode([0xE2, 0x82]) == "\ufffd"  # a cut UTF-8 sequence is replaced, never raised
+    canary = load_corpus("canary", max_bytes=1_000, canary_vocab=8)
+    assert canary.decode(torch.tensor([3, 0, 7])) == "3 0 7"
+    with pytest.raises(ValueError, match="no text encoding"):
+        canary.encode("abc")

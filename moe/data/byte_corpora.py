@@ -1,6 +1,6 @@
-"""Byte-level corpora for training and evaluation. No downloads.
+"""Byte-level corpora (vocabulary 256), the embedded default. No downloads.
 
-Three sources, chosen by one string (``load_corpus(source)``):
+Three sources, chosen by one string (``moe.data.load_corpus(source)``):
 
 * ``"stdlib"`` (the default): the Python standard library's own ``.py`` source files, read
   from the running interpreter's installation (``sysconfig.get_paths()["stdlib"]``, without
@@ -12,48 +12,26 @@ Three sources, chosen by one string (``load_corpus(source)``):
   teacher-forced loss below it is information taken from the future.
 * a path: a text file, or a directory whose files (recursively, sorted) are concatenated.
 
-The train/validation split is deterministic: the stream is cut into 20 equal segments and the
-last ``val_fraction`` of each is validation (see :func:`split`), the rest is training.
-
-Shape legend: B batch, T sequence length, W evaluation windows.
+The stream is loaded whole (``max_bytes``, 4 MB by default) and split by
+``moe.data.corpus.split``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from moe.data.corpus import Corpus, split
+
 CANARY_SEED = 20261129
 """Seed of the canary's random token stream (fixed: the canary is the same everywhere)."""
-
-
-@dataclass
-class Corpus:
-    """A token stream split into training and validation parts."""
-
-    train: Tensor
-    """uint8 [N_train]: training tokens."""
-    val: Tensor
-    """uint8 [N_val]: validation tokens."""
-    vocab_size: int
-    """Number of distinct token ids the model must cover (256 for bytes)."""
-    source: str
-    """Where the tokens came from, for logs."""
-
-    def __post_init__(self) -> None:
-        for name in ("train", "val"):
-            t = getattr(self, name)
-            if t.dim() != 1 or t.dtype != torch.uint8:
-                raise ValueError(f"Corpus.{name} must be a 1-D uint8 tensor, got {t.dtype} {tuple(t.shape)}")
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,26 +75,6 @@ def read_bytes(files: Sequence[Path], max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def split(tokens: Tensor, val_fraction: float, num_segments: int = 20) -> tuple[Tensor, Tensor]:
-    """(train, val): the stream is cut into ``num_segments`` equal segments (fewer for tiny
-    corpora) and the last ``val_fraction`` of each is validation, so validation samples the
-    whole corpus. Exactly ``floor(N * val_fraction)`` tokens (at least one) are validation."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    n = tokens.numel()
-    n_val = max(1, math.floor(n * val_fraction))
-    if n - n_val < 1:
-        raise ValueError(f"corpus of {n} tokens is too small to split with val_fraction={val_fraction}")
-    segments = min(num_segments, n_val)
-    is_val = torch.zeros(n, dtype=torch.bool)
-    for k in range(segments):
-        end = (k + 1) * n // segments
-        # Cumulative targets telescope to n_val in total.
-        take = (k + 1) * n_val // segments - k * n_val // segments
-        is_val[end - take : end] = True
-    return tokens[~is_val], tokens[is_val]
-
-
 def canary_tokens(vocab_size: int, num_tokens: int, seed: int = CANARY_SEED) -> Tensor:
     """uint8 [num_tokens]: i.i.d. uniform tokens in [0, vocab_size), the same for a given seed."""
     if not 2 <= vocab_size <= 256:
@@ -125,8 +83,8 @@ def canary_tokens(vocab_size: int, num_tokens: int, seed: int = CANARY_SEED) -> 
     return torch.randint(0, vocab_size, (num_tokens,), generator=g, dtype=torch.int64).to(torch.uint8)
 
 
-@functools.lru_cache(maxsize=8)
-def _load_cached(source: str, val_fraction: float, max_bytes: int, canary_vocab: int) -> Corpus:
+def load_bytes(source: str, val_fraction: float, max_bytes: int, canary_vocab: int) -> Corpus:
+    """``"stdlib"``, ``"canary"`` or a text path as a byte corpus (``max_bytes``: tokens read, or drawn)."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
     if source == "canary":
@@ -152,41 +110,3 @@ def _load_cached(source: str, val_fraction: float, max_bytes: int, canary_vocab:
     train, val = split(tokens, val_fraction)
     return Corpus(train, val, 256, where)
 
-
-def load_corpus(source: str = "stdlib", val_fraction: float = 0.1, max_bytes: int = 4_000_000, canary_vocab: int = 8) -> Corpus:
-    """Load ``"stdlib"``, ``"canary"`` or a path (file or directory) as a byte-level corpus.
-
-    ``max_bytes`` caps the tokens read (for the canary: the number of tokens drawn). Results
-    are cached per process: the tensors are shared, treat them as read-only.
-    """
-    return _load_cached(str(source), float(val_fraction), int(max_bytes), int(canary_vocab))
-
-
-def batch_offsets(num_tokens: int, seq_len: int, batch_size: int, seed: int, step: int) -> Tensor:
-    """int64 [B]: start offsets of the training windows of ``step``: a pure function of
-    (seed, step), so a resumed run draws the same batches and any process can draw any step."""
-    if num_tokens < seq_len + 1:
-        raise ValueError(f"training split has {num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return torch.randint(0, num_tokens - seq_len, (batch_size,), generator=g)
-
-
-def windows(tokens: Tensor, offsets_B: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-    """(idx_BT, targets_BT) int64: inputs tokens[o:o+T] and next tokens tokens[o+1:o+T+1]."""
-    ar_T1 = torch.arange(seq_len + 1)
-    w_BT1 = tokens[offsets_B[:, None] + ar_T1].long()
-    return w_BT1[:, :-1], w_BT1[:, 1:]
-
-
-def eval_offsets(num_tokens: int, seq_len: int, num_windows: int) -> Tensor:
-    """int64 [W]: evenly spaced, non-overlapping validation windows (deterministic)."""
-    available = (num_tokens - 1) // seq_len
-    if available < 1:
-        raise ValueError(f"validation split has {num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}")
-    if num_windows > available:
-        raise ValueError(
-            f"validation split holds {available} non-overlapping windows of {seq_len} tokens, "
-            f"{num_windows} were asked for: lower eval_windows or raise val_fraction"
-        )
-    slot_W = torch.div(torch.arange(num_windows) * available, num_windows, rounding_mode="floor")
-    return slot_W * seq_len
