@@ -6,9 +6,13 @@ against the reliable run of the same seed (same initialisation, batches and pack
     python experiments/packet_loss.py --quick     # 4 gloo processes, 40 steps, 10%: 2 min on 2 loaded cores
     # 4 gloo processes through the training loop, the grid of the earlier studies
     python experiments/packet_loss.py --rates 0.1 --policies unbiased naive --seeds 0 1 2 --steps 1000
-    # many workers and large batches: logical workers in one process (moe.parallel.lossy.simulated)
-    python experiments/packet_loss.py --simulate --runs 8:4 32:16 128:64 --rates 0.1 --policies unbiased naive \
-        --seeds 0 1 2 --steps 600 --seq-len 64 --model n_layers=1 --json experiments/results/packet_loss_scaling.json
+    # many workers, large batches: logical workers in one process (moe.parallel.lossy.simulated);
+    # experiments/results/packet_loss_scaling.*: one process per seed side by side, then merged
+    for s in 0 1 2; do python experiments/packet_loss.py --simulate --runs 128:64 32:16 8:4 --rates 0.1 \
+        --policies unbiased naive --seeds $s --steps 250 --seq-len 64 --model n_layers=1 --eval-windows 128 \
+        --json experiments/results/packet_loss_scaling_parts/seed$s.json & done; wait
+    python experiments/packet_loss.py --merge experiments/results/packet_loss_scaling_parts/seed{0,1,2}.raw.json \
+        --json experiments/results/packet_loss_scaling.json
 
 ``--runs B:P ...``: global batch B (sequences per step; tokens per step = B x seq_len) over P
 workers (B / P sequences each). Without ``--simulate`` a run is the training loop itself
