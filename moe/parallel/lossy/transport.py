@@ -1,8 +1,8 @@
 """A simulated lossy transport on top of ``torch.distributed``: messages cut into packets,
 packets lost at random, the loss pattern a pure function of where and when a packet travels.
 
-Shape legend: P ranks in the group, n elements in a message (a flat tensor), K packets of a
-message (K = ceil(n / packet_size)).
+Shape legend: P workers (ranks), L of them held by this process, n elements in a message (a
+flat tensor), K packets of a message (K = ceil(n / packet_size)), M messages.
 
 **What is simulated, honestly.** torch.distributed has no unreliable transport: gloo and NCCL
 deliver every byte. Here the real collective runs reliably and the loss is applied around it,
@@ -21,6 +21,11 @@ destination, packet index) (a counter-based hash, no random state), so
 broadcast, each expert-parallel exchange): :class:`LossyTransport` numbers them in call order,
 which is the same on every rank because every rank joins the same collectives in the same
 order. A rank's packets to itself never cross the network and are never lost.
+
+**Workers** (:class:`Workers`): the data-parallel collectives run among P workers, one per
+process (training over ``torch.distributed``) or all in one process (the simulator,
+``moe.parallel.lossy.simulated``); a sum over the workers is a sum over the process's own
+followed by an all-reduce between processes. Worker j's packets are lost alike either way.
 
 Loss models (:class:`LossConfig`): independent losses with probability p per packet, or
 bursts (Gilbert's two-state channel, the Gilbert-Elliott model with loss probability 1 in
