@@ -45,14 +45,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe.data import load_corpus
 from moe.parallel import clip_grad_norm_, rank_state_bytes, share_router_statistics
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
+from moe.parallel.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages
 from moe.training import TrainConfig, build_model, model_config
+from moe.training.batches import local_batch
 from moe.training.distributed import DistInfo
-from moe.training.loop import local_batch, make_optimizer
-from moe.training.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages
+from moe.training.optim import make_optimizer
 
 
 def layouts_for(world: int, num_experts: int) -> list[tuple[int, int]]:
@@ -64,13 +64,13 @@ def layouts_for(world: int, num_experts: int) -> list[tuple[int, int]]:
 def _timed_steps(model, optimizer, corpus, cfg: TrainConfig, info: DistInfo, n: int) -> list[float]:
     times = []
     for step in range(1, n + 1):
-        idx_BT, targets_BT = local_batch(corpus, cfg, step, info)
+        idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, info.device, (info.rank, info.world_size))
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
         out = model(idx_BT, targets_BT)
         (out.loss + out.aux_loss).backward()
-        clip_grad_norm_(model, cfg.grad_clip)
+        clip_grad_norm_(model, cfg.optimizer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - t0)
@@ -78,16 +78,16 @@ def _timed_steps(model, optimizer, corpus, cfg: TrainConfig, info: DistInfo, n: 
 
 
 def bench_rank(rank: int, world: int, opts: dict) -> dict:
-    cfg = TrainConfig(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
-                      max_bytes=opts["max_bytes"], progress=False)
-    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
-    mcfg = model_config(cfg, corpus.vocab_size)
+    cfg = TrainConfig.flat(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
+                           max_bytes=opts["max_bytes"], progress=False)
+    corpus = cfg.data.load()
+    mcfg = model_config(cfg.model, corpus.vocab_size)
     device = torch.device("cpu")
     info = DistInfo(rank, world, rank, device)
     n = opts["warmup"] + opts["iters"]
 
     plain = build_model(mcfg, cfg.seed, device)
-    plain_opt = make_optimizer(plain, cfg)
+    plain_opt = make_optimizer(plain, cfg.optimizer)
     compute = statistics.median(_timed_steps(plain, plain_opt, corpus, cfg, info, n)[opts["warmup"]:])
     rows = {}
     for r, p in layouts_for(world, mcfg.num_experts) if world > 1 else [(1, 1)]:
@@ -97,7 +97,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
         if pmesh is not None:
             shard_model(model, pmesh, list(model.blocks), mixed_precision(device))
             share_router_statistics(model, dist.group.WORLD)
-        optimizer = make_optimizer(model, cfg)
+        optimizer = make_optimizer(model, cfg.optimizer)
         step = statistics.median(_timed_steps(model, optimizer, corpus, cfg, info, n)[opts["warmup"]:])
         mine = torch.tensor([step, compute, float(rank_state_bytes(model, optimizer)["total"])], dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in range(world)]
@@ -127,10 +127,10 @@ def _timed(fn, total: list[float]):
 
 def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
     """Every (schedule, M) of ``opts`` on ``world`` pipeline ranks: step and busy time."""
-    cfg = TrainConfig(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
-                      max_bytes=opts["max_bytes"], progress=False, model={"n_layers": opts["pipeline_layers"]})
-    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
-    mcfg = model_config(cfg, corpus.vocab_size)
+    cfg = TrainConfig.flat(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
+                           max_bytes=opts["max_bytes"], progress=False, model={"n_layers": opts["pipeline_layers"]})
+    corpus = cfg.data.load()
+    mcfg = model_config(cfg.model, corpus.vocab_size)
     device = torch.device("cpu")
     info = DistInfo(rank, world, rank, device)
     tied = dist.new_group([0, world - 1])
@@ -138,18 +138,18 @@ def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
     for schedule in SCHEDULES:
         v = virtual_stages(schedule)
         for m in opts["pipeline_microbatches"]:
-            if cfg.batch_size % m or (schedule != "gpipe" and m % world):
+            if cfg.data.batch_size % m or (schedule != "gpipe" and m % world):
                 continue  # a microbatch count this schedule refuses
             stage = StageModel(build_model(mcfg, cfg.seed, device), rank, world, v)
-            pipe = Pipeline(stage, schedule, m, (cfg.batch_size // m, cfg.seq_len), dist.group.WORLD, device)
+            pipe = Pipeline(stage, schedule, m, (cfg.data.batch_size // m, cfg.data.seq_len), dist.group.WORLD, device)
             busy = [0.0]
             for st in pipe.stages:
                 st.forward_one_chunk = _timed(st.forward_one_chunk, busy)
                 st.backward_one_chunk = _timed(st.backward_one_chunk, busy)
-            optimizer = make_optimizer(stage, cfg)
+            optimizer = make_optimizer(stage, cfg.optimizer)
             steps, busies = [], []
             for step in range(1, opts["warmup"] + opts["iters"] + 1):
-                idx_BT, targets_BT = local_batch(corpus, cfg, step, info, (0, 1))
+                idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, info.device)
                 dist.barrier()
                 busy[0] = 0.0
                 t0 = time.perf_counter()
@@ -157,7 +157,7 @@ def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
                 stage.pop_records()
                 sync_tied_gradient(stage.tied_weight(), tied)
                 t_opt = time.perf_counter()
-                clip_grad_norm_(stage, cfg.grad_clip, dist.group.WORLD, stage.uncounted())
+                clip_grad_norm_(stage, cfg.optimizer.grad_clip, dist.group.WORLD, stage.uncounted())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 end = time.perf_counter()

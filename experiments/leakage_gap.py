@@ -30,6 +30,7 @@ Jobs run in ``--workers`` processes with one thread each (tiny models run fastes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -42,9 +43,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe.data import load_corpus
-from moe.routers import build_router
 from moe.eval import evaluate
+from moe.routers import build_router
 from moe.training import TrainConfig, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -96,12 +96,12 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
     """Train one (router, corpus) pair and evaluate it; runs in a worker process."""
     torch.set_num_threads(1)
     name, options = ROUTERS[label]
-    cfg = TrainConfig(router=name, router_options=options, **fields)
+    cfg = TrainConfig.flat(router=name, router_options=options, **fields)
     res = train(cfg)
-    data = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes, cfg.canary_vocab)
+    data = cfg.data.load()
     val = data.val
-    train_mode = evaluate(res.model, val, cfg.seq_len, cfg.eval_windows, cfg.causal_stride, cfg.eval_batch_size,
-                          causal=False, with_train_mode=True)
+    train_mode = evaluate(res.model, val, cfg.data.seq_len, cfg.eval.eval_windows, cfg.eval.causal_stride,
+                          cfg.eval.eval_batch_size, causal=False, with_train_mode=True)
     ev = {**res.final_eval, "train_mode_loss": train_mode["train_mode_loss"]}
     claims = res.model.blocks[0].ffn.router.claims
     causal_method = "cache" if res.model.eval().decode_support() is None else "recompute"
@@ -120,9 +120,10 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
                               "train_mode_loss", "eval_positions")},
         "final_train_loss": sum(r["loss"] for r in res.history[-50:]) / len(res.history[-50:]),
         "train_time_s": res.train_time_s,
-        "steps": cfg.steps,
+        "steps": cfg.optimizer.steps,
         "loss_curve": [r["loss"] for r in res.history],
         "sample": data.decode(sample),
+        "config": dataclasses.asdict(cfg),
     }
 
 

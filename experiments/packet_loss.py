@@ -61,9 +61,9 @@ from moe.layer import update_routers
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.lossy import METRICS, POLICIES, SimulatedDataParallel
 from moe.routing import Router
-from moe.training import TrainConfig, train
-from moe.training.distributed import DistInfo
-from moe.training.loop import build_model, local_batch, lr_at, make_optimizer, model_config
+from moe.training import TrainConfig, build_model, lr_at, model_config, train
+from moe.training.batches import local_batch
+from moe.training.optim import make_optimizer, set_lr
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAPER_PCT = 0.8
@@ -74,7 +74,7 @@ HISTORY = ("loss", *METRICS)
 def run_config(common: dict, job: dict) -> TrainConfig:
     """The training configuration of one run: the study's settings, the job's batch, seed and
     policy (the reliable baseline is the ``reliable`` policy over the same transport)."""
-    return TrainConfig(
+    return TrainConfig.flat(
         preset=common["preset"], model=dict(common["model"]), router="topk", router_options=dict(common["router_options"]),
         max_bytes=common["max_bytes"], seq_len=common["seq_len"], batch_size=job["batch_size"], steps=common["steps"],
         seed=job["seed"], warmup_steps=common["warmup_steps"], eval_windows=common["eval_windows"],
@@ -91,22 +91,21 @@ def simulate(cfg: TrainConfig, workers: int, corpus: Corpus) -> dict:
     over the workers before their update. Returns per-step figures and worker 0's final
     teacher-forced validation loss."""
     device = torch.device("cpu")
-    model = build_model(model_config(cfg, corpus.vocab_size), cfg.seed, device)
+    model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, device)
     if any(m.aux_loss_coef > 0 for m in model.modules() if isinstance(m, Router)):
         raise ValueError("the simulator counts load-balancing fractions per worker, the processes over all ranks: "
                          "use aux_loss_coef=0 (balance_rate balances without that loss)")
-    sim = SimulatedDataParallel(model, lambda m: make_optimizer(m, cfg), cfg.lossy_data_parallel(), workers)
-    info = DistInfo(0, 1, 0, device)
+    sim = SimulatedDataParallel(model, lambda m: make_optimizer(m, cfg.optimizer),
+                                cfg.lossy.transport(cfg.seed, cfg.optimizer.grad_clip), workers)
     history: dict[str, list[float]] = {k: [] for k in HISTORY}
     for replica in sim.replicas:
         replica.train()
-    for step in range(1, cfg.steps + 1):
-        lr = lr_at(step - 1, cfg)
+    for step in range(1, cfg.optimizer.steps + 1):
+        lr = lr_at(step - 1, cfg.optimizer)
         loss_sum = 0.0
         for rank, (replica, optimizer) in enumerate(zip(sim.replicas, sim.optimizers)):
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            idx_BT, targets_BT = local_batch(corpus, cfg, step, info, (rank, workers))
+            set_lr(optimizer, lr)
+            idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, device, (rank, workers))
             optimizer.zero_grad(set_to_none=True)
             out = replica(idx_BT, targets_BT)
             (out.loss + out.aux_loss).backward()
@@ -118,7 +117,7 @@ def simulate(cfg: TrainConfig, workers: int, corpus: Corpus) -> dict:
         history["loss"].append(loss_sum / workers)
         for k in METRICS:
             history[k].append(metrics[k])
-    ev = evaluate(sim.replicas[0], corpus.val, cfg.seq_len, cfg.eval_windows, device=device, causal=False)
+    ev = evaluate(sim.replicas[0], corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=device, causal=False)
     return {"val_loss": ev["teacher_forced_loss"], "history": history}
 
 
@@ -131,7 +130,7 @@ def _process_worker(rank: int, world: int, jobs: list[dict], common: dict) -> li
         t0 = time.perf_counter()
         cfg = run_config(common, job)
         res = train(cfg, corpus)
-        ev = evaluate(res.model, corpus.val, cfg.seq_len, cfg.eval_windows, device=torch.device("cpu"), causal=False)
+        ev = evaluate(res.model, corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=torch.device("cpu"), causal=False)
         history = {k: [r[k] for r in res.history] for k in HISTORY}
         out.append({**job, "val_loss": ev["teacher_forced_loss"], "history": history, "wall_s": time.perf_counter() - t0})
     return out
@@ -327,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
               "max_bytes": 4_000_000, "baseline_rate": max(args.rates), "simulated": args.simulate}
     corpus = load_corpus("stdlib", max_bytes=common["max_bytes"])
     common["model_config"] = asdict(model_config(run_config(common, {"batch_size": 2, "seed": 0, "loss_rate": 0.1,
-                                                                     "policy": "unbiased"}), corpus.vocab_size))
+                                                                     "policy": "unbiased"}).model, corpus.vocab_size))
     jobs = [{"batch_size": b, "workers": w, "tokens_per_step": b * args.seq_len, "loss_rate": rate, "policy": policy,
              "seed": s}
             for s in args.seeds for b, w in _parse_runs(args.runs)

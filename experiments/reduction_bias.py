@@ -31,6 +31,7 @@ rel_error reaches 10% (an order of magnitude above the dtype's rounding) is name
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from datetime import date
@@ -158,12 +159,13 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def _train_worker(rank: int, world: int, steps: int, dtype: str) -> dict:
-    cfg = TrainConfig(preset="tiny", steps=steps, batch_size=16, grad_reduce_dtype=dtype, eval_windows=64,
-                      progress=False, log_every=0)
+    cfg = TrainConfig.flat(preset="tiny", steps=steps, batch_size=16, grad_reduce_dtype=dtype, eval_windows=64,
+                           progress=False, log_every=0)
     res = train(cfg)
     diffs = [h.get("grad_reduce_rel_diff", 0.0) for h in res.history]
     return {"val_loss": res.final_eval["teacher_forced_loss"], "grad_reduce_rel_diff": float(np.mean(diffs)) if diffs else 0.0,
-            "train_loss_last50": float(np.mean([h["loss"] for h in res.history[-50:]])) if res.history else None}
+            "train_loss_last50": float(np.mean([h["loss"] for h in res.history[-50:]])) if res.history else None,
+            "config": dataclasses.asdict(cfg)}
 
 
 def main(argv: list[str] | None = None) -> dict:

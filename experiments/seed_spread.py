@@ -15,6 +15,7 @@ pair of runs only when this spread is well under c%.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -60,14 +61,15 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         losses = []
         for seed in args.seeds:
-            cfg = TrainConfig(preset=args.preset, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                              seed=seed, warmup_steps=min(30, steps // 10), eval_windows=args.eval_windows,
-                              log_every=0, progress=False, wandb_mode="disabled")
+            cfg = TrainConfig.flat(preset=args.preset, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                                   seed=seed, warmup_steps=min(30, steps // 10), eval_windows=args.eval_windows,
+                                   log_every=0, progress=False, wandb_mode="disabled")
             losses.append(train(cfg, corpus).final_eval["teacher_forced_loss"])
         ppl = [math.exp(v) for v in losses]
         row = {"steps": steps, "seeds": args.seeds, "val_loss": losses, "val_ppl": ppl,
                "spread_pct": 100 * (max(ppl) / min(ppl) - 1),
-               "sd_pct": 100 * statistics.stdev(ppl) / statistics.mean(ppl), "wall_s": time.perf_counter() - t0}
+               "sd_pct": 100 * statistics.stdev(ppl) / statistics.mean(ppl), "wall_s": time.perf_counter() - t0,
+               "config": dataclasses.asdict(cfg)}  # the last seed's; the others differ only in seed
         rows.append(row)
         print(f"{steps:6d} steps: ppl {', '.join(f'{v:.3f}' for v in ppl)}; spread {row['spread_pct']:.2f}%, "
               f"sd {row['sd_pct']:.2f}% ({row['wall_s']:.0f}s)", flush=True)

@@ -21,8 +21,14 @@ layout (FSDP2 x expert parallel, ``moe.parallel.mesh``).
     torchrun --standalone --nproc-per-node 4 experiments/train.py --preset tiny --packet-loss 0.1 \
         --loss-policy unbiased --metrics-jsonl runs/loss10/metrics.jsonl      # simulated lossy data parallel
 
-Every field of ``moe.training.TrainConfig`` is a flag (``--help`` lists them), and every field of
-``moe.model.ModelConfig`` overrides the preset (``--d-model 128 --num-experts 8``).
+    python experiments/train.py --config run.toml --steps 600      # a TOML file, flags override it
+
+Every field of every section of ``moe.training.TrainConfig`` is a flag named after the field
+(``--help`` lists them, tyro generates them), and every field of ``moe.model.ModelConfig``
+overrides the preset (``--d-model 128 --num-experts 8``). ``--config FILE`` reads the same
+fields from TOML sections (``[optimizer]`` ``steps = 600``; ``moe.training.config`` lists them)
+or from the ``<metrics>.config.json`` that every run with ``--metrics-jsonl`` writes beside its
+metrics: its full resolved configuration.
 ``--hf-model`` trains a Hugging Face transformers MoE model instead (a local directory or a
 built-in tiny random config, ``moe.integrations.hf.TINY_CONFIGS``; never a download), its MoE
 blocks routed by ``--router`` (``topk`` without options keeps the family's own routing).

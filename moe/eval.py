@@ -9,12 +9,34 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.checks import nonnegative_int, positive_int
 from moe.data import eval_offsets, windows
+from moe.lm import lm_loss
+
+
+@dataclass
+class EvalConfig:
+    """The evaluation section of a training run (``moe.training``): when and on what
+    :func:`evaluate` runs."""
+
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only after the last step)."""
+    eval_windows: int = 32
+    """W: validation windows of ``seq_len`` tokens evaluated (W * T positions teacher-forced)."""
+    eval_batch_size: int = 64
+    """Windows per evaluation forward (routers grouped over the batch see this many sequences)."""
+    causal_stride: int = 1
+    """Causal loss at positions t = k-1, 2k-1, ... (every k-th); 1 = every position."""
+
+    def __post_init__(self) -> None:
+        nonnegative_int("eval_every", self.eval_every)
+        for name in ("eval_windows", "eval_batch_size", "causal_stride"):
+            positive_int(name, getattr(self, name))
 
 
 def autocast(device: torch.device):
@@ -70,56 +92,75 @@ def evaluate(
     idx_WT, targets_WT = windows(val_tokens, eval_offsets(val_tokens.numel(), seq_len, num_windows), seq_len)
     pos_P = torch.arange(causal_stride - 1, seq_len, causal_stride)
 
-    def nll(idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
-        with autocast(device):
-            logits_BTV = model(idx_BT).logits
-        return F.cross_entropy(logits_BTV.float().transpose(1, 2), targets_BT, reduction="none").double().cpu()
-
-    def decoded_nll(idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
-        # chunks of k new tokens through the cache, each ending at an evaluated position
-        cache = model.init_cache(idx_BT.shape[0], seq_len)
-        rows = []
-        for t in pos_P.tolist():
-            with autocast(device):
-                logits_BV = model(idx_BT[:, t + 1 - causal_stride : t + 1], cache=cache).logits[:, -1]
-            rows.append(F.cross_entropy(logits_BV.float(), targets_BT[:, t], reduction="none").double().cpu())
-        return torch.stack(rows, 1)
-
     model.eval()
     if causal and causal_method != "recompute":
-        support = getattr(model, "decode_support", None)
-        reason = "the model has no KV cache" if support is None else support()
-        if reason is not None and causal_method == "cache":
+        try:
+            causal_method = _causal_method(model, causal_method)
+        except ValueError:
             model.train(was_training)
-            raise ValueError(f"causal_method='cache' impossible: {reason}")
-        causal_method = "recompute" if reason is not None else "cache"
+            raise
 
     tf_WT, causal_WP, train_WT = [], [], []
     for start in range(0, num_windows, batch_size):
         idx_BT = idx_WT[start : start + batch_size].to(device)
         targets_BT = targets_WT[start : start + batch_size].to(device)
         model.eval()
-        tf_WT.append(nll(idx_BT, targets_BT))
+        tf_WT.append(_nll(model, idx_BT, targets_BT, device))
         if causal and causal_method == "cache":
-            causal_WP.append(decoded_nll(idx_BT, targets_BT))
+            causal_WP.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, causal_stride, seq_len, device))
         elif causal:
-            causal_WP.append(torch.cat([nll(idx_BT[:, : t + 1], targets_BT[:, : t + 1])[:, -1:] for t in pos_P.tolist()], 1))
+            causal_WP.append(torch.cat([_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:]
+                                        for t in pos_P.tolist()], 1))
         if with_train_mode:
             model.train()
-            train_WT.append(nll(idx_BT, targets_BT))
+            train_WT.append(_nll(model, idx_BT, targets_BT, device))
     model.train(was_training)
-    tf_WT = torch.cat(tf_WT)
+    return _summary(torch.cat(tf_WT), causal_WP, train_WT, pos_P, num_windows)
+
+
+def _summary(tf_WT: Tensor, causal_WP: list[Tensor], train_WT: list[Tensor], pos_P: Tensor, num_windows: int) -> dict:
+    """The figures :func:`evaluate` returns from its per-position losses."""
     out = {
         "teacher_forced_loss": tf_WT[:, pos_P].mean().item(),
         "teacher_forced_loss_all": tf_WT.mean().item(),
         "eval_positions": num_windows * pos_P.numel(),
     }
-    if causal:
+    if causal_WP:
         causal_WP = torch.cat(causal_WP)
         diff_WP = causal_WP - tf_WT[:, pos_P]
         out["causal_loss"] = causal_WP.mean().item()
         out["leakage_gap"] = diff_WP.mean().item()
         out["leakage_gap_se"] = (diff_WP.std() / math.sqrt(diff_WP.numel())).item() if diff_WP.numel() > 1 else 0.0
-    if with_train_mode:
+    if train_WT:
         out["train_mode_loss"] = torch.cat(train_WT)[:, pos_P].mean().item()
     return out
+
+
+def _nll(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, device: torch.device) -> Tensor:
+    """float64 [B, T] on the CPU: the loss at every position of one full forward."""
+    with autocast(device):
+        logits_BTV = model(idx_BT).logits
+    return lm_loss(logits_BTV, targets_BT, reduction="none").double().cpu()
+
+
+def _decoded_nll(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, pos_P: Tensor, stride: int, seq_len: int,
+                 device: torch.device) -> Tensor:
+    """float64 [B, P]: chunks of k = ``stride`` new tokens through the cache, each ending at an
+    evaluated position, the loss read at its last one."""
+    cache = model.init_cache(idx_BT.shape[0], seq_len)
+    rows = []
+    for t in pos_P.tolist():
+        with autocast(device):
+            logits_BV = model(idx_BT[:, t + 1 - stride : t + 1], cache=cache).logits[:, -1]
+        rows.append(lm_loss(logits_BV, targets_BT[:, t], reduction="none").double().cpu())
+    return torch.stack(rows, 1)
+
+
+def _causal_method(model: nn.Module, requested: str) -> str:
+    """"cache" or "recompute" for ``requested`` "auto" or "cache" (ValueError when "cache" is
+    impossible: the model has no KV cache or a router cannot decode in eval mode)."""
+    support = getattr(model, "decode_support", None)
+    reason = "the model has no KV cache" if support is None else support()
+    if reason is not None and requested == "cache":
+        raise ValueError(f"causal_method='cache' impossible: {reason}")
+    return "recompute" if reason is not None else "cache"

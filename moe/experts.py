@@ -11,12 +11,13 @@ layout Hugging Face transformers 5.x uses (``gate_up_proj`` ``[E, 2F, D]``, ``do
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from kernels.reference import moe_ffn_reference
+from moe.checks import positive_int
 
 MoEFFN = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD) -> y_ND"""
@@ -42,8 +43,7 @@ class SwiGLUExperts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, d_ff: int) -> None:
         super().__init__()
         for name, v in (("num_experts", num_experts), ("d_model", d_model), ("d_ff", d_ff)):
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            positive_int(name, v)
         self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w_up = nn.Parameter(torch.empty(num_experts, d_model, d_ff))

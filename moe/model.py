@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.checks import positive_int
 from moe.layer import MoELayer
+from moe.lm import KVCache, ModelOutput, check_token_ids, empty_cache, lm_loss
 from moe.routing import DecodeState, Router, Routing
 
 
@@ -65,9 +67,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_d_ff", "num_experts", "max_seq_len"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {v!r}")
+            positive_int(f"ModelConfig.{name}", getattr(self, name))
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
@@ -116,39 +116,6 @@ def preset(name: str, **overrides) -> ModelConfig:
     carried = dict(base.router_options) if overrides.get("router", base.router) == base.router else {}
     overrides["router_options"] = {**carried, **overrides.get("router_options", {})}
     return replace(base, **overrides)
-
-
-@dataclass
-class ModelOutput:
-    logits: Tensor
-    """[B, T, V]."""
-    aux_loss: Tensor
-    """Scalar: the sum of every MoE block's ``Routing.aux_loss``."""
-    routings: list[Routing]
-    """One Routing per MoE block, in block order."""
-    loss: Tensor | None = None
-    """Mean next-token cross-entropy when targets were given (aux loss not included)."""
-
-
-@dataclass
-class KVCache:
-    """What :meth:`MoETransformer.forward` needs to process only new tokens: every block's keys
-    and values of the positions seen so far and every MoE block's router decode state. Made by
-    :meth:`MoETransformer.init_cache`, updated in place by each forward. All B sequences are at
-    the same position ``length``."""
-
-    batch_size: int
-    """B."""
-    max_len: int
-    """Positions the cache can hold."""
-    keys: list[Tensor | None]
-    """Per block [B, H, max_len, Dh] (allocated by the first forward, in its dtype)."""
-    values: list[Tensor | None]
-    """Per block, like ``keys``."""
-    router_states: list[DecodeState | None]
-    """Per block: its router's decode state (None for dense blocks)."""
-    length: int = 0
-    """Positions filled: the next token is at this absolute position."""
 
 
 class Rotary(nn.Module):
@@ -236,6 +203,10 @@ class Block(nn.Module):
             return x_BTD + y, routing
         return x_BTD + self.ffn(h), None
 
+    def init_decode_state(self, batch_size: int) -> DecodeState | None:
+        """The router's empty decode state for ``batch_size`` sequences (None for a dense block)."""
+        return self.ffn.router.init_decode_state(batch_size) if isinstance(self.ffn, MoELayer) else None
+
 
 class MoETransformer(nn.Module):
     """Decoder-only LM: ``out = model(idx_BT, targets_BT)``; ``out.loss + out.aux_loss`` to train.
@@ -273,30 +244,42 @@ class MoETransformer(nn.Module):
         tokens of the cached sequences (absolute positions cache.length..): they attend to the
         cached positions, are routed from the routers' decode states, and the cache advances by T.
         The result equals the corresponding rows of a full-sequence forward."""
-        if idx_BT.dim() != 2 or idx_BT.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"expected int64 token ids of shape [B, T], got {idx_BT.dtype} {tuple(idx_BT.shape)}")
-        b, t = idx_BT.shape
-        if cache is None and t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
-        if cache is not None:
-            if b != cache.batch_size:
-                raise ValueError(f"cache is for batch size {cache.batch_size}, got token ids of shape {(b, t)}")
-            if cache.length + t > cache.max_len:
-                raise ValueError(f"cache holds {cache.length} of at most {cache.max_len} positions; cannot add {t}")
-        x_BTD = self.embed(idx_BT)
         routings: list[Routing] = []
-        for i, block in enumerate(self.blocks):
-            x_BTD, routing = block(x_BTD, cache, i)
-            if routing is not None:
-                routings.append(routing)
+
+        def keep(x_BTD: Tensor, layer: int, routing: Routing) -> Tensor:
+            routings.append(routing)
+            return x_BTD
+
+        x_BTD = self.forward_blocks(self.embed_tokens(idx_BT, cache), cache, keep)
         if cache is not None:
-            cache.length += t
-        logits_BTV = self.head(self.norm(x_BTD))
+            cache.length += idx_BT.shape[1]
+        logits_BTV = self.output_logits(x_BTD)
         aux = sum((r.aux_loss for r in routings), logits_BTV.new_zeros((), dtype=torch.float32))
-        loss = None
-        if targets_BT is not None:
-            loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+        loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT)
         return ModelOutput(logits=logits_BTV, aux_loss=aux, routings=routings, loss=loss)
+
+    # The three pieces of the forward. They read only ``cfg``, ``embed``, ``blocks`` (a ModuleList,
+    # or a ModuleDict keyed by block index), ``norm`` and ``head``, so a pipeline stage holding
+    # some of those modules calls them on itself (``MoETransformer.forward_blocks(stage, ...)``).
+
+    def embed_tokens(self, idx_BT: Tensor, cache: KVCache | None = None) -> Tensor:
+        """Validated token ids [B, T] -> embeddings [B, T, D]."""
+        check_token_ids(idx_BT, self.cfg.max_seq_len, cache)
+        return self.embed(idx_BT)
+
+    def forward_blocks(self, x_BTD: Tensor, cache: KVCache | None = None, on_routing=None) -> Tensor:
+        """Run the held blocks in order; after each MoE block, ``x = on_routing(x, layer, routing)``
+        (block index ``layer``) lets the caller keep the routing (and rewire x)."""
+        blocks = self.blocks.items() if isinstance(self.blocks, nn.ModuleDict) else enumerate(self.blocks)
+        for name, block in blocks:
+            x_BTD, routing = block(x_BTD, cache, int(name))
+            if routing is not None and on_routing is not None:
+                x_BTD = on_routing(x_BTD, int(name), routing)
+        return x_BTD
+
+    def output_logits(self, x_BTD: Tensor) -> Tensor:
+        """Final norm and output projection: [B, T, D] -> logits [B, T, V]."""
+        return self.head(self.norm(x_BTD))
 
     def routers(self) -> list[Router]:
         """The router of every MoE block, in block order."""
@@ -313,7 +296,8 @@ class MoETransformer(nn.Module):
     def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache for ``batch_size`` sequences of at most ``max_len`` (default
         ``max_seq_len``) positions; ValueError if a router cannot decode in the current mode."""
-        return empty_cache(self.cfg, dict(enumerate(self.blocks)), batch_size, max_len, self.decode_support)
+        return empty_cache(self.cfg.n_layers, self.cfg.max_seq_len, dict(enumerate(self.blocks)), batch_size, max_len,
+                           self.decode_support)
 
     @torch.no_grad()
     def generate(
@@ -392,36 +376,16 @@ class MoETransformer(nn.Module):
         return (out, torch.cat(chunks_BTV, 1)[:, : total - 1]) if return_logits else out
 
     def num_parameters(self, active: bool = False) -> int:
-        """All parameters, or those one token uses (experts counted as top_k of E when active)."""
+        """All parameters, or those one token uses (experts counted as the router's top_k of E when
+        active; 1 for routers without a top_k, such as expert choice)."""
         total = sum(p.numel() for p in self.parameters())
         if not active:
             return total
-        k = self.cfg.router_options.get("top_k", 2 if self.cfg.router in ("topk", "capacity") else 1)
         for m in self.modules():
             if isinstance(m, MoELayer):
                 per_expert = sum(p[0].numel() for p in m.experts.parameters())
-                total -= per_expert * (m.num_experts - k)
+                total -= per_expert * (m.num_experts - getattr(m.router, "top_k", 1))
         return total
-
-
-def empty_cache(cfg: ModelConfig, blocks: dict[int, nn.Module], batch_size: int, max_len: int | None,
-                decode_support) -> KVCache:
-    """An empty :class:`KVCache` for the ``cfg.n_layers`` blocks of a model, with the router decode
-    states of ``blocks`` (block index -> :class:`Block`: all of them, or a pipeline stage's).
-    ``max_len`` defaults to ``max_seq_len``; ValueError if it is out of range or if
-    ``decode_support()`` gives a reason the routers cannot decode."""
-    max_len = cfg.max_seq_len if max_len is None else max_len
-    if not isinstance(max_len, int) or not 0 < max_len <= cfg.max_seq_len:
-        raise ValueError(f"max_len must be an integer in [1, max_seq_len={cfg.max_seq_len}], got {max_len!r}")
-    reason = decode_support()
-    if reason is not None:
-        raise ValueError(reason)
-    n = cfg.n_layers
-    states: list[DecodeState | None] = [None] * n
-    for i, block in blocks.items():
-        if isinstance(block.ffn, MoELayer):
-            states[i] = block.ffn.router.init_decode_state(batch_size)
-    return KVCache(batch_size, max_len, [None] * n, [None] * n, states)
 
 
 def _sample(logits_BV: Tensor, temperature: float, top_k: int | None, gen: torch.Generator | None) -> Tensor:

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from moe.checks import positive_int
 
 
 @dataclass
@@ -159,8 +161,8 @@ class Router(nn.Module):
         check_finite: bool | None = None,
     ) -> None:
         super().__init__()
-        _require_positive_int("d_model", d_model)
-        _require_positive_int("num_experts", num_experts)
+        positive_int("d_model", d_model)
+        positive_int("num_experts", num_experts)
         if aux_loss_coef < 0 or z_loss_coef < 0:
             raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {aux_loss_coef}, {z_loss_coef}")
         self.d_model = d_model
@@ -200,7 +202,7 @@ class Router(nn.Module):
         reason = self.decode_support()
         if reason is not None:
             raise ValueError(reason)
-        _require_positive_int("batch_size", batch_size)
+        positive_int("batch_size", batch_size)
         return DecodeState(batch_size)
 
     # -- forward ------------------------------------------------------------------------
@@ -263,12 +265,9 @@ class Router(nn.Module):
 
     def _stats(self, expert_A: Tensor, num_slots: int) -> dict[str, Tensor]:
         tokens_per_expert_E = count_indices(expert_A, self.num_experts)
-        kept = expert_A.numel()
-        dropped = 1.0 - kept / num_slots if num_slots > 0 else 0.0
         return {
             "tokens_per_expert": tokens_per_expert_E,
-            # torch.full, not torch.tensor: a host-to-device copy would wait for the device
-            "dropped_fraction": torch.full((), max(dropped, 0.0), device=expert_A.device),
+            "dropped_fraction": dropped_fraction(expert_A.numel(), num_slots, expert_A.device),
         }
 
     def extra_repr(self) -> str:
@@ -294,16 +293,23 @@ def check_input(x_BTD: Tensor, d_model: int) -> None:
         raise ValueError(f"expected last dimension D={d_model}, got input of shape {tuple(x_BTD.shape)}")
 
 
+def dropped_fraction(kept: int | Tensor, num_slots: int, device: torch.device) -> Tensor:
+    """Scalar tensor 1 - kept / num_slots, at least 0 (0 without slots): the ``dropped_fraction``
+    stat of every router (token choice: kept assignments of N*K slots; expert choice: tokens
+    served of N). A tensor ``kept`` stays on the device; an int is filled in with torch.full, not
+    torch.tensor, whose host-to-device copy would wait for the device."""
+    if num_slots <= 0:
+        return torch.zeros((), device=device)
+    if isinstance(kept, Tensor):
+        return (1.0 - kept.float() / num_slots).clamp_min(0.0)
+    return torch.full((), max(1.0 - kept / num_slots, 0.0), device=device)
+
+
 def count_indices(index_A: Tensor, size: int) -> Tensor:
     """int64 [size]: how often each value in [0, size) occurs in ``index_A``. Unlike
     ``torch.bincount`` (which reads the maximum on the host to size its output), no device
     synchronisation."""
     return torch.zeros(size, dtype=torch.long, device=index_A.device).index_add_(0, index_A, torch.ones_like(index_A))
-
-
-def _require_positive_int(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_experts: int):

@@ -44,7 +44,7 @@ def read_jsonl(path):
 
 def test_the_model_takes_its_vocabulary_from_the_manifest_and_learns(data):
     vocab = read_manifest(data)["vocab_size"]
-    res = train(TrainConfig(data=data, steps=30, lr=1e-2, **SMALL))
+    res = train(TrainConfig.flat(data=data, steps=30, lr=1e-2, **SMALL))
     assert res.model_config.vocab_size == vocab and res.model.embed.weight.shape[0] == vocab
     losses = [r["loss"] for r in res.history]
     assert abs(losses[0] - math.log(vocab)) < 0.3, losses[0]  # random init: uniform over the vocabulary
@@ -53,21 +53,21 @@ def test_the_model_takes_its_vocabulary_from_the_manifest_and_learns(data):
 
 def test_resume_continues_at_exactly_the_next_batch_mid_shard(data, tmp_path, monkeypatch):
     common = dict(data=data, steps=6, eval_every=3, **SMALL)
-    full = train(TrainConfig(metrics_jsonl=str(tmp_path / "full.jsonl"), **common))
+    full = train(TrainConfig.flat(metrics_jsonl=str(tmp_path / "full.jsonl"), **common))
     real_batch, seen = mt.local_batch, {}
 
-    def crash_at_step_5(corpus, cfg, step, info, data_parallel=None):
+    def crash_at_step_5(corpus, cfg, seed, step, device, data_parallel=(0, 1)):
         if step == 5:
             raise RuntimeError("simulated crash")
-        seen[step] = real_batch(corpus, cfg, step, info, data_parallel)
+        seen[step] = real_batch(corpus, cfg, seed, step, device, data_parallel)
         return seen[step]
 
     monkeypatch.setattr(mt, "local_batch", crash_at_step_5)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(TrainConfig(checkpoint_dir=str(tmp_path / "run"), checkpoint_every=3,
+        train(TrainConfig.flat(checkpoint_dir=str(tmp_path / "run"), checkpoint_every=3,
                           metrics_jsonl=str(tmp_path / "resumed.jsonl"), **common))
     monkeypatch.setattr(mt, "local_batch", real_batch)
-    resumed = train(TrainConfig(checkpoint_dir=str(tmp_path / "run"), checkpoint_every=3, resume=True,
+    resumed = train(TrainConfig.flat(checkpoint_dir=str(tmp_path / "run"), checkpoint_every=3, resume=True,
                                 metrics_jsonl=str(tmp_path / "resumed.jsonl"), **common))
     keys = ("step", "loss", "aux_loss", "grad_norm", "eval/causal_loss")
     a = [[r.get(k) for k in keys] for r in read_jsonl(tmp_path / "full.jsonl")]
@@ -116,7 +116,7 @@ def test_one_process_and_two_processes_give_the_same_losses(data, tmp_path):
 def test_hf_model_trains_from_a_prepared_directory(data):
     pytest.importorskip("transformers")
     vocab = read_manifest(data)["vocab_size"]
-    res = train(TrainConfig(data=data, hf_model="olmoe-tiny", router="ec_threshold", steps=20, lr=1e-2, seq_len=32,
+    res = train(TrainConfig.flat(data=data, hf_model="olmoe-tiny", router="ec_threshold", steps=20, lr=1e-2, seq_len=32,
                             batch_size=8, eval_windows=2, eval_batch_size=2, causal_stride=16, warmup_steps=2,
                             log_every=0, progress=False))
     assert res.model.hf.config.vocab_size == vocab
@@ -132,7 +132,7 @@ def test_generate_prints_text_decoded_by_the_tokenizer(data, tmp_path):
         import generate
     finally:
         sys.path.remove(str(ROOT / "experiments"))
-    train(TrainConfig(data=data, steps=2, checkpoint_dir=str(tmp_path), export_model=True, **SMALL))
+    train(TrainConfig.flat(data=data, steps=2, checkpoint_dir=str(tmp_path), export_model=True, **SMALL))
     prompt = "the quick brown"
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "generate.py"), str(tmp_path / "model.pt"),
                            "--data", data, "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0"],

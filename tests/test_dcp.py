@@ -27,7 +27,7 @@ def _losses(history: list[dict]) -> dict[int, tuple[float, float]]:
 
 
 def _train_worker(rank: int, world: int, kwargs: dict) -> dict:
-    return _losses(train(TrainConfig(**COMMON, **kwargs)).history)
+    return _losses(train(TrainConfig.flat(**COMMON, **kwargs)).history)
 
 
 def _assert_same(got: dict, ref: dict, what: str) -> None:
@@ -39,7 +39,7 @@ def _assert_same(got: dict, ref: dict, what: str) -> None:
 
 @pytest.mark.slow
 def test_save_on_4_processes_resume_on_2_and_1(tmp_path):
-    ref = _losses(train(TrainConfig(**COMMON)).history)
+    ref = _losses(train(TrainConfig.flat(**COMMON)).history)
     saved = tmp_path / "saved"
     ok_values(run_local(_train_worker, 4, dict(expert_parallel=2, checkpoint_dir=str(saved), checkpoint_every=6),
                         timeout_s=300))
@@ -57,7 +57,7 @@ def test_save_on_4_processes_resume_on_2_and_1(tmp_path):
     (one / ".tmp-step-00000012").mkdir()
     (one / ".tmp-step-00000012" / "__0_0.distcp").write_bytes(b"partial")
     (one / "step-00000012").mkdir()  # renamed but never marked complete: ignored
-    _assert_same(_losses(train(TrainConfig(**COMMON, checkpoint_dir=str(one), resume=True)).history), ref,
+    _assert_same(_losses(train(TrainConfig.flat(**COMMON, checkpoint_dir=str(one), resume=True)).history), ref,
                  "resumed on 1 process")
 
 
@@ -74,19 +74,19 @@ def test_interrupted_save_keeps_last_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt_mod, "save_sharded", dies_at_step_4)
     with pytest.raises(KeyboardInterrupt):
-        train(TrainConfig(**common))
+        train(TrainConfig.flat(**common))
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000002"]
     monkeypatch.setattr(ckpt_mod, "save_sharded", real_save)
-    resumed = train(TrainConfig(**common, resume=True))
+    resumed = train(TrainConfig.flat(**common, resume=True))
     assert [r["step"] for r in resumed.history] == [3, 4]
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step-00000004"]  # keep_checkpoints=1
     assert not list(run_dir.glob(".tmp-*"))
-    ref = train(TrainConfig(**dict(COMMON, steps=4)))
+    ref = train(TrainConfig.flat(**dict(COMMON, steps=4)))
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in ref.history[2:]]
 
 
 def test_consolidated_export_is_a_single_process_state_dict(tmp_path):
-    res = train(TrainConfig(**dict(COMMON, steps=2), checkpoint_dir=str(tmp_path), export_model=True))
+    res = train(TrainConfig.flat(**dict(COMMON, steps=2), checkpoint_dir=str(tmp_path), export_model=True))
     state = torch.load(tmp_path / "model.pt", map_location="cpu", weights_only=False)
     reference = res.model.state_dict()
     assert state["model"].keys() == reference.keys()

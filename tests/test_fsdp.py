@@ -35,14 +35,14 @@ def _curves(history: list[dict]) -> list[tuple[float, ...]]:
 def _layouts_worker(rank: int, world: int, router: str) -> dict:
     out = {}
     for name, (r, p) in LAYOUTS.items():
-        res = train(TrainConfig(router=router, dp_replicate=r, expert_parallel=p, **COMMON))
+        res = train(TrainConfig.flat(router=router, dp_replicate=r, expert_parallel=p, **COMMON))
         out[name] = (_curves(res.history), rank_state_bytes(res.model, res.optimizer))
     return out
 
 
 @pytest.mark.parametrize("router", [ROUTERS[0], pytest.param(ROUTERS[1], marks=pytest.mark.slow)])
 def test_every_layout_matches_single_process(router):
-    res = train(TrainConfig(router=router, **COMMON))
+    res = train(TrainConfig.flat(router=router, **COMMON))
     ref, full_bytes = _curves(res.history), rank_state_bytes(res.model, res.optimizer)["total"]
     per_rank = ok_values(run_local(_layouts_worker, 4, router, timeout_s=600))
     for name, (curves, _) in per_rank[0].items():

@@ -23,8 +23,16 @@ from moe.audit import audit  # noqa: E402
 from moe.audit import cli as audit_cli  # noqa: E402
 from moe.data import load_corpus  # noqa: E402
 from moe.integrations.hf import (  # noqa: E402
-    FAMILIES, TINY_CONFIGS, HFCausalLM, HFMoEBlock, build_hf_model, decoding, load_hf_model, swap_moe_blocks,
-    swapped_routings, tiny_config,
+    FAMILIES,
+    TINY_CONFIGS,
+    HFCausalLM,
+    HFMoEBlock,
+    build_hf_model,
+    decoding,
+    load_hf_model,
+    swap_moe_blocks,
+    swapped_routings,
+    tiny_config,
 )
 from moe.training import TrainConfig, train  # noqa: E402
 
@@ -222,7 +230,7 @@ def test_swap_errors():
     with pytest.raises(ValueError, match="neither a built-in tiny config"):
         load_hf_model("no/such/dir", V)
     with pytest.raises(ValueError, match="no model overrides"):
-        TrainConfig(hf_model="olmoe-tiny", model={"d_model": 32})
+        TrainConfig.flat(hf_model="olmoe-tiny", model={"d_model": 32})
 
 
 def test_local_directory_loads_weights_or_config(tmp_path):
@@ -241,7 +249,7 @@ def test_local_directory_loads_weights_or_config(tmp_path):
 @pytest.mark.parametrize("router,options", [("ec_threshold", {}), ("capacity", {"capacity_scope": "prefix"})])
 def test_swapped_olmoe_trains_with_the_loop(router, options):
     corpus = load_corpus("stdlib", 0.1, 100_000)
-    cfg = TrainConfig(hf_model="olmoe-tiny", router=router, router_options=options, steps=25, lr=1e-2,
+    cfg = TrainConfig.flat(hf_model="olmoe-tiny", router=router, router_options=options, steps=25, lr=1e-2,
                       seq_len=32, batch_size=8, eval_windows=2, eval_batch_size=2, causal_stride=16,
                       warmup_steps=2, log_every=0, progress=False)
     res = train(cfg, corpus)
@@ -260,9 +268,9 @@ def test_swapped_model_resumes_exactly_from_a_checkpoint(tmp_path):
     corpus = load_corpus("stdlib", 0.1, 100_000)
     common = dict(hf_model="qwen2-moe-tiny", router="ec_threshold", seq_len=16, batch_size=4, eval_windows=2,
                   eval_batch_size=2, causal_stride=8, warmup_steps=1, log_every=0, progress=False)
-    full = train(TrainConfig(steps=4, **common), corpus)
-    train(TrainConfig(steps=2, checkpoint_dir=str(tmp_path), **common), corpus)
-    resumed = train(TrainConfig(steps=4, checkpoint_dir=str(tmp_path), resume=True, **common), corpus)
+    full = train(TrainConfig.flat(steps=4, **common), corpus)
+    train(TrainConfig.flat(steps=2, checkpoint_dir=str(tmp_path), **common), corpus)
+    resumed = train(TrainConfig.flat(steps=4, checkpoint_dir=str(tmp_path), resume=True, **common), corpus)
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history[2:]]
 
 

@@ -32,7 +32,7 @@ POLICIES = ("reliable", "unbiased")
 
 
 def _config(policy: str) -> TrainConfig:
-    return TrainConfig(preset="tiny", model={"n_layers": 1}, router_options={"aux_loss_coef": 0.0, "balance_rate": 0.01},
+    return TrainConfig.flat(preset="tiny", model={"n_layers": 1}, router_options={"aux_loss_coef": 0.0, "balance_rate": 0.01},
                        max_bytes=MAX_BYTES, seq_len=32, batch_size=8, steps=8, warmup_steps=2, eval_windows=4,
                        causal_stride=32, log_every=0, progress=False, wandb_mode="disabled", packet_loss=0.3,
                        loss_policy=policy, loss_packet_size=64, seed=3)
@@ -88,6 +88,6 @@ def test_bad_simulator_inputs_raise():
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match="workers"):
         SimulatedDataParallel(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), LossyDPConfig(), workers=1)
-    cfg = TrainConfig(preset="tiny", max_bytes=MAX_BYTES, seq_len=32, batch_size=8, steps=1, packet_loss=0.1)
+    cfg = TrainConfig.flat(preset="tiny", max_bytes=MAX_BYTES, seq_len=32, batch_size=8, steps=1, packet_loss=0.1)
     with pytest.raises(ValueError, match="aux_loss_coef"):
         simulate(cfg, WORKERS, load_corpus("stdlib", max_bytes=MAX_BYTES))

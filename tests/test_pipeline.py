@@ -1,4 +1,4 @@
-"""Pipeline parallelism (``moe.training.pipeline``) reproduces the single-process run.
+"""Pipeline parallelism (``moe.parallel.pipeline``) reproduces the single-process run.
 
 The reference is independent of the pipeline code: ``train`` on one process, where the aux
 losses are added to the loss. For ``ec_threshold`` without a load-balancing term every loss
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from moe.model import MoETransformer, preset
+from moe.parallel.pipeline import AuxLossInjector, StageModel, bubble_fraction, split_blocks
 from moe.training import TrainConfig, config_from_args, train
-from moe.training.pipeline import AuxLossInjector, StageModel, bubble_fraction, split_blocks
 from tests.test_parallel_train import COMMON, REL_TOL, _torchrun
 
 EC = ["--router", "ec_threshold", "--router-option", "aux_loss_coef=0"]
@@ -97,20 +97,22 @@ def test_interleaved_1f1b_matches_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_checkpoints_load_into_one_process_and_back(tmp_path):
-    full = train(config_from_args([*COMMON, *EC]))
+    # 30 warmup steps: all 12 steps in warmup, so the 6-step half run's schedule is the 12-step run's
+    ec = [*EC, "--warmup-steps", "30"]
+    full = train(config_from_args([*COMMON, *ec]))
     ckpt = tmp_path / "ckpt"
     half = [a if a != "12" else "6" for a in COMMON]
-    _torchrun([*half, *EC, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt)], 2)
-    resumed = train(config_from_args([*COMMON, *EC, "--checkpoint-dir", str(ckpt), "--resume"]))
+    _torchrun([*half, *ec, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt)], 2)
+    resumed = train(config_from_args([*COMMON, *ec, "--checkpoint-dir", str(ckpt), "--resume"]))
     steps = [r["step"] for r in resumed.history]
     assert steps == list(range(7, 13))
     for a, b in zip(full.history[6:], resumed.history):
         assert math.isclose(a["loss"], b["loss"], rel_tol=REL_TOL), (a["step"], a["loss"], b["loss"])
     # and a single-process checkpoint resumed on a pipeline
     ckpt1 = tmp_path / "ckpt1"
-    train(config_from_args([*half, *EC, "--checkpoint-dir", str(ckpt1)]))
+    train(config_from_args([*half, *ec, "--checkpoint-dir", str(ckpt1)]))
     jsonl = tmp_path / "pp.jsonl"
-    _torchrun([*COMMON, *EC, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt1),
+    _torchrun([*COMMON, *ec, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt1),
                "--resume", "--metrics-jsonl", str(jsonl)], 2)
     for a, b in zip(full.history[6:], _records(jsonl)[6:]):
         assert b["step"] == a["step"] and math.isclose(a["loss"], b["loss"], rel_tol=REL_TOL), (a, b)
@@ -154,12 +156,12 @@ def test_stage_models_partition_the_parameters_with_the_full_names():
 
 def test_pipeline_options_are_validated():
     with pytest.raises(ValueError, match="pipeline schedule must be one of"):
-        TrainConfig(pipeline_parallel=2, pipeline_schedule="zigzag")
+        TrainConfig.flat(pipeline_parallel=2, pipeline_schedule="zigzag")
     with pytest.raises(ValueError, match="no packet_loss"):
-        TrainConfig(pipeline_parallel=2, packet_loss=0.1)
+        TrainConfig.flat(pipeline_parallel=2, packet_loss=0.1)
     with pytest.raises(ValueError, match="not divisible by microbatches"):
-        TrainConfig(batch_size=8, microbatches=3)
+        TrainConfig.flat(batch_size=8, microbatches=3)
     with pytest.raises(ValueError, match="microbatches must be a positive integer"):
-        TrainConfig(microbatches=0)
+        TrainConfig.flat(microbatches=0)
     with pytest.raises(ValueError, match="must divide the number of processes"):
-        train(TrainConfig(pipeline_parallel=2, steps=1, progress=False, wandb_mode="disabled", max_bytes=20000))
+        train(TrainConfig.flat(pipeline_parallel=2, steps=1, progress=False, wandb_mode="disabled", max_bytes=20000))

@@ -17,7 +17,6 @@ from moe.data import eval_offsets, load_corpus, windows
 from moe.eval import evaluate
 from moe.model import MoETransformer, preset
 from moe.training import TrainConfig, build_model, config_from_args, lr_at, model_config, train
-from moe.training.cli import build_parser
 from moe.training.metrics import resolve_wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +38,7 @@ def read_jsonl(path):
 
 
 def test_short_run_loss_falls(tmp_path):
-    cfg = TrainConfig(steps=40, lr=1e-2, metrics_jsonl=str(tmp_path / "m.jsonl"), **SMALL)
+    cfg = TrainConfig.flat(steps=40, lr=1e-2, metrics_jsonl=str(tmp_path / "m.jsonl"), **SMALL)
     res = train(cfg)
     losses = [r["loss"] for r in res.history]
     assert abs(losses[0] - math.log(256)) < 0.3, losses[0]
@@ -56,24 +55,24 @@ def test_short_run_loss_falls(tmp_path):
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     # ec_threshold keeps router state in buffers (EMA thresholds, pending statistics): resume must restore it too.
     common = dict(steps=6, router="ec_threshold", eval_every=3, **SMALL)
-    full = train(TrainConfig(metrics_jsonl=str(tmp_path / "full.jsonl"), **common))
+    full = train(TrainConfig.flat(metrics_jsonl=str(tmp_path / "full.jsonl"), **common))
 
     run_dir = tmp_path / "run"
     jsonl = str(tmp_path / "resumed.jsonl")
     real_batch = mt.local_batch
 
-    def crash_at_step_5(corpus, cfg, step, info, data_parallel=None):
+    def crash_at_step_5(corpus, cfg, seed, step, device, data_parallel=(0, 1)):
         if step == 5:
             raise RuntimeError("simulated crash")
-        return real_batch(corpus, cfg, step, info, data_parallel)
+        return real_batch(corpus, cfg, seed, step, device, data_parallel)
 
     monkeypatch.setattr(mt, "local_batch", crash_at_step_5)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(TrainConfig(checkpoint_dir=str(run_dir), checkpoint_every=3, metrics_jsonl=jsonl, **common))
+        train(TrainConfig.flat(checkpoint_dir=str(run_dir), checkpoint_every=3, metrics_jsonl=jsonl, **common))
     monkeypatch.setattr(mt, "local_batch", real_batch)
     assert [r["step"] for r in read_jsonl(jsonl)] == [1, 2, 3, 4]
     assert sorted(p.name for p in run_dir.iterdir()) == ["step-00000003"]  # no temporary directory left behind
-    resumed = train(TrainConfig(checkpoint_dir=str(run_dir), checkpoint_every=3, metrics_jsonl=jsonl, resume=True,
+    resumed = train(TrainConfig.flat(checkpoint_dir=str(run_dir), checkpoint_every=3, metrics_jsonl=jsonl, resume=True,
                                 **common))
 
     a, b = read_jsonl(tmp_path / "full.jsonl"), read_jsonl(jsonl)
@@ -87,12 +86,13 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
 
 def reference_causal_loss(model, val, cfg, stride):
     """One window and one prefix at a time, no batching."""
-    idx_WT, tgt_WT = windows(val, eval_offsets(val.numel(), cfg.seq_len, cfg.eval_windows), cfg.seq_len)
+    seq_len = cfg.data.seq_len
+    idx_WT, tgt_WT = windows(val, eval_offsets(val.numel(), seq_len, cfg.eval.eval_windows), seq_len)
     model.eval()
     total, n = 0.0, 0
     with torch.no_grad():
         for w in range(idx_WT.shape[0]):
-            for t in range(stride - 1, cfg.seq_len, stride):
+            for t in range(stride - 1, seq_len, stride):
                 logits_V = model(idx_WT[w : w + 1, : t + 1]).logits[0, -1].double()
                 total += F.cross_entropy(logits_V, tgt_WT[w, t]).item()
                 n += 1
@@ -101,13 +101,13 @@ def reference_causal_loss(model, val, cfg, stride):
 
 @pytest.mark.parametrize("router", ["topk", "ec_threshold", "capacity", "expert_choice"])
 def test_causal_evaluation(router):
-    cfg = TrainConfig(router=router, **SMALL)
-    corpus = load_corpus(cfg.data, cfg.val_fraction, cfg.max_bytes)
-    model = build_model(model_config(cfg, 256), seed=0, device=torch.device("cpu"))
-    ev = evaluate(model, corpus.val, cfg.seq_len, cfg.eval_windows, causal_stride=4, batch_size=2)
+    cfg = TrainConfig.flat(router=router, **SMALL)
+    corpus = load_corpus(cfg.data.data, cfg.data.val_fraction, cfg.data.max_bytes)
+    model = build_model(model_config(cfg.model, 256), seed=0, device=torch.device("cpu"))
+    ev = evaluate(model, corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, causal_stride=4, batch_size=2)
     ref = reference_causal_loss(model, corpus.val, cfg, stride=4)
     assert abs(ev["causal_loss"] - ref) < 1e-5, (ev["causal_loss"], ref)
-    assert ev["eval_positions"] == cfg.eval_windows * cfg.seq_len // 4
+    assert ev["eval_positions"] == cfg.eval.eval_windows * cfg.data.seq_len // 4
     if router in ("topk", "ec_threshold"):  # causal routers: decoding sees what teacher forcing sees
         assert abs(ev["leakage_gap"]) < 1e-5, ev
     else:  # capacity depends on the prefix length; expert choice on the future
@@ -117,7 +117,7 @@ def test_causal_evaluation(router):
 def test_wandb_disabled_leaves_no_files(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     monkeypatch.chdir(tmp_path)
-    train(TrainConfig(steps=2, wandb_dir=str(tmp_path / "wb"), **SMALL))
+    train(TrainConfig.flat(steps=2, wandb_dir=str(tmp_path / "wb"), **SMALL))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -126,7 +126,7 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     assert resolve_wandb_mode(None) == "offline"  # no key: never online, never a prompt
     monkeypatch.setenv("WANDB_MODE", "offline")
-    train(TrainConfig(steps=2, wandb_dir=str(tmp_path), **SMALL))
+    train(TrainConfig.flat(steps=2, wandb_dir=str(tmp_path), **SMALL))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb")), list(tmp_path.rglob("*"))
 
@@ -140,7 +140,7 @@ def free_port() -> int:
 def test_data_parallel_two_processes_equals_single_process(tmp_path):
     # the Switch loss counts expert fractions over both ranks (share_router_statistics), so it matches too
     args = ["--steps", "4", "--seq-len", "16", "--batch-size", "8", "--max-bytes", "100000", "--eval-windows", "2",
-            "--causal-stride", "8", "--log-every", "0", "--no-progress", "--d-model", "32", "--moe-d-ff", "64",
+            "--causal-stride", "8", "--log-every", "2", "--no-progress", "--d-model", "32", "--moe-d-ff", "64",
             "--router", "topk"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "experiments" / "train.py")
@@ -153,9 +153,15 @@ def test_data_parallel_two_processes_equals_single_process(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(2)
     ]
+    outs = []
     for p in procs:
-        _, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
+        outs.append(out)
+    # the banner (rank 0 only) counts the whole model, not rank 0's shard, and names the mesh
+    whole = MoETransformer(preset("tiny", d_model=32, moe_d_ff=64)).num_parameters()
+    assert f"model: {whole:,} parameters" in outs[0] and "mesh dp_replicate=1 x dp_shard=2 x ep=1" in outs[0], outs[0]
+    assert "model:" not in outs[1], outs[1]
     s, d = read_jsonl(tmp_path / "s.jsonl"), read_jsonl(tmp_path / "d.jsonl")
     assert len(s) == len(d) == 4
     for rs, rd in zip(s, d):
@@ -165,44 +171,54 @@ def test_data_parallel_two_processes_equals_single_process(tmp_path):
     assert abs(s[-1]["eval/causal_loss"] - d[-1]["eval/causal_loss"]) < 1e-5
 
 
+def help_of(args: list[str]) -> str:
+    """What ``experiments/train.py ARGS --help`` prints."""
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "train.py"), *args, "--help"],
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return " ".join(out.stdout.translate({ord(c): " " for c in "│╭╮╰╯─"}).split())  # without tyro's boxes
+
+
 def test_cli_flags_come_from_the_configs():
     cfg = config_from_args([
         "--router", "capacity", "--router-option", "top_k=1", "--router-option", "capacity_factor=1.5",
         "--router-option", "priority=score", "--router-option", "normalize=false", "--d-model", "32",
         "--steps", "7", "--no-progress", "--metrics-jsonl", "m.jsonl",
     ])
-    assert cfg.router_options == {"top_k": 1, "capacity_factor": 1.5, "priority": "score", "normalize": False}
-    assert cfg.model == {"d_model": 32} and cfg.steps == 7 and cfg.progress is False
-    assert cfg.metrics_jsonl == "m.jsonl" and cfg.expert_parallel == 1
-    help_text = " ".join(build_parser().format_help().split())
+    assert cfg.model.router_options == {"top_k": 1, "capacity_factor": 1.5, "priority": "score", "normalize": False}
+    assert cfg.model.given() == {"d_model": 32} and cfg.optimizer.steps == 7 and cfg.logging.progress is False
+    assert cfg.logging.metrics_jsonl == "m.jsonl" and cfg.parallel.expert_parallel == 1
+    assert cfg == TrainConfig.flat(router="capacity", router_options=cfg.model.router_options, model={"d_model": 32},
+                                   steps=7, progress=False, metrics_jsonl="m.jsonl")
+    help_text = " ".join(help_of([]).split())
     assert "--causal-stride" in help_text and "--num-experts" in help_text and "every k-th" in help_text
     with pytest.raises(ValueError, match="KEY=VALUE"):
         config_from_args(["--router-option", "top_k"])
     with pytest.raises(ValueError, match="expert"):
-        train(TrainConfig(expert_parallel=2, **SMALL))
+        train(TrainConfig.flat(expert_parallel=2, **SMALL))
     with pytest.raises(ValueError, match="unknown model overrides"):
-        TrainConfig(model={"d_modle": 3})
+        TrainConfig.flat(model={"d_modle": 3})
 
 
 def test_model_config_follows_the_preset_router_options_rule_and_refuses_a_useless_d_ff():
     # gpu100m's top_k belongs to its topk router: expert choice (no top_k option) starts from its defaults
-    ec = model_config(TrainConfig(preset="gpu100m", router="expert_choice"), 256)
+    ec = model_config(TrainConfig.flat(preset="gpu100m", router="expert_choice").model, 256)
     assert ec.router_options == {}
     with torch.device("meta"):
         assert len(MoETransformer(ec).routers()) == 6
-    topk = model_config(TrainConfig(preset="gpu100m", router="topk", router_options={"gate": "sigmoid"}), 256)
+    topk = model_config(TrainConfig.flat(preset="gpu100m", router="topk", router_options={"gate": "sigmoid"}).model, 256)
     assert topk.router_options == {"top_k": 2, "gate": "sigmoid"}
     assert topk == preset("gpu100m", vocab_size=256, router="topk", router_options={"gate": "sigmoid"})
     with pytest.raises(ValueError, match="d_ff=64 has no effect: every block is an MoE block"):
-        model_config(config_from_args(["--d-ff", "64"]), 256)
-    assert model_config(config_from_args(["--d-ff", "64", "--moe-every", "2"]), 256).d_ff == 64
-    help_text = " ".join(build_parser().format_help().split())
+        model_config(config_from_args(["--d-ff", "64"]).model, 256)
+    assert model_config(config_from_args(["--d-ff", "64", "--moe-every", "2"]).model, 256).d_ff == 64
+    help_text = " ".join(help_of([]).split())
     assert "unused when every block is an MoE block (moe_every=1, the default), whose width is moe_d_ff" in help_text
 
 
 def test_lr_schedule_warms_up_then_decays_to_min():
-    cfg = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    lrs = [lr_at(s, cfg) for s in range(100)]
+    cfg = TrainConfig.flat(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg.optimizer) for s in range(100)]
     assert lrs[:10] == pytest.approx([(s + 1) / 10 for s in range(10)])
     assert lrs[10] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))

@@ -17,11 +17,14 @@ import pickle
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from moe.checks import positive_int
 
 
 def _entry(rank: int, world: int, workdir: str, fn: Callable, args: tuple, pg_timeout_s: float, threads: int) -> None:
@@ -58,8 +61,7 @@ def run_local(
     ``("ok", result)``, ``("error", traceback)`` or ``("missing", why)`` (the rank died
     without a word). ``pg_timeout_s`` bounds every collective; after ``timeout_s`` every
     process still running is killed and AssertionError raised."""
-    if not isinstance(world, int) or world <= 0:
-        raise ValueError(f"world must be a positive integer, got {world!r}")
+    positive_int("world", world)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as workdir:
         procs = [

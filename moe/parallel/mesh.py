@@ -8,7 +8,7 @@ L = E/P experts per expert-parallel rank.
 The world is laid out as a mesh (Q, R, S, P) with W = Q*DP, named ``("pp", "dp_replicate",
 "dp_shard", "ep")``; ``"dp"`` is ``(dp_replicate, dp_shard, ep)`` flattened (the DP ranks of one
 pipeline stage) and ``"fsdp"`` is ``(dp_shard, ep)`` flattened (S*P ranks). The ranks of one
-pipeline stage hold the same blocks (``moe.training.pipeline``); everything below happens
+pipeline stage hold the same blocks (``moe.parallel.pipeline``); everything below happens
 within a stage, and with Q = 1 the stage is the whole model. Every rank of a stage is its own
 data-parallel rank: it draws its own slice of the global batch (data parallel degree DP); the
 ranks of one ``pp`` group (same data-parallel index, consecutive stages) share a slice.
@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from moe.checks import positive_int
 from moe.parallel.exchange import ExpertParallel
 from moe.parallel.state import expert_parallel_layers
 
@@ -64,17 +65,14 @@ class Layout:
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "expert_parallel", "pipeline"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"Layout.{name} must be a positive integer, got {v!r}")
+            positive_int(f"Layout.{name}", getattr(self, name))
 
     @classmethod
-    def from_world(cls, world_size: int, dp_replicate: int = 1, expert_parallel: int = 1, pipeline: int = 1) -> "Layout":
+    def from_world(cls, world_size: int, dp_replicate: int = 1, expert_parallel: int = 1, pipeline: int = 1) -> Layout:
         """The layout of ``world_size`` processes with R = ``dp_replicate``, P = ``expert_parallel``
         and Q = ``pipeline``; sharded data parallel takes the rest, S = W / (Q*R*P)."""
         for name, v in (("dp_replicate", dp_replicate), ("expert_parallel", expert_parallel), ("pipeline", pipeline)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            positive_int(name, v)
         if world_size % (pipeline * dp_replicate * expert_parallel):
             raise ValueError(
                 f"pipeline={pipeline} x dp_replicate={dp_replicate} x expert_parallel={expert_parallel} must divide "

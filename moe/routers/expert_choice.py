@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.routing import Claims, Router, Routing, capacity_per_group, count_indices, register_router
+from moe.routing import Claims, Router, Routing, capacity_per_group, count_indices, dropped_fraction, register_router
 
 
 @register_router("expert_choice")
@@ -80,7 +80,7 @@ class ExpertChoiceRouter(Router):
         served = count_indices(token_A, n) > 0
         stats = {
             "tokens_per_expert": count_indices(expert_A, e),
-            "dropped_fraction": 1.0 - served.float().mean(),
+            "dropped_fraction": dropped_fraction(served.sum(), n, served.device),
         }
         return Routing(
             token=token_A,

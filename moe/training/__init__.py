@@ -1,20 +1,26 @@
 """The training loop used by the experiments, one job per file:
 
-- ``config``: :class:`TrainConfig`, every field of a run, validated;
+- ``config``: :class:`TrainConfig`, a run's configuration in sections (TOML in, JSON out);
+- ``build``: the model section, the resolved ModelConfig and the model;
+- ``batches``: the data section and each rank's batch of each step;
+- ``optim``: the optimizer section, AdamW and the learning-rate schedule;
+- ``checkpointing``: the checkpoint section (where, how often, resume);
+- ``checkpoint``: atomic sharded checkpoints and exact resume;
+- ``metrics``: the logging section, per-step metrics and the wandb run;
+- ``report``: what rank 0 prints and writes each step;
 - ``distributed``: process-group setup from torchrun's environment, router-state sync;
-- ``loop``: model construction, batches, the optimiser schedule and :func:`train`;
-- ``placement``: this rank's part of the model (pipeline stage, FSDP2) and its process groups;
-- ``pipeline``: pipeline stages, aux-loss injection and the schedules;
-- ``pipelined_lm``: the model's forward, KV cache and decoding through the stages (evaluation);
-- ``metrics``: per-step metrics and the wandb run;
-- ``checkpoint``: atomic checkpoints and exact resume;
-- ``cli``: the command line generated from the config dataclasses.
+- ``loop``: :func:`train`: a short core over the step strategy chosen when the model is placed
+  (``moe.parallel.placement``, ``moe.parallel.steps``);
+- ``cli``: the command line generated from the config by tyro.
 
-Evaluation lives in :mod:`moe.eval`, importable without the loop.
+Evaluation lives in :mod:`moe.eval`, importable without the loop; pipeline stages, placement
+and the step strategies in :mod:`moe.parallel`.
 """
 
+from moe.training.build import build_model, model_config
 from moe.training.cli import config_from_args, main
 from moe.training.config import TrainConfig
-from moe.training.loop import TrainResult, build_model, lr_at, model_config, train
+from moe.training.loop import TrainResult, train
+from moe.training.optim import lr_at
 
 __all__ = ["TrainConfig", "TrainResult", "build_model", "config_from_args", "lr_at", "main", "model_config", "train"]

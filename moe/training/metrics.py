@@ -1,20 +1,52 @@
-"""Per-step training metrics (loss, aux loss, drops, router entropy, expert loads) and the
-wandb run they are logged to on rank 0."""
+"""The logging section of a run, per-step training metrics (loss, aux loss, drops, router
+entropy, expert loads) and the wandb run they are logged to on rank 0."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe.model import ModelConfig, ModelOutput
+from moe.checks import nonnegative_int
+from moe.lm import ModelOutput
+from moe.model import ModelConfig
 from moe.routing import Router
-from moe.training.config import TrainConfig
 from moe.training.distributed import DistInfo
+
+if TYPE_CHECKING:
+    from moe.training.config import TrainConfig
+
+
+@dataclass
+class LoggingConfig:
+    """What a run reports and where."""
+
+    log_every: int = 10
+    """Print a log line every N steps (0 = never); the metrics JSONL gets every step."""
+    metrics_jsonl: str | None = None
+    """Write one JSON object per step here (rank 0)."""
+    progress: bool = True
+    """Show a progress bar (rank 0)."""
+    wandb_project: str = "causal-moe-routing"
+    """wandb project."""
+    wandb_run_name: str | None = None
+    """wandb run name (default: wandb's own)."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """online | offline | disabled; default: $WANDB_MODE, else online iff $WANDB_API_KEY is set, else offline."""
+    wandb_dir: str | None = None
+    """Directory for wandb's files (default: the run's own directory: ``checkpoint_dir``, else the
+    metrics JSONL's directory, else the current directory)."""
+
+    def __post_init__(self) -> None:
+        nonnegative_int("log_every", self.log_every)
+        if self.wandb_mode not in (None, "online", "offline", "disabled"):
+            raise ValueError(f"wandb_mode must be online, offline or disabled, got {self.wandb_mode!r}")
 
 
 class RouterEntropy:
@@ -121,15 +153,17 @@ def resolve_wandb_mode(requested: str | None) -> str:
 def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str | None = None):
     """A wandb run on rank 0 (None elsewhere, and in disabled mode, where wandb is not imported).
     ``run_id`` (saved in checkpoints) makes a resumed run continue the same wandb run."""
-    mode = resolve_wandb_mode(cfg.wandb_mode)
+    log = cfg.logging
+    mode = resolve_wandb_mode(log.wandb_mode)
     if not info.is_main or mode == "disabled":
         return None
     import wandb
 
-    run_dir = Path(cfg.wandb_dir or cfg.checkpoint_dir or ".")
+    jsonl_dir = Path(log.metrics_jsonl).parent if log.metrics_jsonl else None
+    run_dir = Path(log.wandb_dir or cfg.checkpoint.checkpoint_dir or jsonl_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
     return wandb.init(
-        project=cfg.wandb_project, name=cfg.wandb_run_name, config=config, dir=str(run_dir), mode=mode,
+        project=log.wandb_project, name=log.wandb_run_name, config=config, dir=str(run_dir), mode=mode,
         id=run_id, resume="allow" if run_id else None, settings=wandb.Settings(silent=True),
     )

@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.integrations.hf.blocks import HFMoEBlock, swap_moe_blocks, swapped_routings
-from moe.model import ModelOutput
+from moe.lm import ModelOutput, check_token_ids, lm_loss
 
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "mixtral-tiny": ("mixtral", {"num_local_experts": 4, "intermediate_size": 64}),
@@ -93,17 +92,14 @@ class HFCausalLM(nn.Module):
         self.hf = hf_model
 
     def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None) -> ModelOutput:
-        if idx_BT.dim() != 2 or idx_BT.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"expected int64 token ids of shape [B, T], got {idx_BT.dtype} {tuple(idx_BT.shape)}")
+        check_token_ids(idx_BT)
         for m in self.hf.modules():
             if isinstance(m, HFMoEBlock):
                 m.routing = None
         logits_BTV = self.hf(input_ids=idx_BT, use_cache=False).logits
         routings = swapped_routings(self.hf)
         aux = sum((r.aux_loss for r in routings), logits_BTV.new_zeros((), dtype=torch.float32))
-        loss = None
-        if targets_BT is not None:
-            loss = F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+        loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT)
         return ModelOutput(logits=logits_BTV, aux_loss=aux, routings=routings, loss=loss)
 
     def num_parameters(self) -> int:

@@ -37,13 +37,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from moe.model import KVCache, MoETransformer
+from moe.checks import positive_int
+from moe.lm import lm_loss
 from moe.parallel.exchange import guarded
-from moe.routing import Router
+from moe.routing import Router, Routing
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 """Schedule name -> ``torch.distributed.pipelining`` schedule class."""
@@ -59,8 +59,7 @@ def virtual_stages(schedule: str) -> int:
 def split_blocks(n_layers: int, num_stages: int) -> list[list[int]]:
     """The block indices of each of ``num_stages`` contiguous stages, sizes differing by at most
     one (earlier stages take the extra blocks: the last stage also runs the output projection)."""
-    if not isinstance(num_stages, int) or num_stages <= 0:
-        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}")
+    positive_int("num_stages", num_stages)
     if n_layers < num_stages:
         raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} blocks, the model has {n_layers}")
     base, extra = divmod(n_layers, num_stages)
@@ -108,10 +107,13 @@ class LayerRecord:
 
 class _StagePart(nn.Module):
     """The forward of a run of consecutive blocks; registers the modules it uses (shared with
-    the :class:`StageModel` that owns them) so its ``parameters()`` are exactly its own."""
+    the :class:`StageModel` that owns them) so its ``parameters()`` are exactly its own. The
+    forward is the whole model's own pieces (``embed_tokens``, ``forward_blocks``,
+    ``output_logits`` of the model's class) called on this part."""
 
-    def __init__(self, owner: "StageModel", blocks: list[int], first: bool, last: bool) -> None:
+    def __init__(self, owner: StageModel, blocks: list[int], first: bool, last: bool) -> None:
         super().__init__()
+        self.cfg, self.lm = owner.cfg, owner.lm
         self.first, self.last = first, last
         self.embed = owner.embed if first else None
         self.blocks = nn.ModuleDict({str(i): owner.blocks[str(i)] for i in blocks})
@@ -119,27 +121,27 @@ class _StagePart(nn.Module):
         self.head = owner.head if last else None
         self._owner = [owner]  # a list: not registered, so no parameter is named twice
 
-    def forward(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
+    def forward(self, x: Tensor, cache=None) -> Tensor:
         """Token ids [b, T] (first stage) or activations [b, T, D] -> activations, or logits
-        [b, T, V] (last stage). In training mode every MoE block's aux loss is injected into the
-        backward and its routing recorded (:meth:`StageModel.pop_records`)."""
+        [b, T, V] (last stage); ``cache`` a ``moe.lm.KVCache`` when decoding. In training mode
+        every MoE block's aux loss is injected into the backward and its routing recorded
+        (:meth:`StageModel.pop_records`)."""
         owner = self._owner[0]
-        if self.first:
-            x = self.embed(x)
-        for name, block in self.blocks.items():
-            x, routing = block(x, cache, int(name))
-            if routing is None:
-                continue
+
+        def inject(x: Tensor, layer: int, routing: Routing) -> Tensor:
             if torch.is_grad_enabled() and routing.aux_loss.requires_grad:
                 x = AuxLossInjector.apply(x, routing.aux_loss)
             if self.training and cache is None and x.device.type != "meta":
                 owner.records.append(LayerRecord(
-                    owner.moe_index[int(name)], routing.aux_loss.detach().float(),
+                    owner.moe_index[layer], routing.aux_loss.detach().float(),
                     routing.stats["dropped_fraction"].detach().float(), routing.stats["tokens_per_expert"].detach(),
                 ))
-        if self.last:
-            return self.head(self.norm(x))
-        return x
+            return x
+
+        if self.first:
+            x = self.lm.embed_tokens(self, x, cache)
+        x = self.lm.forward_blocks(self, x, cache, inject)
+        return self.lm.output_logits(self, x) if self.last else x
 
 
 class StageModel(_StagePart):
@@ -148,10 +150,13 @@ class StageModel(_StagePart):
     parameter names as in the whole model. ``parts`` are the rank's stages (modules to hand to
     ``PipelineStage``, in stage order): the model itself when it holds one stage."""
 
-    def __init__(self, model: MoETransformer, rank: int, num_ranks: int, virtual: int = 1) -> None:
+    def __init__(self, model: nn.Module, rank: int, num_ranks: int, virtual: int = 1) -> None:
+        """``model``: a ``moe.model.MoETransformer`` (its modules are shared, not copied)."""
         nn.Module.__init__(self)
         cfg = model.cfg
         self.cfg = cfg
+        self.lm = type(model)
+        """The model's class, whose forward pieces every part calls on itself."""
         self.num_stages = num_ranks * virtual
         split = split_blocks(cfg.n_layers, self.num_stages)
         self.stage_ids = [rank + v * num_ranks for v in range(virtual)]
@@ -216,19 +221,13 @@ def sync_tied_gradient(weight: nn.Parameter | None, group) -> None:
     guarded("tied-embedding gradient all-reduce", group, lambda: dist.all_reduce(local, group=group))
 
 
-def lm_loss(logits_bTV: Tensor, targets_bT: Tensor) -> Tensor:
-    """Mean next-token cross-entropy of a microbatch (the last stage's loss function)."""
-    return F.cross_entropy(logits_bTV.float().flatten(0, 1), targets_bT.flatten())
-
-
 class Pipeline:
     """One training step of a :class:`StageModel` through a pipeline schedule. Every rank of
     the pipeline group calls :meth:`step` with its data-parallel share of the batch."""
 
     def __init__(self, stage_model: StageModel, schedule: str, microbatches: int, microbatch_shape: tuple[int, int],
                  group, device: torch.device, logits_dtype: torch.dtype = torch.float32) -> None:
-        if not isinstance(microbatches, int) or microbatches <= 0:
-            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        positive_int("microbatches", microbatches)
         cls = SCHEDULES[schedule]
         ranks = stage_model.num_stages // len(stage_model.parts)
         if cls is not ScheduleGPipe and microbatches < ranks:

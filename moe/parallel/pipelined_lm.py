@@ -6,7 +6,7 @@ Every rank of the pipeline group calls the forward with the same token ids. Stag
 pipeline rank k mod S) receives the activations [B, T, D] from the rank of stage k-1, runs its
 blocks (through its share of the KV cache and the router decode states when decoding) and sends
 them on; the rank of the last stage broadcasts the logits [B, T, V] to the group, so every rank
-returns them. Forward only: training goes through the schedule (``moe.parallel.pipeline``).
+returns them. Forward only: training goes through the schedule (:mod:`moe.parallel.pipeline`).
 
 Shape legend: B batch, T sequence (new tokens), D model width, V vocabulary.
 """
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.model import KVCache, ModelOutput, empty_cache
+from moe.lm import KVCache, ModelOutput, check_token_ids, empty_cache, lm_loss
 from moe.parallel.exchange import guarded
-from moe.training.pipeline import StageModel
+from moe.parallel.pipeline import StageModel
 
 
 class PipelinedLM(nn.Module):
@@ -42,13 +41,8 @@ class PipelinedLM(nn.Module):
     def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None) -> ModelOutput:
         """Logits [B, T, V] of every position of ``idx_BT`` on every rank (see the module
         docstring); with ``cache``, ``idx_BT`` holds the next tokens of the cached sequences."""
-        if idx_BT.dim() != 2 or idx_BT.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"expected int64 token ids of shape [B, T], got {idx_BT.dtype} {tuple(idx_BT.shape)}")
+        check_token_ids(idx_BT, self.cfg.max_seq_len, cache)  # on every rank: all refuse together
         b, t = idx_BT.shape
-        if cache is None and t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.cfg.max_seq_len}")
-        if cache is not None and cache.length + t > cache.max_len:
-            raise ValueError(f"cache holds {cache.length} of at most {cache.max_len} positions; cannot add {t}")
         device = idx_BT.device
         x = idx_BT
         last = self.stage.num_stages - 1
@@ -58,20 +52,20 @@ class PipelinedLM(nn.Module):
                 continue
             if k > 0 and self._holder(k - 1) != self.me:
                 x = torch.empty(b, t, self.cfg.d_model, device=device)
-                guarded("pipeline activation recv", self.group, lambda: dist.recv(x, src=self._holder(k - 1), group=self.group))
+                src = self._holder(k - 1)
+                guarded("pipeline activation recv", self.group, lambda x=x, src=src: dist.recv(x, src=src, group=self.group))
             x = self.stage.parts[self.stage.stage_ids.index(k)](x, cache)
             if k < last and self._holder(k + 1) != self.me:
                 x = x.float().contiguous()
-                guarded("pipeline activation send", self.group, lambda: dist.send(x, dst=self._holder(k + 1), group=self.group))
+                dst = self._holder(k + 1)
+                guarded("pipeline activation send", self.group, lambda x=x, dst=dst: dist.send(x, dst=dst, group=self.group))
         logits_BTV = x.float().contiguous() if self._holder(last) == self.me else torch.empty(
             b, t, self.cfg.vocab_size, device=device)
         guarded("pipeline logits broadcast", self.group,
                 lambda: dist.broadcast(logits_BTV, src=self._holder(last), group=self.group))
         if cache is not None:
             cache.length += t
-        loss = None
-        if targets_BT is not None:
-            loss = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+        loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT)
         return ModelOutput(logits=logits_BTV, aux_loss=logits_BTV.new_zeros(()), routings=[], loss=loss)
 
     def decode_support(self) -> str | None:
@@ -87,4 +81,4 @@ class PipelinedLM(nn.Module):
     def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """A cache holding this rank's blocks' keys, values and router decode states."""
         blocks = {int(name): block for name, block in self.stage.blocks.items()}
-        return empty_cache(self.cfg, blocks, batch_size, max_len, self.decode_support)
+        return empty_cache(self.cfg.n_layers, self.cfg.max_seq_len, blocks, batch_size, max_len, self.decode_support)

@@ -1,0 +1,65 @@
+"""The data section of a run: the corpus, the sequence length and the global batch, and each
+rank's slice of the batch of every step.
+
+Shape legend: B batch (local to a rank), T sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from moe.checks import positive_int
+from moe.data import Corpus, batch_offsets, load_corpus, windows
+
+
+@dataclass
+class DataConfig:
+    """What a run reads and how much of it each step sees."""
+
+    data: str = "stdlib"
+    """Corpus: "stdlib" (the Python standard library's source), "canary" (uniform random tokens) or a path."""
+    val_fraction: float = 0.1
+    """Fraction of the token stream held out for validation (the end of each of 20 segments)."""
+    max_bytes: int = 4_000_000
+    """Tokens read from the corpus (for the canary: tokens drawn)."""
+    canary_vocab: int = 8
+    """Vocabulary of the canary corpus."""
+    seq_len: int = 128
+    """T: training and evaluation sequence length."""
+    batch_size: int = 16
+    """Global batch size (sequences per optimizer step, summed over data-parallel ranks)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "canary_vocab", "seq_len", "batch_size"):
+            positive_int(name, getattr(self, name))
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction!r}")
+        if self.data not in ("stdlib", "canary") and not Path(self.data).exists():
+            raise ValueError(f"--data {self.data!r}: no such file or directory (or use stdlib or canary)")
+
+    def load(self) -> Corpus:
+        """The corpus, split; ValueError if either part is shorter than one window of seq_len + 1 tokens."""
+        corpus = load_corpus(self.data, self.val_fraction, self.max_bytes, self.canary_vocab)
+        for part in ("train", "val"):
+            n = getattr(corpus, part).numel()
+            if n <= self.seq_len:
+                raise ValueError(f"the corpus {corpus.source} has {n:,} {part} tokens, fewer than one window of "
+                                 f"seq_len + 1 = {self.seq_len + 1}: use more data or a smaller --seq-len")
+        return corpus
+
+
+def local_batch(corpus: Corpus, cfg: DataConfig, seed: int, step: int, device: torch.device,
+                data_parallel: tuple[int, int] = (0, 1)) -> tuple[Tensor, Tensor]:
+    """(idx_BT, targets_BT) of this rank: its contiguous slice of the global batch of ``step``
+    (a function of (seed, step)); ``data_parallel`` = (rank, size) among the data-parallel ranks."""
+    rank, size = data_parallel
+    if cfg.batch_size % size:
+        raise ValueError(f"global batch_size={cfg.batch_size} is not divisible by {size} data-parallel ranks")
+    b = cfg.batch_size // size
+    offsets_B = batch_offsets(corpus.train.numel(), cfg.seq_len, cfg.batch_size, seed, step)
+    idx_BT, targets_BT = windows(corpus.train, offsets_B[rank * b : (rank + 1) * b], cfg.seq_len)
+    return idx_BT.to(device), targets_BT.to(device)

@@ -1,0 +1,72 @@
+"""The optimizer section of a run: AdamW (matrices decayed, norms not), linear warmup and
+cosine decay over the run's steps, gradient clipping."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moe.checks import nonnegative_int, positive_int
+
+
+@dataclass
+class OptimizerConfig:
+    """How many optimizer steps, and how each moves the weights."""
+
+    steps: int = 300
+    """Optimizer steps."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of ``lr``."""
+    warmup_steps: int | None = None
+    """Linear warmup steps; None = min(30, steps // 10), so a short run is not all warmup
+    (300 steps: 30; 12 steps: 1)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (matrices only; norms are not decayed)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+
+    def __post_init__(self) -> None:
+        positive_int("steps", self.steps)
+        if self.warmup_steps is not None:
+            nonnegative_int("warmup_steps", self.warmup_steps)
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError("need weight_decay >= 0, grad_clip >= 0 and betas in [0, 1)")
+
+    @property
+    def warmup(self) -> int:
+        """The warmup steps in force: ``warmup_steps``, or min(30, steps // 10) when None."""
+        return min(30, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+
+
+def lr_at(step: int, cfg: OptimizerConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine decay to
+    ``lr * min_lr_ratio`` at the last step."""
+    warmup = cfg.warmup
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - 1 - warmup)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + (cfg.lr - min_lr) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def make_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,90 @@
+"""What a run tells its user, on rank 0: the banner, a log line every ``log_every`` steps, the
+progress bar, one JSON record per step in the metrics JSONL (with the resolved config written
+beside it), and the wandb run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from moe.training.checkpoint import truncate_jsonl
+from moe.training.metrics import init_wandb, wandb_flat
+
+
+def config_path(jsonl: Path) -> Path:
+    """Where the resolved config of the run writing ``jsonl`` goes: ``<stem>.config.json`` beside it."""
+    return jsonl.with_name(f"{jsonl.stem}.config.json")
+
+
+class RunReport:
+    """Rank 0's outputs of one run (every method is a no-op elsewhere)."""
+
+    def __init__(self, cfg, mcfg, info, start: int, run_id: str | None) -> None:
+        self.cfg, self.log = cfg, cfg.logging
+        self.main = info.is_main
+        self.jsonl = Path(self.log.metrics_jsonl) if self.log.metrics_jsonl and self.main else None
+        if self.jsonl is not None:
+            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            if start:
+                truncate_jsonl(self.jsonl, start)
+            else:
+                self.jsonl.write_text("")
+            cfg.save(config_path(self.jsonl))
+        self.run = init_wandb(cfg, mcfg, info, run_id)
+        self.history: list[dict] = []
+        self.bar = tqdm(range(start + 1, cfg.optimizer.steps + 1), initial=start, total=cfg.optimizer.steps,
+                        desc=f"train {cfg.model.router}", disable=not (self.main and self.log.progress),
+                        dynamic_ncols=True)
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run.id if self.run is not None else None
+
+    def say(self, line: str) -> None:
+        """A line for the user (rank 0, unless logging is off)."""
+        if line and self.main and self.log.log_every:
+            tqdm.write(line)
+
+    def banner(self, corpus, num_params: int, layout=None) -> None:
+        """What is trained on what: the whole model's parameter count (not a rank's shard) and,
+        on more than one process, the mesh layout."""
+        where = f"; mesh {layout}" if layout is not None else ""
+        self.say(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
+                 f"model: {num_params:,} parameters, router {self.cfg.model.router} {self.cfg.model.router_options}"
+                 f"{where}")
+
+    def step(self, record: dict) -> None:
+        """The record of one finished step: history, JSONL, wandb, progress bar, log line."""
+        if not self.main:
+            return
+        self.history.append(record)
+        if self.jsonl is not None:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.run is not None:
+            self.run.log(wandb_flat(record), step=record["step"])
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        step, every = record["step"], self.log.log_every
+        if every and (step % every == 0 or step == self.cfg.optimizer.steps):
+            self.say(log_line(record))
+
+    def close(self, final_eval: dict) -> None:
+        self.bar.close()
+        if self.run is not None:
+            self.run.summary.update({f"final/{k}": v for k, v in final_eval.items()})
+            offline, run_dir = self.run.settings.mode == "offline", Path(self.run.dir).parent
+            self.run.finish()
+            if offline:
+                self.say(f"wandb: offline run written to {run_dir} (upload with: wandb sync {run_dir})")
+
+
+def log_line(record: dict) -> str:
+    """The dense one-line summary of a step's record."""
+    line = (f"step {record['step']:5d} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
+            f"lr {record['lr']:.2e} | dropped {record['dropped_fraction']:.3f} | {record['tokens_per_s']:,.0f} tok/s")
+    if "eval/causal_loss" in record:
+        line += (f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
+                 f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}")
+    return line

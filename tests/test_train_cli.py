@@ -1,0 +1,77 @@
+"""The trainer answers like a tool: one-line errors with exit status 2, "did you mean" for a
+mistyped flag, what a resume did, where wandb wrote, a warmup that fits short runs."""
+
+import pytest
+
+from moe.training import TrainConfig, lr_at
+from moe.training.cli import main
+from moe.training.optim import OptimizerConfig
+
+RUN = ["--seq-len", "16", "--batch-size", "2", "--max-bytes", "20000", "--eval-windows", "2", "--eval-batch-size", "2",
+       "--causal-stride", "8", "--d-model", "32", "--moe-d-ff", "32", "--no-progress", "--wandb-mode", "disabled",
+       "--log-every", "1"]
+
+
+def refused(argv, capsys) -> str:
+    """The one line ``main(argv)`` prints before exiting 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2, exit_info.value.code
+    err = capsys.readouterr().err.strip()
+    return err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "no/such/corpus"], "--data 'no/such/corpus': no such file or directory"),
+    (["--batch-size", "0"], "batch_size must be a positive integer, got 0"),
+    (["--router", "nope"], "unknown router 'nope'; known routers:"),
+    (["--preset", "huge"], "unknown preset 'huge'; known presets: tiny"),
+    (["--lr", "-1"], "need lr > 0"),
+    (["--steps", "-5"], "steps must be a positive integer, got -5"),
+    (["--router-option", "top_k=8"], "top_k must be an integer in [1, num_experts=4], got 8"),
+    (["--seq-len", "512"], "seq_len=512 exceeds the tiny preset's max_seq_len=128"),
+])
+def test_user_errors_are_one_line_and_exit_2(args, message, capsys):
+    err = refused(args, capsys)
+    assert err.count("\n") == 0 and err.startswith("error: ") and message in err, err
+
+
+def test_a_corpus_shorter_than_one_window_is_refused(tmp_path, capsys):
+    (tmp_path / "tiny.txt").write_text("just a few bytes of text, " * 2)
+    err = refused([*RUN, "--steps", "1", "--data", str(tmp_path / "tiny.txt")], capsys)
+    assert err.count("\n") == 0 and "fewer than one window of seq_len + 1 = 17" in err, err
+
+
+def test_a_mistyped_flag_gets_a_did_you_mean(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--stpes", "3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--stpes" in err and "Perhaps you meant" in err and "--steps" in err, err
+
+
+def test_resume_says_what_it_did(tmp_path, capsys):
+    ckpt = ["--checkpoint-dir", str(tmp_path / "run"), "--resume"]
+    main([*RUN, "--steps", "2", *ckpt])
+    out = capsys.readouterr().out
+    assert f"no checkpoint found in {tmp_path / 'run'}, starting fresh" in out, out
+    main([*RUN, "--steps", "3", *ckpt])
+    assert "resumed from step-00000002 (1 steps to go)" in capsys.readouterr().out
+    err = refused([*RUN, "--steps", "2", *ckpt], capsys)
+    assert "the last checkpoint, step-00000003, is past --steps 2" in err, err
+
+
+def test_wandb_offline_runs_go_to_the_runs_own_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main([*RUN, "--steps", "1", "--wandb-mode", "offline", "--metrics-jsonl", str(tmp_path / "run" / "m.jsonl")])
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and not (tmp_path / "wandb").exists(), list(tmp_path.rglob("*"))
+    assert f"wandb: offline run written to {runs[0]}" in capsys.readouterr().out
+
+
+def test_warmup_fits_short_runs():
+    assert OptimizerConfig(steps=300).warmup == 30 and OptimizerConfig(steps=12).warmup == 1
+    assert OptimizerConfig(steps=12, warmup_steps=5).warmup == 5
+    short = TrainConfig.flat(steps=12, lr=1.0, min_lr_ratio=0.1).optimizer
+    lrs = [lr_at(s, short) for s in range(12)]
+    assert lrs[0] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1), lrs  # warmed up, then decayed to the end
