@@ -1,209 +1,204 @@
-"""What does packet loss cost data-parallel training? The tiny preset trained on 4 gloo CPU
-processes with the gradient reduce-scatter and the parameter broadcast over a simulated lossy
-transport (``moe.parallel.lossy``), each aggregation policy at several loss rates, compared
-with the reliable run of the same seed (same initialisation, same batches, same packet seed).
+"""What does packet loss cost data-parallel training, and does it shrink in the paper's regime
+(many workers, large batches)? Runs with the gradient reduce-scatter and the parameter
+broadcast over a simulated lossy transport (``moe.parallel.lossy``), each aggregation policy
+against the reliable run of the same seed (same initialisation, batches and packet seed).
 
-    python experiments/packet_loss.py --quick          # reliable, unbiased, naive at 10% and 30%: 0.7 min on 2 quiet cores
-    python experiments/packet_loss.py --json experiments/results/packet_loss.json      # the full grid
-    python experiments/packet_loss.py --rates 0.1 --policies unbiased naive --seeds 0 1 2 --steps 2000
-    python experiments/packet_loss.py --rates --ep-rates 0.1 --seeds 0 1 2 --steps 300 \
-        --json experiments/results/packet_loss_ep_p10_300steps.json          # expert-parallel loss only
+    python experiments/packet_loss.py --quick     # 4 gloo processes, 40 steps, 10%: 2 min on 2 loaded cores
+    # 4 gloo processes through the training loop, the grid of the earlier studies
+    python experiments/packet_loss.py --rates 0.1 --policies unbiased naive --seeds 0 1 2 --steps 1000
+    # many workers, large batches: logical workers in one process (moe.parallel.lossy.simulated);
+    # experiments/results/packet_loss_scaling.*: one process per seed side by side, then merged
+    for s in 0 1 2; do python experiments/packet_loss.py --simulate --runs 128:64 32:16 8:4 --rates 0.1 \
+        --policies unbiased naive --seeds $s --steps 250 --seq-len 64 --model n_layers=1 --eval-windows 128 \
+        --json experiments/results/packet_loss_scaling_parts/seed$s.json & done; wait
+    python experiments/packet_loss.py --merge experiments/results/packet_loss_scaling_parts/seed{0,1,2}.raw.json \
+        --json experiments/results/packet_loss_scaling.json
 
-Per run: the validation loss (teacher-forced, of rank 0's replica) and perplexity; the
-perplexity change against the reliable run of the same seed, averaged over seeds with its
-standard error (of the per-seed paired differences); and, per step, the gradient-level
-figures, which need no long run to be exact: ``grad_rel_error`` (||estimate - mean|| / ||mean||,
-the aggregated gradient against the reliable mean of the same local gradients), ``grad_bias``
-(<estimate - mean, mean> / ||mean||^2: -0.075 means the step is 7.5% too short along the true
-gradient), the delivered packet fraction and the replicas' drift (max and RMS spread).
+``--runs B:P ...``: global batch B (sequences per step; tokens per step = B x seq_len) over P
+workers (B / P sequences each). Without ``--simulate`` a run is the training loop itself
+(``moe.training.train`` with ``packet_loss``, on P gloo processes; the reliable baseline is its
+``loss_policy="reliable"``); with it, P logical workers in one process
+(``SimulatedDataParallel``), stepped by the same lossy step and fed by the loop's own pieces
+(model, optimizer, learning-rate schedule, batches, evaluation), which at P = 4 gives the
+processes' losses to 1e-6 (``tests/test_lossy_simulated.py``).
 
-Expert-parallel runs (``--ep-rates``; ``ep_reliable``, ``ep_drop``, ``ep_renormalise``): the
-topk router's experts sharded over the 4 ranks, the token rows of the dispatch and return
-exchanges lost at that rate (``moe.parallel.lossy.expert.LossyRouter``: a lost row is a dropped
-assignment; ``ep_renormalise`` rescales the surviving combine weights), the rest of the model
-data-parallel over a reliable all-reduce; compared with ``ep_reliable`` of the same seed and
-evaluated with the exchange reliable.
+Per run: the final teacher-forced validation loss (worker 0's replica) and, per step, the
+training loss and the gradient-level figures of ``LossyReplicas.step``: ``grad_rel_error``
+(||estimate - mean|| / ||mean||: the aggregated gradient against the reliable mean of the same
+local gradients), ``grad_bias`` (<estimate - mean, mean> / ||mean||^2), the delivered packet
+fraction and the replicas' drift. Per configuration: the perplexity change against the
+reliable run of the same seed, the mean of the per-seed paired changes with its standard
+error, and the gradient figures averaged over steps, with standard errors over seeds.
 
-Writes ``--json`` (``{"runs": [{"loss_rate", "policy", "seeds", "val_loss", "val_ppl",
-"ppl_change_pct", "ppl_change_se", "max_drift", "grad_rel_error", "grad_bias", ...}]}``) and a
-figure (drift over steps, gradient error and bias per lossy data-parallel configuration) next
-to it, and every run's record (final validation loss, per-step figures) as ``.raw.json``, so
-``--add-to`` can extend a study with more seeds or rates without rerunning what it holds.
+Writes ``--json`` (``{"config", "commands", "runs": [{"workers", "tokens_per_step",
+"loss_rate", "policy", "seeds", "ppl_change_pct", "ppl_change_se", "grad_rel_error", ...}]}``),
+a markdown table and a figure next to it, and every run's record as ``.raw.json`` after each
+run, so an interrupted study keeps what it finished and ``--add-to`` resumes or extends it.
+
+The routers are topk with aux-loss-free balancing (``aux_loss_coef=0``, ``balance_rate``): a
+load-balancing loss would count assignments over all ranks in the processes but over each
+worker's own batch in the simulator (``moe.parallel.lossy.simulated``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
+import shlex
+import sys
 import time
+from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from moe.data import load_corpus
+from moe.data import Corpus, load_corpus
 from moe.eval import evaluate
 from moe.layer import update_routers
-from moe.parallel import ExpertParallel, clip_grad_norm_, reduce_gradients, share_router_statistics
 from moe.parallel.launch import ok_values, run_local
-from moe.parallel.lossy import POLICIES, LossConfig, LossyDataParallel, LossyDPConfig, LossyTransport
-from moe.parallel.lossy.expert import wrap_expert_parallel_routers
-from moe.training import TrainConfig, build_model, lr_at, model_config
+from moe.parallel.lossy import METRICS, POLICIES, SimulatedDataParallel
+from moe.routing import Router
+from moe.training import TrainConfig, build_model, lr_at, model_config, train
 from moe.training.batches import local_batch
-from moe.training.distributed import DistInfo, sync_router_state
 from moe.training.optim import make_optimizer, set_lr
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORLD = 4
+PAPER_PCT = 0.8
+""""Distributed Training under Packet Loss": at most 0.8% perplexity change at 10% loss (LLaMA-2 7B, 64 GPUs)."""
+HISTORY = ("loss", *METRICS)
 
 
-def train_lossy(cfg: TrainConfig, dp_cfg: LossyDPConfig, corpus, info: DistInfo, eval_windows: int) -> dict:
-    """One data-parallel run with :class:`LossyDataParallel` in place of the all-reduce; the
-    step is the training loop's (same model, batches, learning-rate schedule, AdamW, router
-    updates). Returns the per-step gradient and drift figures and rank 0's final eval."""
-    model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, info.device)
-    share_router_statistics(model)
-    optimizer = make_optimizer(model, cfg.optimizer)
-    dp = LossyDataParallel(model, optimizer, dp_cfg)
-    keys = ("grad_rel_error", "grad_bias", "received_fraction", "max_drift", "rms_drift")
-    history: dict[str, list[float]] = {k: [] for k in keys}
-    model.train()
+def run_config(common: dict, job: dict) -> TrainConfig:
+    """The training configuration of one run: the study's settings, the job's batch, seed and
+    policy (the reliable baseline is the ``reliable`` policy over the same transport)."""
+    return TrainConfig.flat(
+        preset=common["preset"], model=dict(common["model"]), router="topk", router_options=dict(common["router_options"]),
+        max_bytes=common["max_bytes"], seq_len=common["seq_len"], batch_size=job["batch_size"], steps=common["steps"],
+        seed=job["seed"], warmup_steps=common["warmup_steps"], eval_windows=common["eval_windows"],
+        causal_stride=common["seq_len"], log_every=0, progress=False, wandb_mode="disabled",
+        packet_loss=job["loss_rate"] or common["baseline_rate"], loss_policy=job["policy"],
+        loss_packet_size=common["packet_size"], loss_resync_every=common["resync_every"],
+    )
+
+
+def simulate(cfg: TrainConfig, workers: int, corpus: Corpus) -> dict:
+    """One run of ``workers`` logical workers in this process: the training loop's model,
+    optimizer, learning-rate schedule and batches (worker i gets slice i of the global batch,
+    as rank i does), the lossy step of ``SimulatedDataParallel``, the routers' buffers averaged
+    over the workers before their update. Returns per-step figures and worker 0's final
+    teacher-forced validation loss."""
+    device = torch.device("cpu")
+    model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, device)
+    if any(m.aux_loss_coef > 0 for m in model.modules() if isinstance(m, Router)):
+        raise ValueError("the simulator counts load-balancing fractions per worker, the processes over all ranks: "
+                         "use aux_loss_coef=0 (balance_rate balances without that loss)")
+    sim = SimulatedDataParallel(model, lambda m: make_optimizer(m, cfg.optimizer),
+                                cfg.lossy.transport(cfg.seed, cfg.optimizer.grad_clip), workers)
+    history: dict[str, list[float]] = {k: [] for k in HISTORY}
+    for replica in sim.replicas:
+        replica.train()
     for step in range(1, cfg.optimizer.steps + 1):
-        set_lr(optimizer, lr_at(step - 1, cfg.optimizer))
-        idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, info.device, (info.rank, info.world_size))
-        out = model(idx_BT, targets_BT)
-        optimizer.zero_grad(set_to_none=True)
-        (out.loss + out.aux_loss).backward()
-        metrics = dp.step(step)
-        sync_router_state(model, info)
-        update_routers(model)
-        for k in keys:
+        lr = lr_at(step - 1, cfg.optimizer)
+        loss_sum = 0.0
+        for rank, (replica, optimizer) in enumerate(zip(sim.replicas, sim.optimizers)):
+            set_lr(optimizer, lr)
+            idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, device, (rank, workers))
+            optimizer.zero_grad(set_to_none=True)
+            out = replica(idx_BT, targets_BT)
+            (out.loss + out.aux_loss).backward()
+            loss_sum += float(out.loss.detach().double())
+        metrics = sim.step(step)
+        sim.average_buffers(lambda m: isinstance(m, Router))
+        for replica in sim.replicas:
+            update_routers(replica)
+        history["loss"].append(loss_sum / workers)
+        for k in METRICS:
             history[k].append(metrics[k])
-    share_router_statistics(model, None)
-    ev = evaluate(model, corpus.val, cfg.data.seq_len, eval_windows, device=info.device, causal=False)
+    ev = evaluate(sim.replicas[0], corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=device, causal=False)
     return {"val_loss": ev["teacher_forced_loss"], "history": history}
 
 
-def train_expert_parallel_lossy(cfg: TrainConfig, loss: LossConfig, renormalise: bool, corpus, info: DistInfo,
-                                eval_windows: int) -> dict:
-    """One expert-parallel run (experts sharded over the 4 ranks, the rest data-parallel over a
-    reliable all-reduce) whose token exchanges lose rows (``LossyRouter``); evaluated with the
-    exchange reliable, so the figure is what the loss during training cost."""
-    model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, info.device,
-                        ExpertParallel(dist.group.WORLD))
-    share_router_statistics(model, dist.group.WORLD)
-    transport = LossyTransport(loss)
-    wrappers = wrap_expert_parallel_routers(model, transport, renormalise)
-    optimizer = make_optimizer(model, cfg.optimizer)
-    history: dict[str, list[float]] = {"ep_lost_fraction": [], "dropped_fraction": []}
-    model.train()
-    for step in range(1, cfg.optimizer.steps + 1):
-        set_lr(optimizer, lr_at(step - 1, cfg.optimizer))
-        idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, info.device, (info.rank, info.world_size))
-        transport.begin_step(step)
-        out = model(idx_BT, targets_BT)
-        optimizer.zero_grad(set_to_none=True)
-        (out.loss + out.aux_loss).backward()
-        reduce_gradients(model)
-        clip_grad_norm_(model, cfg.optimizer.grad_clip)
-        optimizer.step()
-        sync_router_state(model, info)
-        update_routers(model)
-        for key in history:
-            history[key].append(float(torch.stack([r.stats[key].float() for r in out.routings]).mean()))
-    for w in wrappers:
-        w.enabled = False
-    ev = evaluate(model, corpus.val, cfg.data.seq_len, eval_windows, device=info.device, causal=False)
-    share_router_statistics(model, None)
-    return {"val_loss": ev["teacher_forced_loss"], "history": history}
-
-
-def _worker(rank: int, world: int, jobs: list[dict], common: dict) -> list[dict]:
-    info = DistInfo(rank, world, 0, torch.device("cpu"))
+def _process_worker(rank: int, world: int, jobs: list[dict], common: dict) -> list[dict]:
+    """Each job through the training loop on ``world`` gloo processes (rank 0's records), its
+    trained replica evaluated as :func:`simulate` evaluates worker 0's (every position)."""
     corpus = load_corpus("stdlib", max_bytes=common["max_bytes"])
     out = []
     for job in jobs:
-        expert = job["policy"].startswith("ep_")
-        cfg = TrainConfig.flat(preset=common["preset"], steps=common["steps"], batch_size=common["batch_size"],
-                               seq_len=common["seq_len"], seed=job["seed"], warmup_steps=common["warmup_steps"],
-                               progress=False, log_every=0, packet_loss=job["loss_rate"],
-                               loss_policy="reliable" if expert else job["policy"],
-                               loss_packet_size=common["packet_size"], loss_resync_every=common["resync_every"])
-        dp_cfg = cfg.lossy.transport(cfg.seed, cfg.optimizer.grad_clip)
         t0 = time.perf_counter()
-        if expert:
-            res = train_expert_parallel_lossy(cfg, dp_cfg.loss, job["policy"] == "ep_renormalise", corpus, info,
-                                              common["eval_windows"])
-            detail = f"lost assignments {np.mean(res['history']['ep_lost_fraction']):.4f}"
-        else:
-            res = train_lossy(cfg, dp_cfg, corpus, info, common["eval_windows"])
-            detail = (f"grad rel err {np.mean(res['history']['grad_rel_error']):.4f}, "
-                      f"max drift {max(res['history']['max_drift']):.2e}")
-        out.append({**job, **res, "wall_s": time.perf_counter() - t0, "config": dataclasses.asdict(cfg)})
-        if rank == 0:
-            print(f"  {job['policy']:>14} p={job['loss_rate']:.2f} seed {job['seed']}: val loss {res['val_loss']:.4f}, "
-                  f"{detail} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        cfg = run_config(common, job)
+        res = train(cfg, corpus)
+        ev = evaluate(res.model, corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=torch.device("cpu"), causal=False)
+        history = {k: [r[k] for r in res.history] for k in HISTORY}
+        out.append({**job, "val_loss": ev["teacher_forced_loss"], "history": history, "wall_s": time.perf_counter() - t0})
     return out
 
 
+def _compact(res: dict) -> dict:
+    """A run's record with its per-step figures rounded to 5 significant digits (for the .raw.json)."""
+    return {**res, "history": {k: [float(f"{v:.5g}") for v in vs] for k, vs in res["history"].items()}}
+
+
 def summarise(raw: list[dict]) -> list[dict]:
-    """One record per (loss_rate, policy) over its seeds; perplexity change paired by seed with
-    the run's baseline (``reliable``; ``ep_reliable`` for the expert-parallel runs)."""
-    base = {(r["policy"], r["seed"]): r["val_loss"] for r in raw if r["loss_rate"] == 0.0}
+    """One record per (tokens per step, workers, loss rate, policy) over its seeds; perplexity
+    change paired by seed with the reliable run of the same size and workers."""
+    base = {(r["batch_size"], r["workers"], r["seed"]): r["val_loss"] for r in raw if r["policy"] == "reliable"}
+    keys = sorted(dict.fromkeys((r["batch_size"], r["workers"], r["loss_rate"], r["policy"]) for r in raw),
+                  key=lambda k: (k[0], k[1], k[2], POLICIES.index(k[3])))
     runs = []
-    order = [*POLICIES, "ep_reliable", "ep_drop", "ep_renormalise"]
-    keys = sorted(dict.fromkeys((r["loss_rate"], r["policy"]) for r in raw),
-                  key=lambda k: (k[1].startswith("ep_"), k[0], order.index(k[1])))
-    for rate, policy in keys:
-        rs = [r for r in raw if r["loss_rate"] == rate and r["policy"] == policy]
-        seeds = [r["seed"] for r in rs]
-        baseline = "ep_reliable" if policy.startswith("ep_") else "reliable"
-        change = [100 * (math.exp(r["val_loss"] - base[baseline, r["seed"]]) - 1) for r in rs if (baseline, r["seed"]) in base]
-        hist = {k: np.asarray([r["history"][k] for r in rs]) for k in rs[0]["history"]}
+    for batch, workers, rate, policy in keys:
+        rs = sorted((r for r in raw if (r["batch_size"], r["workers"], r["loss_rate"], r["policy"]) == (batch, workers, rate, policy)),
+                    key=lambda r: r["seed"])
+        paired = [r for r in rs if (batch, workers, r["seed"]) in base]
+        change = [100 * (math.exp(r["val_loss"] - base[batch, workers, r["seed"]]) - 1) for r in paired]
+        per_seed = {k: np.asarray([np.mean(r["history"][k]) for r in rs]) for k in HISTORY}
         val_loss = float(np.mean([r["val_loss"] for r in rs]))
-        common = {
-            "loss_rate": rate, "policy": policy, "seeds": seeds,
-            "val_loss": val_loss, "val_ppl": math.exp(val_loss),
+        runs.append({
+            "workers": workers, "batch_size": batch, "tokens_per_step": rs[0]["tokens_per_step"],
+            "sequences_per_worker": batch // workers, "loss_rate": rate, "policy": policy,
+            "seeds": [r["seed"] for r in rs], "val_loss": val_loss, "val_ppl": math.exp(val_loss),
             "val_loss_per_seed": [r["val_loss"] for r in rs],
             "ppl_change_pct": float(np.mean(change)) if change else None,
-            "ppl_change_se": float(np.std(change, ddof=1) / math.sqrt(len(change))) if len(change) > 1 else None,
+            "ppl_change_se": _se(change), "ppl_change_per_seed": change,
+            **{k: float(per_seed[k].mean()) for k in METRICS},
+            **{f"{k}_se": _se(per_seed[k].tolist()) for k in ("grad_rel_error", "grad_bias")},
+            "val_ppl_sd_pct": _sd_pct([math.exp(r["val_loss"]) for r in rs]),
+            "max_drift": float(max(max(r["history"]["max_drift"]) for r in rs)),
+            "rms_drift_mean": float(per_seed["rms_drift"].mean()),
             "wall_s": float(sum(r["wall_s"] for r in rs)),
-        }
-        if policy.startswith("ep_"):
-            runs.append({**common, "ep_lost_fraction": float(hist["ep_lost_fraction"].mean()),
-                         "dropped_fraction": float(hist["dropped_fraction"].mean())})
-            continue
-        runs.append({
-            **common,
-            "max_drift": float(hist["max_drift"].max()),
-            "rms_drift_mean": float(hist["rms_drift"].mean()),
-            "grad_rel_error": float(hist["grad_rel_error"].mean()),
-            "grad_bias": float(hist["grad_bias"].mean()),
-            "grad_bias_se": float(hist["grad_bias"].std(ddof=1) / math.sqrt(hist["grad_bias"].size)),
-            "received_fraction": float(hist["received_fraction"].mean()),
-            "max_drift_curve": hist["max_drift"].mean(0).tolist(),
         })
     return runs
 
 
+def _se(values: list[float]) -> float | None:
+    """Standard error of the mean (None below two values)."""
+    return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else None
+
+
+def _sd_pct(values: list[float]) -> float | None:
+    """Standard deviation over seeds in percent of the mean: how far apart runs that differ only
+    in their seed land (None below two values)."""
+    return float(100 * np.std(values, ddof=1) / np.mean(values)) if len(values) > 1 else None
+
+
+def _pm(value: float | None, se: float | None, fmt: str) -> str:
+    if value is None:
+        return ""
+    return format(value, fmt) + ("" if se is None else f" ± {format(se, fmt.lstrip('+'))}")
+
+
 def table(runs: list[dict]) -> str:
-    lines = ["| loss rate | policy | seeds | val loss | val ppl | ppl change % | grad rel error | grad bias | received | max drift |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| tokens/step | workers | seq/worker | loss rate | policy | seeds | val ppl | seed sd % | ppl change % "
+             "| grad rel error | grad bias | received | max drift |", "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
-        change = "" if r["ppl_change_pct"] is None else f"{r['ppl_change_pct']:+.2f}"
-        if r["ppl_change_se"] is not None:
-            change += f" ± {r['ppl_change_se']:.2f}"
-        if r["policy"].startswith("ep_"):
-            lines.append(f"| {r['loss_rate']:.2f} | {r['policy']} | {len(r['seeds'])} | {r['val_loss']:.4f} | "
-                         f"{r['val_ppl']:.3f} | {change} | | | assignments lost {r['ep_lost_fraction']:.3f} | |")
-            continue
-        lines.append(f"| {r['loss_rate']:.2f} | {r['policy']} | {len(r['seeds'])} | {r['val_loss']:.4f} | {r['val_ppl']:.3f} | "
-                     f"{change} | {r['grad_rel_error']:.4f} | {r['grad_bias']:+.4f} | {r['received_fraction']:.3f} | "
-                     f"{r['max_drift']:.2e} |")
+        lines.append(
+            f"| {r['tokens_per_step']} | {r['workers']} | {r['sequences_per_worker']} | {r['loss_rate']:.2f} | {r['policy']} "
+            f"| {len(r['seeds'])} | {r['val_ppl']:.3f} | {_pm(r['val_ppl_sd_pct'], None, '.2f')} "
+            f"| {_pm(r['ppl_change_pct'], r['ppl_change_se'], '+.2f')} "
+            f"| {_pm(r['grad_rel_error'], r['grad_rel_error_se'], '.4f')} | {_pm(r['grad_bias'], r['grad_bias_se'], '+.4f')} "
+            f"| {r['received_fraction']:.3f} | {r['max_drift']:.2e} |")
     return "\n".join(lines)
 
 
@@ -213,100 +208,166 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4))
-    lossy = [r for r in runs if r["policy"] != "reliable" and not r["policy"].startswith("ep_")]
-    for r in lossy:
-        ax0.plot(np.arange(1, len(r["max_drift_curve"]) + 1), r["max_drift_curve"], label=f"{r['policy']} p={r['loss_rate']:g}")
-    ax0.set(xlabel="step", ylabel="max |replica difference|", yscale="log", title="parameter drift between replicas")
-    ax0.legend(fontsize=7)
-    x = np.arange(len(lossy))
-    ax1.bar(x - 0.2, [r["grad_rel_error"] for r in lossy], 0.4, label="relative error")
-    ax1.bar(x + 0.2, [-r["grad_bias"] for r in lossy], 0.4, label="shrinkage (-bias)")
-    ax1.set_xticks(x, [f"{r['policy']} p={r['loss_rate']:g}" for r in lossy], fontsize=7, rotation=45, ha="right")
-    ax1.set(title="aggregated gradient vs reliable mean (per step, averaged)")
-    ax1.legend(fontsize=7)
-    for policy in dict.fromkeys(r["policy"] for r in lossy):
-        rs = [r for r in lossy if r["policy"] == policy and r["ppl_change_pct"] is not None]
-        ax2.errorbar([100 * r["loss_rate"] for r in rs], [r["ppl_change_pct"] for r in rs],
-                     yerr=[r["ppl_change_se"] or 0.0 for r in rs], marker="o", capsize=3,
-                     label=f"{policy} (seeds: {', '.join(str(len(r['seeds'])) for r in rs)})")
+    lossy = [r for r in runs if r["policy"] != "reliable" and r["ppl_change_pct"] is not None]
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.4))
+    for n, (rate, policy) in enumerate(dict.fromkeys((r["loss_rate"], r["policy"]) for r in lossy)):
+        rs = sorted((r for r in lossy if (r["loss_rate"], r["policy"]) == (rate, policy)), key=lambda r: r["tokens_per_step"])
+        label, tokens = f"{policy} p={rate:g}", [r["tokens_per_step"] for r in rs]
+        ax0.errorbar(tokens, [r["ppl_change_pct"] for r in rs], yerr=[r["ppl_change_se"] or 0.0 for r in rs],
+                     marker="o", capsize=3, label=label)
+        for ax, key in ((ax1, "grad_rel_error"), (ax2, "grad_bias")):
+            ax.errorbar(tokens, [r[key] for r in rs], yerr=[r[f"{key}_se"] or 0.0 for r in rs], marker="o", capsize=3,
+                        label=label)
+        if policy == "naive":
+            ax2.plot(tokens, [-rate * (r["workers"] - 1) / r["workers"] for r in rs], "x", color="grey",
+                     label=f"naive predicted -p(P-1)/P, p={rate:g}")
+        if policy == "unbiased":
+            ax1.axhline(math.sqrt(rate / (1 - rate)), color="grey", ls=":",
+                        label=f"unbiased, all noise: sqrt(p/(1-p)), p={rate:g}")
+        if n == 0:
+            for r in rs:
+                ax0.annotate(f"P={r['workers']}, {len(r['seeds'])} seeds", (r["tokens_per_step"], r["ppl_change_pct"]),
+                             fontsize=7, textcoords="offset points", xytext=(5, 8))
+    ax0.axhline(0.0, color="grey", lw=0.8)
+    ax0.axhline(PAPER_PCT, color="red", lw=0.9, ls="--", label="paper: 0.8% at 10% (LLaMA-2 7B, 64 GPUs)")
+    ax0.set(ylabel="val perplexity change vs reliable (%)", title="cost of packet loss at equal steps (mean ± SE, paired seeds)")
+    ax1.set(ylabel="||estimate - mean|| / ||mean||", title="aggregated gradient's error per step (± SE over seeds)")
     ax2.axhline(0.0, color="grey", lw=0.8)
-    ax2.axhline(0.8, color="red", lw=0.8, ls="--", label="paper: 0.8% at 10% (LLaMA-2 7B, 64 GPUs)")
-    ax2.set(xlabel="packet loss rate (%)", ylabel="val perplexity change vs reliable (%)",
-            title="perplexity change at equal steps (mean ± SE over seeds)")
-    ax2.legend(fontsize=7)
+    ax2.set(ylabel="<estimate - mean, mean> / ||mean||²", title="aggregated gradient's bias per step")
+    sizes = sorted({r["tokens_per_step"] for r in lossy})
+    for ax in (ax0, ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xticks(sizes, [f"{t:,}" for t in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("tokens per step")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def write(json_path: Path, common: dict, commands: list[str], raw: list[dict], wall: float, final: bool) -> list[dict]:
+    """Write the per-run records (.raw.json), the summary (json, md) and, at the end, the figure."""
+    runs = summarise(raw)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    result = {"date": date.today().isoformat(), "wall_s": wall, "complete": final, "config": common,
+              "commands": commands, "runs": runs}
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    json_path.with_suffix(".raw.json").write_text(json.dumps({"config": common, "commands": commands, "wall_s": wall,
+                                                              "runs": raw}) + "\n")
+    json_path.with_suffix(".md").write_text(table(runs) + "\n")
+    if final or len(raw) % 6 == 0:
+        plot(runs, json_path.with_suffix(".png"))
+    return runs
+
+
+def _parse_runs(values: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for v in values:
+        try:
+            batch, workers = (int(x) for x in v.split(":"))
+        except ValueError:
+            raise SystemExit(f"--runs takes BATCH:WORKERS pairs, got {v!r}") from None
+        if workers < 2 or batch % workers:
+            raise SystemExit(f"--runs {v}: need at least 2 workers and a batch divisible by them")
+        out.append((batch, workers))
+    return out
+
+
+def _overrides(values: list[str]) -> dict:
+    """``key=value`` strings as a dict of ints/floats."""
+    out = {}
+    for v in values:
+        key, _, val = v.partition("=")
+        out[key] = float(val) if any(c in val for c in ".e") else int(val)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="40 steps, 1 seed, rates 0.1 and 0.3, policies unbiased and naive, no expert-parallel runs")
-    p.add_argument("--rates", type=float, nargs="*", default=[0.01, 0.05, 0.1, 0.2, 0.3],
-                   help="data-parallel loss rates (none: no data-parallel runs)")
-    p.add_argument("--policies", nargs="+", default=["unbiased", "naive", "reweighted"], choices=[x for x in POLICIES if x != "reliable"])
+    p.add_argument("--quick", action="store_true", help="40 steps, seed 0, 10%% loss, unbiased and naive, 4 processes")
+    p.add_argument("--runs", nargs="+", default=["16:4"], help="BATCH:WORKERS pairs (global sequences per step : workers)")
+    p.add_argument("--simulate", action="store_true", help="logical workers in one process instead of gloo processes")
+    p.add_argument("--rates", type=float, nargs="+", default=[0.1], help="packet loss rates")
+    p.add_argument("--policies", nargs="+", default=["unbiased", "naive"], choices=[x for x in POLICIES if x != "reliable"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step over the 4 ranks)")
+    p.add_argument("--model", nargs="*", default=[], help="ModelConfig overrides, e.g. n_layers=1 d_model=64")
+    p.add_argument("--router-options", nargs="*", default=["aux_loss_coef=0.0", "balance_rate=0.001"])
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--packet-size", type=int, default=256, help="elements per packet (1 KiB of fp32)")
     p.add_argument("--resync-every", type=int, default=0)
-    p.add_argument("--ep-rates", type=float, nargs="*", default=[0.1],
-                   help="expert-parallel runs (topk, experts over the 4 ranks): lost token rows dropped, or renormalised")
     p.add_argument("--eval-windows", type=int, default=64)
-    p.add_argument("--json", type=Path, help="results JSON; the .md table, .png figure and .raw.json per-run records "
-                                             "go next to it (default: experiments/results/packet_loss[_quick].json)")
-    p.add_argument("--add-to", action="store_true",
-                   help="extend the study at --json: keep its per-run records (.raw.json), run only the (rate, policy, "
-                        "seed) jobs it lacks, summarise all together (the settings must match)")
+    p.add_argument("--json", type=Path, help="results JSON; .md, .png and .raw.json go next to it "
+                                             "(default: experiments/results/packet_loss[_quick].json)")
+    p.add_argument("--add-to", action="store_true", help="keep the runs stored in --json's .raw.json (same settings) "
+                                                         "and run only the missing ones")
+    p.add_argument("--merge", type=Path, nargs="+", help="write --json from these .raw.json files of one study's parts "
+                                                         "(same settings, e.g. one seed each, run side by side); runs nothing")
     args = p.parse_args(argv)
+    if args.merge:
+        if not args.json:
+            p.error("--merge needs --json")
+        parts = [json.loads(path.read_text()) for path in args.merge]
+        if any(part["config"] != parts[0]["config"] for part in parts):
+            p.error("--merge: the parts ran with different settings")
+        raw = [r for part in parts for r in part["runs"]]
+        commands = [c for part in parts for c in part["commands"]] + [shlex.join(["python", "experiments/packet_loss.py", *argv])]
+        runs = write(args.json, parts[0]["config"], commands, raw, sum(part["wall_s"] for part in parts), final=True)
+        print(table(runs))
+        return {"config": parts[0]["config"], "runs": runs}
     if args.quick:
-        args.rates, args.policies, args.seeds, args.steps, args.eval_windows = [0.1, 0.3], ["unbiased", "naive"], [0], 40, 32
-        args.ep_rates = []
-    common = {"preset": args.preset, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-              "warmup_steps": min(30, args.steps // 10), "packet_size": args.packet_size, "resync_every": args.resync_every,
-              "eval_windows": args.eval_windows, "max_bytes": 4_000_000}
-    jobs = [{"loss_rate": 0.0, "policy": "reliable", "seed": s} for s in args.seeds] if args.rates else []
-    jobs += [{"loss_rate": rate, "policy": policy, "seed": s} for rate in args.rates for policy in args.policies for s in args.seeds]
-    if args.ep_rates:
-        jobs += [{"loss_rate": 0.0, "policy": "ep_reliable", "seed": s} for s in args.seeds]
-        jobs += [{"loss_rate": rate, "policy": policy, "seed": s} for rate in args.ep_rates
-                 for policy in ("ep_drop", "ep_renormalise") for s in args.seeds]
+        args.runs, args.simulate, args.seeds, args.steps, args.eval_windows = ["16:4"], False, [0], 40, 32
+    common = {"preset": args.preset, "model": _overrides(args.model), "router_options": _overrides(args.router_options),
+              "steps": args.steps, "seq_len": args.seq_len, "warmup_steps": min(30, args.steps // 10),
+              "packet_size": args.packet_size, "resync_every": args.resync_every, "eval_windows": args.eval_windows,
+              "max_bytes": 4_000_000, "baseline_rate": max(args.rates), "simulated": args.simulate}
+    corpus = load_corpus("stdlib", max_bytes=common["max_bytes"])
+    common["model_config"] = asdict(model_config(run_config(common, {"batch_size": 2, "seed": 0, "loss_rate": 0.1,
+                                                                     "policy": "unbiased"}).model, corpus.vocab_size))
+    jobs = [{"batch_size": b, "workers": w, "tokens_per_step": b * args.seq_len, "loss_rate": rate, "policy": policy,
+             "seed": s}
+            for s in args.seeds for b, w in _parse_runs(args.runs)
+            for rate, policy in [(0.0, "reliable"), *[(r, q) for r in args.rates for q in args.policies]]]
+    jobs = list({tuple(j.items()): j for j in jobs}.values())
     json_path = args.json or RESULTS / ("packet_loss_quick.json" if args.quick else "packet_loss.json")
-    raw_path = json_path.with_suffix(".raw.json")
-    earlier, wall_before = [], 0.0
+    command = shlex.join(["python", "experiments/packet_loss.py", *argv])
+    raw, wall, commands = [], 0.0, [command]
     if args.add_to:
+        raw_path = json_path.with_suffix(".raw.json")
         if not raw_path.exists():
             p.error(f"--add-to: {raw_path} does not exist (run the study once without --add-to)")
         stored = json.loads(raw_path.read_text())
         if stored["config"] != common:
             p.error(f"--add-to: the stored study ran with {stored['config']}, this one would run with {common}")
-        earlier, wall_before = stored["runs"], stored["wall_s"]
-        done = {(r["loss_rate"], r["policy"], r["seed"]) for r in earlier}
-        jobs = [j for j in jobs if (j["loss_rate"], j["policy"], j["seed"]) not in done]
-    print(f"{len(jobs)} runs of {args.steps} steps on {WORLD} gloo processes"
-          + (f" (added to {len(earlier)} stored ones)" if args.add_to else ""))
-    t0 = time.perf_counter()
-    new = ok_values(run_local(_worker, WORLD, jobs, common, timeout_s=24 * 3600.0, pg_timeout_s=600.0))[0] if jobs else []
-    wall = wall_before + time.perf_counter() - t0
-    raw = earlier + [{**r, "history": {k: [float(f"{v:.5g}") for v in vs] for k, vs in r["history"].items()}} for r in new]
-    runs = summarise(raw)
-    result = {"date": date.today().isoformat(), "world": WORLD, "wall_s": wall, "config": common,
-              "quick": args.quick, "runs": runs}
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    raw_path.write_text(json.dumps({"config": common, "wall_s": wall, "runs": raw}) + "\n")
-    md = table(runs)
-    json_path.with_suffix(".md").write_text(md + "\n")
-    if any(r["policy"] not in ("reliable", "ep_reliable", "ep_drop", "ep_renormalise") for r in runs):
-        plot(runs, json_path.with_suffix(".png"))  # drift and gradient figures: data-parallel runs only
-    print(md)
-    print(f"wrote {json_path} (+ .md, .raw.json, and .png when there are lossy data-parallel runs); "
-          f"{wall / 60:.1f} min of runs in all")
-    return result
+        raw, wall, commands = stored["runs"], stored["wall_s"], [*stored["commands"], command]
+        done = {(r["batch_size"], r["workers"], r["loss_rate"], r["policy"], r["seed"]) for r in raw}
+        jobs = [j for j in jobs if (j["batch_size"], j["workers"], j["loss_rate"], j["policy"], j["seed"]) not in done]
+    print(f"{len(jobs)} runs of {args.steps} steps ({'logical workers in one process' if args.simulate else 'gloo processes'})",
+          flush=True)
+    if args.simulate:
+        for job in jobs:
+            t0 = time.perf_counter()
+            res = simulate(run_config(common, job), job["workers"], corpus)
+            raw.append({**job, **_compact(res), "wall_s": time.perf_counter() - t0})
+            wall += raw[-1]["wall_s"]
+            print(f"  {job['tokens_per_step']:>6} tok/step P={job['workers']:<3} {job['policy']:>9} p={job['loss_rate']:.2f} "
+                  f"seed {job['seed']}: val loss {res['val_loss']:.4f}, grad rel err "
+                  f"{np.mean(res['history']['grad_rel_error']):.4f} ({raw[-1]['wall_s']:.0f}s)", flush=True)
+            write(json_path, common, commands, raw, wall, final=False)
+    for workers in dict.fromkeys(j["workers"] for j in jobs if not args.simulate):
+        t0 = time.perf_counter()
+        mine = [j for j in jobs if j["workers"] == workers]
+        raw += [_compact(r) for r in ok_values(run_local(_process_worker, workers, mine, common, timeout_s=24 * 3600.0,
+                                                         pg_timeout_s=600.0))[0]]
+        wall += time.perf_counter() - t0
+        write(json_path, common, commands, raw, wall, final=False)
+    runs = write(json_path, common, commands, raw, wall, final=True)
+    print(table(runs))
+    print(f"wrote {json_path} (+ .md, .png, .raw.json); {wall / 60:.1f} min of runs in all")
+    return {"config": common, "runs": runs}
 
 
 if __name__ == "__main__":

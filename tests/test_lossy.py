@@ -14,6 +14,10 @@ right burst statistics, independent across keys), then one spawn of 4 gloo proce
   brute-force reading of the dispatch and return packets says is lost, the survivors through
   ``expert_parallel_ffn`` equal the single-process reference on them (float64, 1e-10), and
   renormalised weights keep each surviving token's sum;
+* expert-parallel backward at p = 0.3: with the return and dispatch exchanges' gradient rows
+  lost (``LossyExpertParallel``), the input, combine-weight and expert gradients equal a
+  float64 reference over all ranks' tokens built from a brute-force reading of the packets
+  (1e-10), the forward is unchanged, and the reliable path's input gradient differs;
 * p = 0.1, 200 steps: the replicas' drift does not grow (second half vs first half, within 3
   standard errors) and stays far below what a replica frozen at step 100 would show; a
   resync every 10 steps makes the replicas equal at those steps.
@@ -31,6 +35,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from kernels.reference import moe_ffn_reference
+from moe import MoELayer
 from moe.experts import SwiGLUExperts
 from moe.parallel import ExpertParallel, expert_parallel_ffn, local_expert_range, reduce_gradients
 from moe.parallel.launch import ok_values, run_local
@@ -39,12 +44,12 @@ from moe.parallel.lossy import (
     LossyDataParallel,
     LossyDPConfig,
     LossyTransport,
+    Workers,
     aggregate_gradient,
     lost_packets,
     shard_bounds,
 )
-from moe import MoELayer
-from moe.parallel.lossy.expert import drop_lost_assignments, wrap_expert_parallel_routers
+from moe.parallel.lossy.expert import LossyExpertParallel, drop_lost_assignments, wrap_expert_parallel_routers
 from moe.parallel.lossy.transport import expand_packets
 
 WORLD = 4
@@ -120,10 +125,15 @@ def _backward(model: nn.Module, rank: int, step: int) -> None:
     ((model(x) - y) ** 2).mean().backward()
 
 
+def _aggregate(flat: torch.Tensor, policy: str, t: LossyTransport) -> torch.Tensor:
+    """This rank's shard of the aggregated gradient, one worker per process."""
+    return aggregate_gradient(flat[None], policy, t, Workers.from_group())[0]
+
+
 def _gather_shards(shard, n: int, size: int) -> torch.Tensor:
     """Reliable all-gather of uneven shards into the full vector (test helper)."""
     t = LossyTransport(LossConfig(), None)
-    return t.all_gather_stale(shard, torch.zeros(n, dtype=shard.dtype), reliable=True)
+    return t.all_gather_stale([shard], torch.zeros(1, n, dtype=shard.dtype), Workers.from_group(), reliable=True)[0]
 
 
 def _bitwise_checks(rank: int, size: int) -> dict:
@@ -137,7 +147,7 @@ def _bitwise_checks(rank: int, size: int) -> dict:
     for policy in ("unbiased", "naive", "reweighted"):
         t = LossyTransport(LossConfig(rate=0.0, packet_size=3, seed=1))
         t.begin_step(0)
-        full = _gather_shards(aggregate_gradient(flat, policy, t), flat.numel(), size)
+        full = _gather_shards(_aggregate(flat, policy, t), flat.numel(), size)
         out[f"bitwise_grad/{policy}"] = bool(torch.equal(full, today))
     # Three AdamW steps: plain data parallel vs LossyDataParallel (reliable, and unbiased at p = 0).
     finals = {}
@@ -171,7 +181,7 @@ def _reference_checks(rank: int, size: int) -> dict:
         for policy in ("unbiased", "naive", "reweighted"):
             t = LossyTransport(cfg)
             t.begin_step(step)
-            got = aggregate_gradient(flat, policy, t)
+            got = _aggregate(flat, policy, t)
             arrived = [~expand_packets(lost_packets(cfg, step, 0, src, rank, cfg.num_packets(hi - lo)), hi - lo, 2)
                        for src in range(size)]
             parts = [every[src][lo:hi] * arrived[src] for src in range(size)]
@@ -203,7 +213,7 @@ def _statistics(rank: int, size: int) -> dict:
             t = LossyTransport(cfg)
             t.begin_step(step)
             ratio = torch.zeros(n * blocks, dtype=torch.float64)
-            ratio[lo:hi] = aggregate_gradient(grad, policy, t) / ref[lo:hi]
+            ratio[lo:hi] = _aggregate(grad, policy, t) / ref[lo:hi]
             dist.all_reduce(ratio)
             if key == "fixed/unbiased":  # one sample per step: rank 0's shard, where the owner's gradient is smallest
                 out[key].append(float(ratio[slice(*shard_bounds(n * blocks, size)[0])].mean()))
@@ -239,11 +249,8 @@ def _drift_run(rank: int, size: int, resync_every: int, steps: int) -> dict:
             "received": float(np.mean(received))}
 
 
-def _expert_checks(rank: int, size: int) -> dict:
-    """Expert-parallel exchange under loss: the surviving assignments through
-    ``expert_parallel_ffn`` == the single-process reference on them; the lost set == a
-    brute-force reading of the two messages' packets; renormalised weights keep each token's sum."""
-    num_experts, d, f, n = 4, 8, 12, 10
+def _experts(num_experts: int, d: int, f: int) -> tuple[SwiGLUExperts, SwiGLUExperts, int, int]:
+    """(all experts, this rank's block of them, its first and past-last expert), float64, seed 0."""
     torch.manual_seed(0)
     full = SwiGLUExperts(num_experts, d, f).double()
     start, stop = local_expert_range(num_experts, None)
@@ -251,6 +258,15 @@ def _expert_checks(rank: int, size: int) -> dict:
     with torch.no_grad():
         for name in ("w_gate", "w_up", "w_down"):
             getattr(local, name).copy_(getattr(full, name)[start:stop])
+    return full, local, start, stop
+
+
+def _expert_checks(rank: int, size: int) -> dict:
+    """Expert-parallel exchange under loss: the surviving assignments through
+    ``expert_parallel_ffn`` == the single-process reference on them; the lost set == a
+    brute-force reading of the two messages' packets; renormalised weights keep each token's sum."""
+    num_experts, d, f, n = 4, 8, 12, 10
+    full, local, start, stop = _experts(num_experts, d, f)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(n, d, dtype=torch.float64, generator=g)
     expert_A = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(n)]).reshape(-1)
@@ -289,10 +305,10 @@ def _expert_checks(rank: int, size: int) -> dict:
     x_BTD = x.view(2, n // 2, d)
     y_plain, r_plain = layer(x_BTD, return_routing=True)
     t = LossyTransport(LossConfig(rate=0.0))
-    (wrapper,) = wrap_expert_parallel_routers(layer, t)
+    wrapper, path = wrap_expert_parallel_routers(layer, t)
     t.begin_step(0)
     out["ep/layer_p0_equal"] = bool(torch.equal(layer(x_BTD), y_plain))
-    wrapper.transport = LossyTransport(cfg)
+    wrapper.transport = path.transport = LossyTransport(cfg)
     wrapper.transport.begin_step(3)
     _, r_lossy = layer(x_BTD, return_routing=True)
     kept_fraction = r_lossy.token.numel() / r_plain.token.numel()
@@ -307,8 +323,82 @@ def _expert_checks(rank: int, size: int) -> dict:
     return out
 
 
+def _row_lost(cfg: LossConfig, step: int, stream: int, src: int, dst: int, pos: int, rows: int, d: int) -> bool:
+    """Brute force: is row ``pos`` of the ``rows`` x ``d`` message (step, stream, src -> dst) lost,
+    i.e. is any packet it overlaps lost?"""
+    lost_K = lost_packets(cfg, step, stream, src, dst, cfg.num_packets(rows * d))
+    return any(bool(lost_K[k]) for k in range(pos * d // cfg.packet_size, ((pos + 1) * d - 1) // cfg.packet_size + 1))
+
+
+def _ep_data(rank: int, num_experts: int, d: int, n: int) -> tuple:
+    g = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(n, d, dtype=torch.float64, generator=g)
+    expert_A = torch.stack([torch.randperm(num_experts, generator=g)[:2] for _ in range(n)]).reshape(-1)
+    weight_A = torch.rand(2 * n, dtype=torch.float64, generator=g) + 0.1
+    grad_out = torch.randn(n, d, dtype=torch.float64, generator=g)
+    return x, torch.arange(n).repeat_interleave(2), expert_A, weight_A, grad_out
+
+
+def _expert_backward_checks(rank: int, size: int) -> dict:
+    """Backward exchanges at p = 0.3 (``LossyExpertParallel``): every gradient (input, combine
+    weights, local experts) == a float64 single-process reference over all ranks' tokens in
+    which an assignment whose output gradient is lost on the way to its expert contributes a
+    detached expert output (no expert or input gradient, the weight's kept), and one whose
+    input gradient is lost on the way back sees a detached input; the lost rows read
+    brute-force from the two messages' packets (streams 0: return backward, 1: dispatch backward)."""
+    num_experts, d, f, n, step = 4, 8, 12, 10, 5
+    cfg = LossConfig(rate=0.3, packet_size=4, seed=7)
+    full, local, start, stop = _experts(num_experts, d, f)
+    x, token_A, expert_A, weight_A, grad_out = _ep_data(rank, num_experts, d, n)
+    x.requires_grad_(True)
+    weight_A.requires_grad_(True)
+    t = LossyTransport(cfg)
+    t.begin_step(step)
+    path = LossyExpertParallel(ExpertParallel(dist.group.WORLD), t)
+    y = path(x, token_A, expert_A, weight_A, local, num_experts)
+    (y * grad_out).sum().backward()
+    y_reliable = expert_parallel_ffn(x.detach(), token_A, expert_A, weight_A.detach(), local, num_experts)
+    per_rank, out = num_experts // size, {"epb/lost_returned": 0, "epb/lost_dispatched": 0}
+    ref = {name: getattr(full, name).detach().clone().requires_grad_(True) for name in ("w_gate", "w_up", "w_down")}
+    total, mine = 0.0, None
+    for src in range(size):
+        xs, tok, exp, ws, gs = _ep_data(src, num_experts, d, n)
+        xs.requires_grad_(True)
+        ws.requires_grad_(True)
+        ys = torch.zeros(n, d, dtype=torch.float64)
+        for a in range(2 * n):
+            dst = int(exp[a]) // per_rank
+            to_dst = exp // per_rank == dst
+            pos = int((to_dst & ((exp < exp[a]) | ((exp == exp[a]) & (torch.arange(2 * n) < a)))).sum())
+            rows = int(to_dst.sum())
+            returned = _row_lost(cfg, step, 0, src, dst, pos, rows, d)
+            dispatched = _row_lost(cfg, step, 1, dst, src, pos, rows, d)
+            if src == rank:
+                out["epb/lost_returned"] += returned
+                out["epb/lost_dispatched"] += dispatched
+            x_in = xs[tok[a]].detach() if dispatched or returned else xs[tok[a]]
+            weights = [w.detach() if returned else w for w in ref.values()]
+            ys = ys.index_add(0, tok[a : a + 1], moe_ffn_reference(x_in[None], torch.zeros(1, dtype=torch.long),
+                                                                   exp[a : a + 1], ws[a : a + 1], *weights))
+        total = total + (ys * gs).sum()
+        if src == rank:
+            mine = (xs, ws)
+    total.backward()
+    out["epb/forward_unchanged"] = bool(torch.allclose(y, y_reliable, rtol=0, atol=1e-12))
+    out["epb/x_grad"] = float((x.grad - mine[0].grad).abs().max())
+    out["epb/weight_grad"] = float((weight_A.grad - mine[1].grad).abs().max())
+    out["epb/expert_grad"] = max(float((getattr(local, k).grad - ref[k].grad[start:stop]).abs().max()) for k in ref)
+    # the same step with the reliable path: the losses must change the gradients (not vacuous)
+    x2 = x.detach().clone().requires_grad_(True)
+    path.enabled = False
+    (path(x2, token_A, expert_A, weight_A.detach(), local, num_experts) * grad_out).sum().backward()
+    out["epb/reliable_x_grad_differs"] = float((x2.grad - x.grad).abs().max())
+    return out
+
+
 def _worker(rank: int, size: int) -> dict:
     return {**_bitwise_checks(rank, size), **_reference_checks(rank, size), **_expert_checks(rank, size),
+            **_expert_backward_checks(rank, size),
             "stats": _statistics(rank, size),
             "drift": _drift_run(rank, size, 0, 200), "drift_resync": _drift_run(rank, size, 10, 100)}
 
@@ -372,6 +462,16 @@ def test_expert_parallel_loss_drops_assignments(results):
         assert res["ep/layer_kept_matches"], f"rank {rank}: survivors do not match ep_lost_fraction {res['ep/layer_lost']}"
         assert res["ep/layer_dropped_consistent"], f"rank {rank}: dropped_fraction does not count the lost assignments"
     assert sum(r["ep/layer_lost"] for r in results) > 0, "no assignment lost through the layer: vacuous"
+
+
+def test_expert_parallel_backward_loss_drops_gradient_rows(results):
+    for rank, res in enumerate(results):
+        assert res["epb/lost_returned"] > 0 and res["epb/lost_dispatched"] > 0, (
+            f"rank {rank}: no gradient row lost ({res['epb/lost_returned']}, {res['epb/lost_dispatched']}): vacuous")
+        assert res["epb/forward_unchanged"], f"rank {rank}: backward losses changed the forward output"
+        for key in ("epb/x_grad", "epb/weight_grad", "epb/expert_grad"):
+            assert res[key] < 1e-10, f"rank {rank}: {key} vs the float64 reference: max diff {res[key]:.3e}"
+        assert res["epb/reliable_x_grad_differs"] > 1e-3, f"rank {rank}: the lost rows did not change the input gradient"
 
 
 def test_drift_stays_bounded(results):

@@ -1,10 +1,14 @@
 """Data-parallel training over a lossy transport: gradient aggregation reduce-scatter style,
 an owner-side optimizer step, a bounded-drift parameter broadcast, and the drift measured.
 
-Shape legend: P ranks, n elements of the flat parameter (and gradient) vector, S elements of
-this rank's shard (``shard_bounds``: contiguous, rank j owns shard j).
+Shape legend: P workers (ranks), n elements of the flat parameter (and gradient) vector, S
+elements of a worker's shard (``shard_bounds``: contiguous, worker j owns shard j).
 
-One step (:meth:`LossyDataParallel.step`, after ``loss.backward()`` on every rank):
+One implementation of the step, :class:`LossyReplicas`, drives the replicas of a set of
+:class:`~moe.parallel.lossy.transport.Workers`: :class:`LossyDataParallel` is one replica per
+process (``torch.distributed``), :class:`~moe.parallel.lossy.simulated.SimulatedDataParallel`
+every replica in one process. One step (:meth:`LossyReplicas.step`, after every replica's
+``loss.backward()``):
 
 1. **reduce-scatter**: rank i sends shard j of its gradient g_i to its owner j, packet by
    packet (:meth:`LossyTransport.reduce_scatter_sum`); the owner combines what arrived by
@@ -57,14 +61,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe.parallel.exchange import group_rank_size, guarded
-from moe.parallel.lossy.transport import LossConfig, LossyTransport, shard_bounds
+from moe.parallel.lossy.transport import LossConfig, LossyTransport, Workers, shard_bounds
 from moe.parallel.state import _flat_grads, expert_parallel_layers
 
 POLICIES = ("reliable", "unbiased", "naive", "reweighted")
+METRICS = ("received_fraction", "grad_rel_error", "grad_bias", "max_drift", "rms_drift")
+"""The per-step scalar figures of :meth:`LossyReplicas.step` that a training log keeps."""
 
 
 @dataclass
@@ -89,111 +93,134 @@ class LossyDPConfig:
             raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip}")
 
 
-def aggregate_gradient(flat_n: Tensor, policy: str, transport: LossyTransport) -> Tensor:
-    """[S]: this rank's shard of the estimate of the mean over ranks of ``flat_n`` (every
-    rank's flat gradient), combined by ``policy``. A collective over ``transport.group``."""
-    rank, size = group_rank_size(transport.group)
+def aggregate_gradient(flats_Ln: Tensor, policy: str, transport: LossyTransport, workers: Workers) -> list[Tensor]:
+    """[S] per local worker: its shard of the estimate of the mean over the workers of their
+    flat gradients (``flats_Ln``: the local workers', stacked), combined by ``policy``. A
+    collective over ``workers``."""
     if policy == "reliable":
-        buf = flat_n.clone()
-        guarded("gradient all-reduce", transport.group, lambda: dist.all_reduce(buf, group=transport.group))
-        lo, hi = shard_bounds(flat_n.numel(), size)[rank]
-        return buf[lo:hi] / size
+        total_n = workers.sum(flats_Ln)
+        return [total_n[lo:hi] / workers.size for lo, hi in (shard_bounds(total_n.numel(), workers.size)[r]
+                                                             for r in workers.local)]
     if policy == "unbiased":
-        total_S, arrivals_S = transport.reduce_scatter_sum(flat_n)
-        return total_S / arrivals_S
+        return [total_S / arrivals_S for total_S, arrivals_S in transport.reduce_scatter_sum(flats_Ln, workers)]
     if policy == "naive":
-        return transport.reduce_scatter_sum(flat_n)[0] / size
+        return [total_S / workers.size for total_S, _ in transport.reduce_scatter_sum(flats_Ln, workers)]
     if policy == "reweighted":
-        return transport.reduce_scatter_sum(flat_n, 1.0 / (1.0 - transport.cfg.rate))[0] / size
+        scale = 1.0 / (1.0 - transport.cfg.rate)
+        return [total_S / workers.size for total_S, _ in transport.reduce_scatter_sum(flats_Ln, workers, scale)]
     raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
 
 
-def replica_spread(flat_n: Tensor, group=None) -> Tensor:
-    """[n]: max minus min over the ranks of ``group`` of each element (one reliable all-reduce
-    MAX of the values and their negatives)."""
-    both_2n = torch.cat([flat_n, -flat_n])
-    guarded("drift all-reduce", group, lambda: dist.all_reduce(both_2n, op=dist.ReduceOp.MAX, group=group))
-    n = flat_n.numel()
+def replica_spread(flats_Ln: Tensor, workers: Workers) -> Tensor:
+    """[n]: max minus min over every worker's vector (``flats_Ln``: the local workers', stacked)
+    of each element (one reliable maximum over the workers of the values and their negatives)."""
+    both_2n = workers.max(torch.cat([flats_Ln, -flats_Ln], dim=1))
+    n = flats_Ln.shape[1]
     return both_2n[:n] + both_2n[n:]
 
 
-class LossyDataParallel:
-    """Drives one data-parallel replica of ``model`` through lossy steps (module docstring).
-    Every parameter is replicated (no expert-parallel layers); ``optimizer`` holds all of
-    ``model``'s trainable parameters; every rank of ``group`` calls :meth:`step` each step."""
+def _flat_params(params: list[nn.Parameter]) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: LossyDPConfig, group=None):
-        if expert_parallel_layers(model):
-            raise ValueError("LossyDataParallel replicates every parameter: build the model without expert parallelism")
-        self.model, self.optimizer, self.cfg, self.group = model, optimizer, cfg, group
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.names = [name for name, p in model.named_parameters() if p.requires_grad]
-        self.transport = LossyTransport(cfg.loss, group)
-        self.rank, self.size = group_rank_size(group)
-        n = sum(p.numel() for p in self.params)
-        self.lo, self.hi = shard_bounds(n, self.size)[self.rank]
 
-    def _flat_params(self) -> Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.params])
+def _write(params: list[nn.Parameter], flat_n: Tensor, grad: bool = False) -> None:
+    """Copy consecutive slices of ``flat_n`` into the parameters (into fresh ``.grad`` tensors
+    with ``grad``)."""
+    offset = 0
+    for p in params:
+        part = flat_n[offset : offset + p.numel()].view_as(p)
+        if grad:
+            p.grad = part.to(p.dtype).clone()
+        else:
+            p.data.copy_(part)
+        offset += p.numel()
 
-    def _write_params(self, flat_n: Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            p.data.copy_(flat_n[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+
+class LossyReplicas:
+    """Lossy data-parallel steps (module docstring) of the replicas of this process's workers:
+    ``models[i]`` with ``optimizers[i]`` (holding all its trainable parameters) is the replica of
+    worker ``workers.local[i]``. Every parameter is replicated (no expert-parallel layers)."""
+
+    def __init__(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], cfg: LossyDPConfig,
+                 workers: Workers):
+        if len(models) != len(workers.local) or len(optimizers) != len(models):
+            raise ValueError(f"{len(models)} models and {len(optimizers)} optimizers for {len(workers.local)} local workers")
+        if any(expert_parallel_layers(m) for m in models):
+            raise ValueError("lossy data parallelism replicates every parameter: build the model without expert parallelism")
+        self.models, self.optimizers, self.cfg, self.workers = models, optimizers, cfg, workers
+        self.params = [[p for p in m.parameters() if p.requires_grad] for m in models]
+        self.names = [name for name, p in models[0].named_parameters() if p.requires_grad]
+        self.transport = LossyTransport(cfg.loss, workers.group)
+        n = sum(p.numel() for p in self.params[0])
+        self.bounds = [shard_bounds(n, workers.size)[r] for r in workers.local]
 
     def _sum(self, values: list[float]) -> list[float]:
-        buf = torch.tensor(values, dtype=torch.float64, device=self.params[0].device)
-        guarded("control all-reduce", self.group, lambda: dist.all_reduce(buf, group=self.group))
-        return buf.tolist()
+        """Control figures (already summed over this process's workers) summed over the processes."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.params[0][0].device)
+        return self.workers.across_processes(t).tolist()
 
-    @torch.no_grad()
-    def step(self, step: int) -> dict:
-        """Aggregate the gradients, update the owned shard, broadcast, measure. Returns (the
-        same on every rank): ``grad_rel_error`` ||est - mean|| / ||mean|| and ``grad_bias``
-        <est - mean, mean> / ||mean||^2 of the aggregated gradient against the reliable mean of
-        the same local gradients, ``received_fraction`` (gradient and broadcast packets over the
-        network that arrived, all ranks), ``max_drift``, ``rms_drift`` (over every element) and
-        ``drift`` (parameter name -> (max, rms)), ``grad_norm`` (before clipping), ``resync``."""
-        self.transport.begin_step(step)
-        flat_n = _flat_grads(self.params)
-        est_S = aggregate_gradient(flat_n, self.cfg.policy, self.transport)
-        mean_n = flat_n.clone()
-        guarded("reference all-reduce", self.group, lambda: dist.all_reduce(mean_n, group=self.group))
-        mean_S = mean_n[self.lo : self.hi] / self.size
-        err_S = (est_S - mean_S).double()
-        sq_err, sq_mean, dot, sq_est = self._sum([
-            float(err_S.square().sum()), float(mean_S.double().square().sum()),
-            float((err_S * mean_S.double()).sum()), float(est_S.double().square().sum()),
-        ])
+    def _estimate(self) -> tuple[list[Tensor], dict]:
+        """Each local owner's shard of the aggregated gradient, clipped, and its error figures
+        against the reliable mean of the same gradients."""
+        flats_Ln = torch.stack([_flat_grads(params) for params in self.params])
+        ests_S = aggregate_gradient(flats_Ln, self.cfg.policy, self.transport, self.workers)
+        mean_n = self.workers.sum(flats_Ln) / self.workers.size
+        sums = [0.0] * 4
+        for (lo, hi), est_S in zip(self.bounds, ests_S):
+            mean_S = mean_n[lo:hi].double()
+            err_S = est_S.double() - mean_S
+            for i, v in enumerate([err_S.square().sum(), mean_S.square().sum(), (err_S * mean_S).sum(),
+                                   est_S.double().square().sum()]):
+                sums[i] += float(v)
+        sq_err, sq_mean, dot, sq_est = self._sum(sums)
         grad_norm = math.sqrt(sq_est)
         coef = min(1.0, self.cfg.grad_clip / (grad_norm + 1e-6)) if self.cfg.grad_clip > 0 else 1.0
-        grad_n = torch.zeros_like(flat_n)
-        grad_n[self.lo : self.hi] = est_S * coef if coef < 1.0 else est_S
-        offset = 0
-        for p in self.params:
-            p.grad = grad_n[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
-            offset += p.numel()
-        stale_n = self._flat_params()
-        self.optimizer.step()
-        shard_S = self._flat_params()[self.lo : self.hi]
-        resync = self.cfg.policy == "reliable" or (self.cfg.resync_every > 0 and step % self.cfg.resync_every == 0)
-        new_n = self.transport.all_gather_stale(shard_S, stale_n, reliable=resync)
-        self._write_params(new_n)
-        received, expected = self._sum([float(self.transport.received), float(self.transport.expected)])
-        spread_n = replica_spread(new_n, self.group).double()
+        figures = {"grad_rel_error": math.sqrt(sq_err / max(sq_mean, 1e-300)), "grad_bias": dot / max(sq_mean, 1e-300),
+                   "grad_norm": grad_norm}
+        return [est_S * coef if coef < 1.0 else est_S for est_S in ests_S], figures
+
+    def _drift(self, news_Ln: Tensor) -> dict:
+        spread_n = replica_spread(news_Ln, self.workers).double()
         drift, offset = {}, 0
-        for name, p in zip(self.names, self.params):
+        for name, p in zip(self.names, self.params[0]):
             part = spread_n[offset : offset + p.numel()]
             drift[name] = (float(part.max()), float(part.square().mean().sqrt()))
             offset += p.numel()
-        return {
-            "grad_rel_error": math.sqrt(sq_err / max(sq_mean, 1e-300)),
-            "grad_bias": dot / max(sq_mean, 1e-300),
-            "received_fraction": received / expected if expected else 1.0,
-            "max_drift": float(spread_n.max()),
-            "rms_drift": float(spread_n.square().mean().sqrt()),
-            "drift": drift,
-            "grad_norm": grad_norm,
-            "resync": resync,
-        }
+        return {"max_drift": float(spread_n.max()), "rms_drift": float(spread_n.square().mean().sqrt()), "drift": drift}
+
+    @torch.no_grad()
+    def step(self, step: int) -> dict:
+        """Aggregate the gradients, update the owned shards, broadcast, measure. Returns (the
+        same on every process): ``grad_rel_error`` ||est - mean|| / ||mean|| and ``grad_bias``
+        <est - mean, mean> / ||mean||^2 of the aggregated gradient against the reliable mean of
+        the same local gradients, ``received_fraction`` (gradient and broadcast packets over the
+        network that arrived, all workers), ``max_drift``, ``rms_drift`` (over every element) and
+        ``drift`` (parameter name -> (max, rms)), ``grad_norm`` (before clipping), ``resync``."""
+        self.transport.begin_step(step)
+        ests_S, figures = self._estimate()
+        stales_n, shards = [], []
+        for params, optimizer, (lo, hi), est_S in zip(self.params, self.optimizers, self.bounds, ests_S):
+            grad_n = torch.zeros(sum(p.numel() for p in params), dtype=est_S.dtype, device=est_S.device)
+            grad_n[lo:hi] = est_S
+            _write(params, grad_n, grad=True)
+            stales_n.append(_flat_params(params))
+            optimizer.step()
+            shards.append(_flat_params(params)[lo:hi])
+        resync = self.cfg.policy == "reliable" or (self.cfg.resync_every > 0 and step % self.cfg.resync_every == 0)
+        news_Ln = self.transport.all_gather_stale(shards, torch.stack(stales_n), self.workers, reliable=resync)
+        for params, new_n in zip(self.params, news_Ln):
+            _write(params, new_n)
+        received, expected = self._sum([float(self.transport.received), float(self.transport.expected)])
+        return {**figures, "received_fraction": received / expected if expected else 1.0, **self._drift(news_Ln),
+                "resync": resync}
+
+
+class LossyDataParallel(LossyReplicas):
+    """Drives one data-parallel replica of ``model`` per process of ``group`` through lossy
+    steps (module docstring). Every parameter is replicated (no expert-parallel layers);
+    ``optimizer`` holds all of ``model``'s trainable parameters; every rank of ``group`` calls
+    :meth:`step` each step, after its ``loss.backward()``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: LossyDPConfig, group=None):
+        super().__init__([model], [optimizer], cfg, Workers.from_group(group))
+        self.model, self.optimizer, self.group = model, optimizer, group

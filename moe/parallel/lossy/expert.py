@@ -20,19 +20,31 @@ Simulation: the loss pattern of both messages is a pure function (``LossyTranspo
 the owner of the tokens removes the lost assignments before the exchange and
 ``expert_parallel_ffn`` runs on the survivors: the same output as sending every row and
 discarding the lost ones at the receiver, with no communication added. A row of D elements
-is lost when any packet it overlaps is lost. Losses in the backward exchanges are not
-simulated (a dropped assignment simply has no gradient path).
+is lost when any packet it overlaps is lost.
+
+The backward runs the two exchanges in reverse, and their messages are lost too
+(:class:`LossyExpertParallel`, the layer's expert-parallel path): the output gradient of a
+surviving assignment travels from the token's owner to the expert's rank (the return
+exchange's backward); lost, the expert sees a zero row, so neither the expert's weights nor
+the token's input get that assignment's gradient (the combine weight's gradient, computed at
+the owner from the output that did arrive, is kept). The input gradient travels back from
+the expert's rank to the owner (the dispatch exchange's backward); lost, the token's input
+misses that expert's share while the expert's weights keep theirs. Simulated at the owner,
+where both messages start or end: the exchange's boundary hooks (the ``mark`` of
+``expert_parallel_ffn``'s phase protocol) zero the lost rows of the gradient that leaves
+(``returned``) and of the gradient that arrives (``dispatched``).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from kernels.reference import sort_by_expert
-from moe.parallel.exchange import group_rank_size
+from moe.parallel.exchange import ExpertParallel, expert_parallel_ffn, group_rank_size
 from moe.parallel.lossy.transport import LossyTransport
 from moe.parallel.state import expert_parallel_layers
 from moe.routing import count_indices
@@ -51,26 +63,101 @@ class LossyAssignments:
     """Fraction of this rank's assignments that were lost (0 when it has none)."""
 
 
+def _lost_rows(counts_P: list[int], row_width: int, transport: LossyTransport, stream: int, outbound: bool) -> Tensor:
+    """bool [A]: the rows of this rank's messages of ``stream`` that are lost, in expert-sorted
+    order (``counts_P[p]`` rows for rank p's experts); ``outbound``: messages this rank -> p,
+    else p -> this rank. A row is lost when any packet it overlaps is lost."""
+    rank, _ = group_rank_size(transport.group)
+    lost = [torch.zeros(0, dtype=torch.bool)]
+    for p, rows in enumerate(counts_P):
+        src, dst = (rank, p) if outbound else (p, rank)
+        lost.append(transport.lost_elements(stream, src, dst, rows * row_width).view(rows, row_width).any(1))
+    return torch.cat(lost)
+
+
+def _rows_per_rank(expert_A: Tensor, num_experts: int, size: int) -> tuple[Tensor, list[int]]:
+    """(order_A, counts_P): the stable sort by expert of the exchange and the rows of each rank's experts."""
+    if num_experts % size:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the group size {size}")
+    order_A, counts_E = sort_by_expert(expert_A, num_experts)
+    return order_A, counts_E.view(size, -1).sum(1).tolist()
+
+
 def lost_assignments(expert_A: Tensor, num_experts: int, row_width: int, transport: LossyTransport) -> Tensor:
     """bool [A]: which assignments lose their row in the dispatch or their output on the way
     back. Takes two streams of ``transport`` (dispatch, return): every rank of its group
     calls this for the same exchange, in the same order."""
-    rank, size = group_rank_size(transport.group)
-    if num_experts % size:
-        raise ValueError(f"num_experts={num_experts} is not divisible by the group size {size}")
+    _, size = group_rank_size(transport.group)
+    order_A, counts_P = _rows_per_rank(expert_A, num_experts, size)
     dispatch, back = transport.next_stream(), transport.next_stream()
-    order_A, counts_E = sort_by_expert(expert_A, num_experts)
-    lost_sorted_A = torch.zeros(expert_A.numel(), dtype=torch.bool)
-    start = 0
-    for dst, rows in enumerate(counts_E.view(size, -1).sum(1).tolist()):
-        if rows:
-            there = transport.lost_elements(dispatch, rank, dst, rows * row_width).view(rows, row_width).any(1)
-            home = transport.lost_elements(back, dst, rank, rows * row_width).view(rows, row_width).any(1)
-            lost_sorted_A[start : start + rows] = there | home
-        start += rows
+    lost_sorted_A = _lost_rows(counts_P, row_width, transport, dispatch, True) | _lost_rows(
+        counts_P, row_width, transport, back, False)
     lost_A = torch.empty_like(lost_sorted_A)
     lost_A[order_A.cpu()] = lost_sorted_A
     return lost_A.to(expert_A.device)
+
+
+class _LoseGradientRows(torch.autograd.Function):
+    """Identity in forward; the backward zeroes the gradient rows ``lost_A`` (rows lost in transit)."""
+
+    @staticmethod
+    def forward(ctx, x_AD: Tensor, lost_A: Tensor) -> Tensor:
+        ctx.save_for_backward(lost_A)
+        return x_AD.view_as(x_AD)
+
+    @staticmethod
+    def backward(ctx, grad_AD: Tensor):
+        (lost_A,) = ctx.saved_tensors
+        return grad_AD.masked_fill(lost_A.unsqueeze(-1), 0.0), None
+
+
+@dataclass
+class LostGradientRows:
+    """Boundary hooks for ``expert_parallel_ffn`` (its ``timer`` protocol: ``phase`` and
+    ``mark``) that lose gradient rows of the backward exchanges (module docstring). Both masks
+    are bool [A] over the exchange's rows in expert-sorted order."""
+
+    returned_A: Tensor
+    """Output-gradient rows lost on their way from this rank (the owner) to the expert's rank."""
+    dispatched_A: Tensor
+    """Input-gradient rows lost on their way from the expert's rank back to this rank."""
+
+    def phase(self, name: str) -> nullcontext:
+        return nullcontext()
+
+    def mark(self, x_AD: Tensor, name: str) -> Tensor:
+        lost_A = {"returned": self.returned_A, "dispatched": self.dispatched_A}.get(name)
+        if lost_A is None or not x_AD.requires_grad:
+            return x_AD
+        return _LoseGradientRows.apply(x_AD, lost_A.to(x_AD.device))
+
+
+class LossyExpertParallel(ExpertParallel):
+    """The expert-parallel path of ``inner``'s group whose backward exchanges lose gradient rows
+    over ``transport`` (module docstring): ``layer.expert_parallel = LossyExpertParallel(...)``.
+    With gradients enabled each call takes two streams (return backward, dispatch backward);
+    ``enabled=False`` (or no gradient) is the reliable path."""
+
+    def __init__(self, inner: ExpertParallel, transport: LossyTransport):
+        super().__init__(inner.group, inner.mesh)
+        self.transport, self.enabled = transport, True
+
+    def __call__(self, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, experts, num_experts: int,
+                 backend: str = "torch", timer=None) -> Tensor:
+        if timer is not None:
+            raise ValueError("LossyExpertParallel uses the exchange's boundary hooks itself: no timer")
+        if not (self.enabled and torch.is_grad_enabled()):
+            return super().__call__(x_ND, token_A, expert_A, weight_A, experts, num_experts, backend)
+        _, size = group_rank_size(self.group)
+        _, counts_P = _rows_per_rank(expert_A, num_experts, size)
+        returned, dispatched = self.transport.next_stream(), self.transport.next_stream()
+        d = x_ND.shape[-1]
+        hooks = LostGradientRows(_lost_rows(counts_P, d, self.transport, returned, True),
+                                 _lost_rows(counts_P, d, self.transport, dispatched, False))
+        return expert_parallel_ffn(x_ND, token_A, expert_A, weight_A, experts, num_experts, self.group, backend, hooks)
+
+    def __repr__(self) -> str:
+        return f"Lossy{super().__repr__()}"
 
 
 def drop_lost_assignments(
@@ -124,11 +211,19 @@ class LossyRouter(nn.Module):
         return replace(routing, token=kept.token_A, expert=kept.expert_A, weight=kept.weight_A, stats=stats)
 
 
-def wrap_expert_parallel_routers(model: nn.Module, transport: LossyTransport, renormalise: bool = False) -> list[LossyRouter]:
+def wrap_expert_parallel_routers(model: nn.Module, transport: LossyTransport, renormalise: bool = False,
+                                 gradients: bool = True) -> list[LossyRouter | LossyExpertParallel]:
     """Wrap the router of every expert-parallel ``MoELayer`` of ``model`` in a :class:`LossyRouter`
-    (parameter names gain ``.inner``). Returns the wrappers."""
-    wrappers = []
+    (parameter names gain ``.inner``) and, with ``gradients``, its expert-parallel path in a
+    :class:`LossyExpertParallel` (the backward exchanges lose rows too). Returns the wrappers
+    (each has ``enabled``)."""
+    wrappers: list[LossyRouter | LossyExpertParallel] = []
     for layer in expert_parallel_layers(model).values():
+        if isinstance(layer.router, LossyRouter) or isinstance(layer.expert_parallel, LossyExpertParallel):
+            raise ValueError("the layer is wrapped already")
         layer.router = LossyRouter(layer.router, layer.num_experts, layer.d_model, transport, renormalise)
         wrappers.append(layer.router)
+        if gradients:
+            layer.expert_parallel = LossyExpertParallel(layer.expert_parallel, transport)
+            wrappers.append(layer.expert_parallel)
     return wrappers

@@ -1,8 +1,8 @@
 """A simulated lossy transport on top of ``torch.distributed``: messages cut into packets,
 packets lost at random, the loss pattern a pure function of where and when a packet travels.
 
-Shape legend: P ranks in the group, n elements in a message (a flat tensor), K packets of a
-message (K = ceil(n / packet_size)).
+Shape legend: P workers (ranks), L of them held by this process, n elements in a message (a
+flat tensor), K packets of a message (K = ceil(n / packet_size)), M messages.
 
 **What is simulated, honestly.** torch.distributed has no unreliable transport: gloo and NCCL
 deliver every byte. Here the real collective runs reliably and the loss is applied around it,
@@ -21,6 +21,11 @@ destination, packet index) (a counter-based hash, no random state), so
 broadcast, each expert-parallel exchange): :class:`LossyTransport` numbers them in call order,
 which is the same on every rank because every rank joins the same collectives in the same
 order. A rank's packets to itself never cross the network and are never lost.
+
+**Workers** (:class:`Workers`): the data-parallel collectives run among P workers, one per
+process (training over ``torch.distributed``) or all in one process (the simulator,
+``moe.parallel.lossy.simulated``); a sum over the workers is a sum over the process's own
+followed by an all-reduce between processes. Worker j's packets are lost alike either way.
 
 Loss models (:class:`LossConfig`): independent losses with probability p per packet, or
 bursts (Gilbert's two-state channel, the Gilbert-Elliott model with loss probability 1 in
@@ -94,39 +99,59 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def message_keys(seed: int, step: int, stream: int, src_M: np.ndarray, dst_M: np.ndarray) -> np.ndarray:
+    """uint64 [M]: a 64-bit key per message (step, stream, src_M[m] -> dst_M[m]): each field
+    hashed into the running key in turn."""
+    src_M, dst_M = np.asarray(src_M, dtype=np.int64), np.asarray(dst_M, dtype=np.int64)
+    if min(seed, step, stream) < 0 or (src_M.size and min(src_M.min(), dst_M.min()) < 0):
+        raise ValueError(f"message fields must be >= 0, got seed {seed}, step {step}, stream {stream}, "
+                         f"sources {src_M.tolist()}, destinations {dst_M.tolist()}")
+    key_M = np.zeros(src_M.shape, dtype=np.uint64)
+    for field in (seed, step, stream, src_M, dst_M):
+        key_M = _splitmix64(key_M ^ (np.asarray(field, dtype=np.uint64) & np.uint64(_MASK64)))
+    return key_M
+
+
 def message_key(seed: int, step: int, stream: int, src: int, dst: int) -> int:
-    """A 64-bit key for one message: each field hashed into the running key in turn."""
-    key = np.zeros(1, dtype=np.uint64)
-    for field in (seed, step, stream, src, dst):
-        if field < 0:
-            raise ValueError(f"message fields must be >= 0, got {(seed, step, stream, src, dst)}")
-        key = _splitmix64(key ^ np.uint64(field & _MASK64))
-    return int(key[0])
+    """The key of one message (:func:`message_keys` of one pair)."""
+    return int(message_keys(seed, step, stream, np.array([src]), np.array([dst]))[0])
 
 
-def packet_uniforms(key: int, num_packets: int) -> np.ndarray:
-    """float64 [K] in [0, 1): packet k's draw is splitmix64(key + k), a function of (key, k) only."""
+def packet_uniforms(key_M: np.ndarray, num_packets: int) -> np.ndarray:
+    """float64 [M, K] in [0, 1): packet k of message m draws splitmix64(key_M[m] + k * golden), a
+    function of (key, k) only, so a message's first packets do not depend on its length."""
     with np.errstate(over="ignore"):
-        words = _splitmix64(np.uint64(key) + np.arange(num_packets, dtype=np.uint64) * np.uint64(_GOLDEN))
+        words = _splitmix64(np.asarray(key_M, dtype=np.uint64)[:, None]
+                            + np.arange(num_packets, dtype=np.uint64)[None, :] * np.uint64(_GOLDEN))
     return (words >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def lost_packet_table(cfg: LossConfig, step: int, stream: int, src_M, dst_M, num_packets: int) -> np.ndarray:
+    """bool [M, K]: which of the first K packets of each message (step, stream, src_M[m] ->
+    dst_M[m]) are lost, a pure function of its arguments; a message to its own sender loses
+    nothing. Row m is :func:`lost_packets` of that message (with any K' <= K packets: its prefix)."""
+    src_M, dst_M = np.asarray(src_M, dtype=np.int64), np.asarray(dst_M, dtype=np.int64)
+    lost_MK = np.zeros((src_M.size, num_packets), dtype=bool)
+    if cfg.rate == 0.0 or num_packets == 0 or src_M.size == 0:
+        return lost_MK
+    u_MK = packet_uniforms(message_keys(cfg.seed, step, stream, src_M, dst_M), num_packets)
+    if cfg.burst_length is None:
+        lost_MK = u_MK < cfg.rate
+    else:
+        stay_bad, enter_bad = 1.0 - 1.0 / cfg.burst_length, cfg.good_to_bad
+        bad_M = u_MK[:, 0] < cfg.rate  # the first packet sees the stationary distribution
+        lost_MK[:, 0] = bad_M
+        for k in range(1, num_packets):
+            bad_M = u_MK[:, k] < np.where(bad_M, stay_bad, enter_bad)
+            lost_MK[:, k] = bad_M
+    lost_MK[src_M == dst_M] = False
+    return lost_MK
 
 
 def lost_packets(cfg: LossConfig, step: int, stream: int, src: int, dst: int, num_packets: int) -> Tensor:
     """bool [K]: which packets of the message (step, stream, src -> dst) are lost; a pure
     function of its arguments. ``src == dst`` loses nothing."""
-    if src == dst or cfg.rate == 0.0 or num_packets == 0:
-        return torch.zeros(num_packets, dtype=torch.bool)
-    u_K = packet_uniforms(message_key(cfg.seed, step, stream, src, dst), num_packets)
-    if cfg.burst_length is None:
-        return torch.from_numpy(u_K < cfg.rate)
-    stay_bad, enter_bad = 1.0 - 1.0 / cfg.burst_length, cfg.good_to_bad
-    lost_K = np.empty(num_packets, dtype=bool)
-    bad = u_K[0] < cfg.rate  # the first packet sees the stationary distribution
-    lost_K[0] = bad
-    for k in range(1, num_packets):
-        bad = u_K[k] < (stay_bad if bad else enter_bad)
-        lost_K[k] = bad
-    return torch.from_numpy(lost_K)
+    return torch.from_numpy(lost_packet_table(cfg, step, stream, [src], [dst], num_packets)[0])
 
 
 def expand_packets(mask_K: Tensor, n: int, packet_size: int) -> Tensor:
@@ -146,13 +171,72 @@ def shard_bounds(n: int, size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class LossyTransport:
-    """Lossy collectives over ``group`` with the loss pattern of ``cfg``.
+@dataclass(frozen=True)
+class Workers:
+    """The data-parallel workers of the lossy collectives: ``size`` workers (ranks 0..size-1),
+    of which this process holds the ones in ``local``; the others are held by the other
+    processes of ``group``. One worker per process (:meth:`from_group`) is distributed
+    training; every worker in one process (:meth:`in_process`) is the simulator
+    (``moe.parallel.lossy.simulated``). A collective over the workers is a sum over the local
+    ones followed, when ``distributed``, by an all-reduce over ``group``."""
 
-    Every rank calls :meth:`begin_step` with the same step before the step's collectives;
-    each collective then takes the next stream number. ``received`` and ``expected`` count
-    this rank's incoming network packets since the last :meth:`begin_step` (packets to itself
-    excluded), so ``received / expected`` is the delivered fraction.
+    size: int
+    local: tuple[int, ...]
+    group: object = None
+    distributed: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1 or not self.local:
+            raise ValueError(f"Workers needs size >= 1 and at least one local worker, got {self.size!r}, {self.local!r}")
+        if any(not 0 <= r < self.size for r in self.local):
+            raise ValueError(f"local workers {self.local} are not all in [0, {self.size})")
+
+    @classmethod
+    def from_group(cls, group=None) -> Workers:
+        """This process is one worker, its rank in ``group`` (default: the world)."""
+        rank, size = group_rank_size(group)
+        return cls(size, (rank,), group, True)
+
+    @classmethod
+    def in_process(cls, size: int) -> Workers:
+        """Every one of ``size`` workers lives in this process (no communication)."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"workers must be a positive integer, got {size!r}")
+        return cls(size, tuple(range(size)))
+
+    def across_processes(self, t: Tensor, op: str = "sum") -> Tensor:
+        """``t`` (a figure already combined over this process's workers) combined by ``op``
+        ("sum" or "max") over the processes: an all-reduce when ``distributed``, in place."""
+        if self.distributed:
+            red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+            guarded(f"lossy {op} all-reduce", self.group, lambda: dist.all_reduce(t, op=red, group=self.group))
+        return t
+
+    def _reduce(self, parts_L: Tensor, op: str) -> Tensor:
+        if parts_L.shape[0] != len(self.local):
+            raise ValueError(f"{parts_L.shape[0]} tensors for {len(self.local)} local workers")
+        out = parts_L.sum(0) if op == "sum" else parts_L.amax(0)
+        return self.across_processes(out, op)
+
+    def sum(self, parts_L: Tensor) -> Tensor:
+        """The elementwise sum over every worker of its tensor (``parts_L``: the local workers',
+        stacked along dim 0)."""
+        return self._reduce(parts_L, "sum")
+
+    def max(self, parts_L: Tensor) -> Tensor:
+        """The elementwise maximum over every worker of its tensor (stacked as for :meth:`sum`)."""
+        return self._reduce(parts_L, "max")
+
+
+class LossyTransport:
+    """Lossy collectives among :class:`Workers` with the loss pattern of ``cfg``.
+
+    Every process calls :meth:`begin_step` with the same step before the step's collectives;
+    each collective then takes the next stream number. ``received`` and ``expected`` count the
+    incoming network packets of this process's workers since the last :meth:`begin_step`
+    (packets to oneself excluded), so ``received / expected`` is their delivered fraction.
+    ``group`` is the process group of the expert-parallel exchanges
+    (``moe.parallel.lossy.expert``), which use :meth:`next_stream` and :meth:`lost_elements`.
     """
 
     def __init__(self, cfg: LossConfig, group=None):
@@ -177,65 +261,98 @@ class LossyTransport:
         lost_K = lost_packets(self.cfg, self.step, stream, src, dst, self.cfg.num_packets(n))
         return expand_packets(lost_K, n, self.cfg.packet_size)
 
-    def _count(self, lost_K: Tensor) -> None:
-        self.expected += lost_K.numel()
-        self.received += int((~lost_K).sum())
+    def _shard_table(self, stream: int, n: int, size: int) -> _ShardTable:
+        bounds = shard_bounds(n, size)
+        lengths = torch.tensor([hi - lo for lo, hi in bounds])
+        packets_P = (lengths + self.cfg.packet_size - 1) // self.cfg.packet_size
+        width = int(packets_P.max())
+        src_M, dst_M = np.divmod(np.arange(size * size), size)
+        lost_PPK = torch.from_numpy(lost_packet_table(self.cfg, self.step, stream, src_M, dst_M, width)).view(size, size, width)
+        owner_n = torch.repeat_interleave(torch.arange(size), lengths)
+        packet_n = torch.cat([torch.arange(int(length)) // self.cfg.packet_size for length in lengths])
+        return _ShardTable(bounds, lost_PPK, packets_P, owner_n, owner_n * width + packet_n, packet_n)
 
-    def reduce_scatter_sum(self, flat_n: Tensor, sender_scale: float = 1.0) -> tuple[Tensor, Tensor]:
-        """(sum, arrivals) over this rank's shard (``shard_bounds``): ``sum`` adds the shard
-        of every rank whose packet arrived (this rank's own always does), each other rank's
-        contribution multiplied by ``sender_scale``; ``arrivals`` (same dtype) counts the
-        contributions that arrived, per element. A collective over ``group``.
+    def _count(self, lost_PPK: Tensor, valid_PPK: Tensor, receivers: list[int]) -> None:
+        """Count the network packets (``valid_PPK``: [src, dst, packet] of real messages) that
+        this process's ``receivers`` expected and received."""
+        valid = valid_PPK[:, receivers]
+        self.expected += int(valid.sum())
+        self.received += int((valid & ~lost_PPK[:, receivers]).sum())
 
-        Simulation: each sender zeroes the packets it loses before one reliable all-reduce
-        (the reduce-scatter's result is this rank's shard of it; the simulation moves the whole
-        vector where a real reduce-scatter moves 1/P of it). With nothing lost and scale 1 the
-        buffer reduced is ``flat_n`` itself, so the sum is bitwise the reliable one."""
-        rank, size = group_rank_size(self.group)
+    def reduce_scatter_sum(self, flats_Ln: Tensor, workers: Workers, sender_scale: float = 1.0) -> list[tuple[Tensor, Tensor]]:
+        """Per local worker (as the owner of its shard, ``shard_bounds``): (sum, arrivals): ``sum``
+        adds the shard of every worker whose packet arrived (the owner's own always does), each
+        other worker's contribution multiplied by ``sender_scale``; ``arrivals`` (same dtype)
+        counts the contributions that arrived, per element. ``flats_Ln``: the local workers'
+        vectors, stacked. A collective over ``workers``.
+
+        Simulation: each sender zeroes the packets it loses, then one reliable sum over the
+        workers (an all-reduce between processes: the simulation moves the whole vector where a
+        real reduce-scatter moves 1/P of it). With nothing lost and scale 1 the one worker per
+        process reduces its ``flat_n`` itself, so the sum is bitwise the reliable one."""
         stream = self.next_stream()
-        bounds = shard_bounds(flat_n.numel(), size)
-        buf = flat_n.clone()
-        for dst, (lo, hi) in enumerate(bounds):
-            if dst == rank:
-                continue
-            keep = ~self.lost_elements(stream, rank, dst, hi - lo).to(flat_n.device)
-            part = buf[lo:hi]
-            part.copy_(torch.where(keep, part * sender_scale, torch.zeros_like(part)))  # x * 1.0 == x bitwise
-        guarded("lossy reduce-scatter", self.group, lambda: dist.all_reduce(buf, group=self.group))
-        lo, hi = bounds[rank]
-        arrivals = torch.ones(hi - lo, dtype=flat_n.dtype, device=flat_n.device)
-        for src in range(size):
-            if src != rank:
-                lost_K = lost_packets(self.cfg, self.step, stream, src, rank, self.cfg.num_packets(hi - lo))
-                self._count(lost_K)
-                arrivals += ~expand_packets(lost_K, hi - lo, self.cfg.packet_size).to(flat_n.device)
-        return buf[lo:hi], arrivals
+        size, local = workers.size, list(workers.local)
+        tab = self._shard_table(stream, flats_Ln.shape[1], size)
+        device = flats_Ln.device
+        if sender_scale != 1.0:  # x * 1.0 == x bitwise, but skip the pass
+            own_Ln = tab.owner_n.to(device)[None, :] == torch.tensor(local, device=device)[:, None]
+            flats_Ln = torch.where(own_Ln, flats_Ln, flats_Ln * sender_scale)
+        lost_Ln = tab.lost_PPK[local].reshape(len(local), -1).index_select(1, tab.flat_packet_n).to(device)
+        total_n = workers.sum(torch.where(lost_Ln, 0.0, flats_Ln))
+        carries_PPK = torch.arange(tab.lost_PPK.shape[2])[None, None, :] < tab.packets_P[None, :, None]  # shard dst
+        self._count(tab.lost_PPK, carries_PPK & ~torch.eye(size, dtype=torch.bool)[:, :, None], local)
+        arrivals_LK = (~tab.lost_PPK[:, local]).sum(0).to(flats_Ln.dtype).to(device)
+        out = []
+        for i, dst in enumerate(local):
+            lo, hi = tab.bounds[dst]
+            out.append((total_n[lo:hi], arrivals_LK[i, tab.packet_n[lo:hi]]))
+        return out
 
-    def all_gather_stale(self, shard: Tensor, stale_n: Tensor, reliable: bool = False) -> Tensor:
-        """[n]: every rank's shard (``shard_bounds`` of n = ``stale_n.numel()``) gathered into
-        one vector; an element of another rank's shard whose packet is lost keeps its value
-        from ``stale_n``. ``reliable`` loses nothing (a resync). A collective over ``group``.
+    def all_gather_stale(self, shards: list[Tensor], stales_Ln: Tensor, workers: Workers,
+                         reliable: bool = False) -> Tensor:
+        """[L, n]: per local worker, every worker's shard (``shard_bounds`` of n) gathered into one
+        vector, where an element of another worker's shard whose packet is lost keeps its value
+        from that local worker's row of ``stales_Ln``; ``shards``: the local workers' own shards.
+        ``reliable`` loses nothing (a resync). A collective over ``workers``.
 
-        Simulation: a reliable all-gather, then the receiver puts its stale values back
-        where packets were lost."""
-        rank, size = group_rank_size(self.group)
+        Simulation: a reliable sum of the shards placed in zero vectors (bitwise the shards:
+        every other term is 0), then each receiver puts its stale values back where packets
+        were lost."""
         stream = self.next_stream()
-        bounds = shard_bounds(stale_n.numel(), size)
-        if shard.numel() != bounds[rank][1] - bounds[rank][0]:
-            raise ValueError(f"rank {rank} holds a shard of {shard.numel()} elements, expected {bounds[rank]}")
-        width = max(hi - lo for lo, hi in bounds)
-        padded = shard.new_zeros(width)
-        padded[: shard.numel()] = shard
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        guarded("lossy all-gather", self.group, lambda: dist.all_gather(parts, padded, group=self.group))
-        out_n = stale_n.clone()
-        for src, (lo, hi) in enumerate(bounds):
-            got = parts[src][: hi - lo]
-            if src == rank or reliable:
-                out_n[lo:hi] = got
-                continue
-            lost_K = lost_packets(self.cfg, self.step, stream, src, rank, self.cfg.num_packets(hi - lo))
-            self._count(lost_K)
-            lost_S = expand_packets(lost_K, hi - lo, self.cfg.packet_size).to(stale_n.device)
-            out_n[lo:hi] = torch.where(lost_S, stale_n[lo:hi], got)
-        return out_n
+        size, local = workers.size, list(workers.local)
+        n = stales_Ln.shape[1]
+        tab = self._shard_table(stream, n, size)
+        placed_Ln = stales_Ln.new_zeros(len(local), n)
+        for i, (rank, shard) in enumerate(zip(local, shards)):
+            lo, hi = tab.bounds[rank]
+            if shard.numel() != hi - lo:
+                raise ValueError(f"worker {rank} holds a shard of {shard.numel()} elements, expected {hi - lo}")
+            placed_Ln[i, lo:hi] = shard
+        gathered_n = workers.sum(placed_Ln)
+        if reliable:
+            return gathered_n.expand(len(local), n).clone()
+        lost_recv_PPK = tab.lost_PPK.transpose(0, 1)  # [receiver, owner, packet]
+        carries_PPK = torch.arange(tab.lost_PPK.shape[2])[None, None, :] < tab.packets_P[:, None, None]  # shard src
+        self._count(tab.lost_PPK, carries_PPK & ~torch.eye(size, dtype=torch.bool)[:, :, None], local)
+        lost_Ln = lost_recv_PPK[local].reshape(len(local), -1).index_select(1, tab.flat_packet_n).to(stales_Ln.device)
+        return torch.where(lost_Ln, stales_Ln, gathered_n[None, :])
+
+
+@dataclass
+class _ShardTable:
+    """A flat vector of n elements cut into the shards of P workers, and the loss of the
+    messages of one stream that carry them."""
+
+    bounds: list[tuple[int, int]]
+    """[start, stop) of each worker's shard (``shard_bounds``)."""
+    lost_PPK: Tensor
+    """bool [src, dst, packet]: packet k of the message src -> dst lost (K: the longest shard's
+    packets; a message carries as many packets as its shard has)."""
+    packets_P: Tensor
+    """Packets of each shard."""
+    owner_n: Tensor
+    """int64 [n]: the shard (owner) of each element."""
+    flat_packet_n: Tensor
+    """int64 [n]: owner * K + packet of each element: its packet's column in ``lost_PPK[s].reshape(-1)``."""
+    packet_n: Tensor
+    """int64 [n]: the packet of each element within its shard."""
