@@ -53,9 +53,15 @@ def bench_generate(preset_name: str, seq_len: int, router: str, batch: int) -> d
     cached, cache_s = timed(lambda: model.generate(prompt_BT, new, temperature=0))
     recomputed, recompute_s = timed(lambda: model.generate(prompt_BT, new, temperature=0, recompute=True))
     return {
-        "preset": preset_name, "T": seq_len, "router": router, "batch": batch, "new_tokens": batch * new,
-        "cache_tokens_per_s": batch * new / cache_s, "recompute_tokens_per_s": batch * new / recompute_s,
-        "speedup": recompute_s / cache_s, "same_tokens": torch.equal(cached, recomputed),
+        "preset": preset_name,
+        "T": seq_len,
+        "router": router,
+        "batch": batch,
+        "new_tokens": batch * new,
+        "cache_tokens_per_s": batch * new / cache_s,
+        "recompute_tokens_per_s": batch * new / recompute_s,
+        "speedup": recompute_s / cache_s,
+        "same_tokens": torch.equal(cached, recomputed),
     }
 
 
@@ -63,15 +69,21 @@ def bench_causal_loss(corpus: str, router: str) -> dict:
     name, options = ROUTERS[router]
     e = EVALS[corpus]
     torch.manual_seed(0)
-    model = MoETransformer(preset("tiny", vocab_size=e["vocab"], router=name, router_options=options,
-                                  max_seq_len=max(e["seq_len"], 8)))
+    model = MoETransformer(
+        preset("tiny", vocab_size=e["vocab"], router=name, router_options=options, max_seq_len=max(e["seq_len"], 8))
+    )
     val = torch.randint(0, e["vocab"], (200_000,))
     kw = {k: e[k] for k in ("seq_len", "num_windows", "causal_stride", "batch_size")}
     cached, cache_s = timed(lambda: evaluate(model, val, causal_method="cache", **kw))
     recomputed, recompute_s = timed(lambda: evaluate(model, val, causal_method="recompute", **kw))
     return {
-        "corpus": corpus, "router": router, **kw, "cache_s": cache_s, "recompute_s": recompute_s,
-        "speedup": recompute_s / cache_s, "causal_loss_abs_diff": abs(cached["causal_loss"] - recomputed["causal_loss"]),
+        "corpus": corpus,
+        "router": router,
+        **kw,
+        "cache_s": cache_s,
+        "recompute_s": recompute_s,
+        "speedup": recompute_s / cache_s,
+        "causal_loss_abs_diff": abs(cached["causal_loss"] - recomputed["causal_loss"]),
     }
 
 
@@ -97,8 +109,11 @@ def main(argv: list[str] | None = None) -> dict:
             for router in args.routers:
                 r = bench_generate(preset_name, t, router, args.batch)
                 gen.append(r)
-                print(f"{preset_name:>7} {t:>5} {router:>16} {r['cache_tokens_per_s']:12.0f} "
-                      f"{r['recompute_tokens_per_s']:16.0f} {r['speedup']:7.1f}x {r['same_tokens']}", flush=True)
+                print(
+                    f"{preset_name:>7} {t:>5} {router:>16} {r['cache_tokens_per_s']:12.0f} "
+                    f"{r['recompute_tokens_per_s']:16.0f} {r['speedup']:7.1f}x {r['same_tokens']}",
+                    flush=True,
+                )
     causal = []
     if not args.no_eval:
         print("\ncausal loss of the leakage study's evaluations (tiny preset), cache vs recomputed prefixes")
@@ -107,8 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
             for router in args.routers:
                 r = bench_causal_loss(corpus, router)
                 causal.append(r)
-                print(f"{corpus:>10} {router:>16} {r['cache_s']:8.2f} {r['recompute_s']:12.2f} {r['speedup']:7.1f}x "
-                      f"{r['causal_loss_abs_diff']:8.1e}", flush=True)
+                print(
+                    f"{corpus:>10} {router:>16} {r['cache_s']:8.2f} {r['recompute_s']:12.2f} {r['speedup']:7.1f}x "
+                    f"{r['causal_loss_abs_diff']:8.1e}",
+                    flush=True,
+                )
     result = {"torch": torch.__version__, "threads": args.threads, "generate": gen, "causal_loss": causal}
     if args.json:
         with open(args.json, "w") as f:

@@ -75,14 +75,16 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict[str, float]:
     torch.manual_seed(0)
     kwargs = dict(router="topk", top_k=opts["top_k"], backend=opts["backend"])
     full = MoELayer(opts["d_model"], opts["d_ff"], opts["experts"], **kwargs)
-    ep = MoELayer(opts["d_model"], opts["d_ff"], opts["experts"], expert_parallel=ExpertParallel(dist.group.WORLD), **kwargs)
+    ep = MoELayer(
+        opts["d_model"], opts["d_ff"], opts["experts"], expert_parallel=ExpertParallel(dist.group.WORLD), **kwargs
+    )
     load_full_state_dict(ep, full.state_dict())
     full, ep = full.to(device), ep.to(device)
     n_local = opts["tokens"] // world
     x_ND = torch.randn(opts["tokens"], opts["d_model"], generator=torch.Generator().manual_seed(1)).to(device)
     x_local = x_ND[rank * n_local : (rank + 1) * n_local]
     timer = PhaseTimer(device)
-    samples = [step_phases(ep, x_local, timer) for _ in range(opts["warmup"] + opts["iters"])][opts["warmup"]:]
+    samples = [step_phases(ep, x_local, timer) for _ in range(opts["warmup"] + opts["iters"])][opts["warmup"] :]
     out = {k: statistics.median(s[k] for s in samples) for k in (*PHASES, "total")}
     if rank == 0 and opts["baseline"]:
         times = []
@@ -122,14 +124,18 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per CPU process (0: cores // P; default 1)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per CPU process (0: cores // P; default 1)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu (spawns gloo processes) or cuda (run under torchrun)")
     parser.add_argument("--backend", default="torch", help="MoE data path for the local experts: torch | triton | auto")
     args = parser.parse_args()
     for name in ("tokens", "d_model", "d_ff", "experts", "iters"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
-    opts = {k: getattr(args, k) for k in ("tokens", "d_model", "d_ff", "experts", "top_k", "iters", "warmup", "backend")}
+    opts = {
+        k: getattr(args, k) for k in ("tokens", "d_model", "d_ff", "experts", "top_k", "iters", "warmup", "backend")
+    }
 
     if args.device.startswith("cuda"):
         # Under torchrun: one row for this world size, NCCL, one GPU per rank.
@@ -150,20 +156,32 @@ def main() -> None:
     for world in args.world_sizes:
         threads = args.threads or max(1, cores // world)
         t0 = time.perf_counter()
-        res = ok_values(run_local(bench_rank, world, {**opts, "device": "cpu", "baseline": baseline is None},
-                                  timeout_s=1800.0, pg_timeout_s=600.0, threads=threads))[0]
+        res = ok_values(
+            run_local(
+                bench_rank,
+                world,
+                {**opts, "device": "cpu", "baseline": baseline is None},
+                timeout_s=1800.0,
+                pg_timeout_s=600.0,
+                threads=threads,
+            )
+        )[0]
         baseline = res.get("single", baseline)
         rows.append((f"cpu x{threads} thr", world, res))
         print(f"P={world}: {res['total'] * 1e3:.1f} ms/step ({time.perf_counter() - t0:.0f}s)", flush=True)
-    print(f"\nMoE layer fwd+bwd, {args.tokens} global tokens, D={args.d_model}, F={args.d_ff}, E={args.experts}, "
-          f"top-{args.top_k}, backend {args.backend}, {cores} CPU cores\n")
+    print(
+        f"\nMoE layer fwd+bwd, {args.tokens} global tokens, D={args.d_model}, F={args.d_ff}, E={args.experts}, "
+        f"top-{args.top_k}, backend {args.backend}, {cores} CPU cores\n"
+    )
     print(format_table(rows, baseline))
 
 
 def _check_divisible(args: argparse.Namespace, worlds: list[int]) -> None:
     for world in worlds:
         if world <= 0 or args.experts % world or args.tokens % world:
-            raise SystemExit(f"P={world} must be positive and divide --experts={args.experts} and --tokens={args.tokens}")
+            raise SystemExit(
+                f"P={world} must be positive and divide --experts={args.experts} and --tokens={args.tokens}"
+            )
 
 
 if __name__ == "__main__":

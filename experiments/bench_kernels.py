@@ -39,9 +39,9 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -254,7 +254,9 @@ def check_correctness(device: torch.device, dtype: torch.dtype, dry_run: bool) -
 # -- per-shape benchmark -------------------------------------------------------------------
 
 
-def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, bench: Callable, floors: dict, sets: int) -> dict:
+def bench_shape(
+    shape: Shape, device: torch.device, dtype: torch.dtype, bench: Callable, floors: dict, sets: int
+) -> dict:
     inputs = [make_inputs(shape, dtype, device, seed=s) for s in range(sets)]
     elt = torch.tensor([], dtype=dtype).element_size()
     n, d, f, a = shape.tokens, shape.d_model, shape.d_ff, shape.assignments
@@ -262,10 +264,14 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, bench: C
     ms = out["ms"]
 
     metas = [routing_metadata(i["token"], i["expert"], n, shape.num_experts) for i in inputs]
-    ms["routing_metadata"] = bench(cycling([lambda i=i: routing_metadata(i["token"], i["expert"], n, shape.num_experts) for i in inputs]))
+    ms["routing_metadata"] = bench(
+        cycling([lambda i=i: routing_metadata(i["token"], i["expert"], n, shape.num_experts) for i in inputs])
+    )
     rows = [torch.randn(a, d, device=device).to(dtype) for _ in inputs]
     ms["dispatch"] = bench(cycling([lambda i=i, m=m: dispatch(i["x"], m) for i, m in zip(inputs, metas)]))
-    ms["combine"] = bench(cycling([lambda i=i, m=m, r=r: combine(r, i["weight"], m) for i, m, r in zip(inputs, metas, rows)]))
+    ms["combine"] = bench(
+        cycling([lambda i=i, m=m, r=r: combine(r, i["weight"], m) for i, m, r in zip(inputs, metas, rows)])
+    )
     # Minimum traffic: dispatch reads x once and writes A rows; combine reads A rows (+ weights
     # and indices) and writes N rows.
     min_bytes = (n * d + a * d) * elt + (a * d + n * d) * elt + a * (4 + 4 + 4)
@@ -283,10 +289,16 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, bench: C
                 out.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:300]
     dense = [torch.randn(a, d, device=device, dtype=dtype, requires_grad=True) for _ in range(1)]
     w = inputs[0]
-    dense_w = [w["w_gate"][0].detach().requires_grad_(), w["w_up"][0].detach().requires_grad_(), w["w_down"][0].detach().requires_grad_()]
+    dense_w = [
+        w["w_gate"][0].detach().requires_grad_(),
+        w["w_up"][0].detach().requires_grad_(),
+        w["w_down"][0].detach().requires_grad_(),
+    ]
     gy = torch.randn(a, d, device=device, dtype=dtype)
     ms["dense_same_flops_fwd"] = bench(lambda: dense_swiglu(dense[0], *dense_w))
-    ms["dense_same_flops_fwd_bwd"] = bench(lambda: torch.autograd.grad(dense_swiglu(dense[0], *dense_w), [dense[0], *dense_w], gy))
+    ms["dense_same_flops_fwd_bwd"] = bench(
+        lambda: torch.autograd.grad(dense_swiglu(dense[0], *dense_w), [dense[0], *dense_w], gy)
+    )
 
     useful_flops = 2 * a * d * f * 3 * 3  # three matmuls forward, twice that backward
     gemm_floor_ms = useful_flops / (floors["matmul_TFLOPs"] * 1e12) * 1e3
@@ -301,14 +313,34 @@ def bench_shape(shape: Shape, device: torch.device, dtype: torch.dtype, bench: C
 
 
 def print_table(results: dict) -> None:
-    cols = ["meta", "disp", "comb", "bw_frac", "tri_fb", "eager_fb", "gmm_fb", "dense_fb", "floor", "x_floor", "x_eager"]
+    cols = [
+        "meta",
+        "disp",
+        "comb",
+        "bw_frac",
+        "tri_fb",
+        "eager_fb",
+        "gmm_fb",
+        "dense_fb",
+        "floor",
+        "x_floor",
+        "x_eager",
+    ]
     print("\n" + " ".join(f"{c:>9}" for c in ["shape", *cols]) + "   (ms unless a ratio)")
     for name, r in results["shapes"].items():
         m = r["ms"]
         vals = [
-            m["routing_metadata"], m["dispatch"], m["combine"], r["dispatch_combine_fraction_of_bandwidth"],
-            m["triton_fwd_bwd"], m["torch_eager_fwd_bwd"], m.get("torch_grouped_mm_fwd_bwd"), m["dense_same_flops_fwd_bwd"],
-            r["gemm_floor_fwd_bwd_ms"], r["layer_fwd_bwd_over_gemm_floor"], r["speedup_vs_torch_eager"],
+            m["routing_metadata"],
+            m["dispatch"],
+            m["combine"],
+            r["dispatch_combine_fraction_of_bandwidth"],
+            m["triton_fwd_bwd"],
+            m["torch_eager_fwd_bwd"],
+            m.get("torch_grouped_mm_fwd_bwd"),
+            m["dense_same_flops_fwd_bwd"],
+            r["gemm_floor_fwd_bwd_ms"],
+            r["layer_fwd_bwd_over_gemm_floor"],
+            r["speedup_vs_torch_eager"],
         ]
         print(" ".join([f"{name:>9}"] + [f"{v:9.3f}" if v is not None else f"{'n/a':>9}" for v in vals]))
 
@@ -357,7 +389,11 @@ def main(argv: list[str] | None = None) -> dict:
     path.write_text(json.dumps(results, indent=2))
     for name in tqdm(names, desc="shapes", file=sys.stdout):
         results["shapes"][name] = bench_shape(table[name], device, dtype, bench, results["floors"], args.sets)
-        for key in ("dispatch_combine_fraction_of_bandwidth", "layer_fwd_bwd_over_gemm_floor", "speedup_vs_torch_eager"):
+        for key in (
+            "dispatch_combine_fraction_of_bandwidth",
+            "layer_fwd_bwd_over_gemm_floor",
+            "speedup_vs_torch_eager",
+        ):
             results[key] = {n: r[key] for n, r in results["shapes"].items()}
         path.write_text(json.dumps(results, indent=2))  # after every shape: a timeout keeps what was done
     print_table(results)

@@ -17,7 +17,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,8 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
     results["naive_over_dense"] = results["naive_mask_loop_s"] / results["dense_s"]
     results["naive_over_moe"] = results["naive_mask_loop_s"] / results["moe_layer_s"]
 
-    print(f"N={args.tokens} D={args.d_model} F={args.d_ff} E={args.experts} k={args.top_k} "
-          f"router={args.router} threads={args.threads}, forward+backward, median of {args.reps}")
+    print(
+        f"N={args.tokens} D={args.d_model} F={args.d_ff} E={args.experts} k={args.top_k} "
+        f"router={args.router} threads={args.threads}, forward+backward, median of {args.reps}"
+    )
     print(f"{'path':<28}{'seconds':>10}{'x dense':>10}")
     rows = (
         ("dense SwiGLU (k*F wide)", "dense_s"),

@@ -114,8 +114,9 @@ def train_steps(rank: int, world: int, spec: dict) -> dict:
     """Build as ``spec`` says, run its steps; this rank's memory, state bytes and step times."""
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
     before = current_bytes(device)
-    model = build(spec["model"], world, spec.get("whole_first", False), spec.get("ac", "none"),
-                  spec.get("compile", False), device)
+    model = build(
+        spec["model"], world, spec.get("whole_first", False), spec.get("ac", "none"), spec.get("compile", False), device
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     local = spec["batch"] // world
     times, state, peak = [], {}, 0
@@ -136,8 +137,13 @@ def train_steps(rank: int, world: int, spec: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
     step_peak = peak_bytes(device)
-    return {"peak": max(peak, step_peak), "before_model": before, "last_step_above_start": step_peak - start,
-            "state": state, "step_s": times}
+    return {
+        "peak": max(peak, step_peak),
+        "before_model": before,
+        "last_step_above_start": step_peak - start,
+        "state": state,
+        "step_s": times,
+    }
 
 
 def run(world: int, spec: dict) -> list[dict]:
@@ -149,13 +155,18 @@ def memory_part(args, model_kw: dict) -> dict:
     rows = {}
     for world in args.ranks:
         rows[f"meta_w{world}"] = run(world, spec)
-        print(f"  {world} rank(s), meta build: largest peak {max(r['peak'] for r in rows[f'meta_w{world}']) / MIB:,.0f} MiB",
-              flush=True)
+        print(
+            f"  {world} rank(s), meta build: largest peak {max(r['peak'] for r in rows[f'meta_w{world}']) / MIB:,.0f} MiB",
+            flush=True,
+        )
     if args.whole_first:
         world = max(args.ranks)
         rows[f"whole_w{world}"] = run(world, {**spec, "whole_first": True})
-        print(f"  {world} ranks, whole model first: largest peak "
-              f"{max(r['peak'] for r in rows[f'whole_w{world}']) / MIB:,.0f} MiB", flush=True)
+        print(
+            f"  {world} ranks, whole model first: largest peak "
+            f"{max(r['peak'] for r in rows[f'whole_w{world}']) / MIB:,.0f} MiB",
+            flush=True,
+        )
     single = max(r["peak"] for r in rows[f"meta_w{min(args.ranks)}"])
     ratios = {name: max(r["peak"] for r in ranks) / single for name, ranks in rows.items()}
     return {"runs": rows, "single_peak": single, "peak_ratio_to_single": ratios}
@@ -167,8 +178,10 @@ def ac_part(args, model_kw: dict) -> dict:
         for mode in ("none", "full", "selective"):
             (r,) = run(1, dict(model=model_kw, batch=args.ac_batch, seq=seq, steps=2, ac=mode))
             out[f"{mode}_T{seq}"] = {"activation_peak": r["last_step_above_start"], "step_s": r["step_s"]}
-            print(f"  T={seq} {mode}: the second step peaks {r['last_step_above_start'] / MIB:,.0f} MiB above its start",
-                  flush=True)
+            print(
+                f"  T={seq} {mode}: the second step peaks {r['last_step_above_start'] / MIB:,.0f} MiB above its start",
+                flush=True,
+            )
     return out
 
 
@@ -177,44 +190,79 @@ def compile_part(args, model_kw: dict) -> dict:
     for world in (1, 2):
         timing = {}
         for compiled in (False, True):
-            spec = dict(model=model_kw, batch=args.ac_batch, seq=args.compile_seq, steps=args.compile_warmup + args.compile_steps,
-                        compile=compiled)
+            spec = dict(
+                model=model_kw,
+                batch=args.ac_batch,
+                seq=args.compile_seq,
+                steps=args.compile_warmup + args.compile_steps,
+                compile=compiled,
+            )
             ranks = run(world, spec)
-            timing[compiled] = max(statistics.median(r["step_s"][args.compile_warmup:]) for r in ranks)
+            timing[compiled] = max(statistics.median(r["step_s"][args.compile_warmup :]) for r in ranks)
         out[f"w{world}"] = {"eager_s": timing[False], "compiled_s": timing[True], "ratio": timing[True] / timing[False]}
-        print(f"  {world} process(es): compiled/eager step time {out[f'w{world}']['ratio']:.2f} "
-              f"({timing[True]:.3f} s vs {timing[False]:.3f} s)", flush=True)
+        print(
+            f"  {world} process(es): compiled/eager step time {out[f'w{world}']['ratio']:.2f} "
+            f"({timing[True]:.3f} s vs {timing[False]:.3f} s)",
+            flush=True,
+        )
     return out
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# bench_memory ({res['date']}, {res['device']})", "", f"Command: `{res['command']}`", "",
-             f"Model: {res['model']} ({res['num_parameters']:,} parameters); memory steps on a global batch of "
-             f"{res['args']['batch']} x {res['args']['seq']} tokens; malloc: "
-             + ("glibc default" if res["args"].get("glibc_default") else "MALLOC_MMAP_THRESHOLD_=65536") + ".", "",
-             "| run | rank | peak MiB | before model MiB | params MiB | grads MiB | optimizer MiB | peak / single |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# bench_memory ({res['date']}, {res['device']})",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+        f"Model: {res['model']} ({res['num_parameters']:,} parameters); memory steps on a global batch of "
+        f"{res['args']['batch']} x {res['args']['seq']} tokens; malloc: "
+        + ("glibc default" if res["args"].get("glibc_default") else "MALLOC_MMAP_THRESHOLD_=65536")
+        + ".",
+        "",
+        "| run | rank | peak MiB | before model MiB | params MiB | grads MiB | optimizer MiB | peak / single |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     mem = res["memory"]
     for name, ranks in mem["runs"].items():
         for rank, r in enumerate(ranks):
             s = r["state"]
-            lines.append(f"| {name} | {rank} | {r['peak'] / MIB:,.0f} | {r['before_model'] / MIB:,.0f} | "
-                         f"{s['params'] / MIB:,.0f} | {s['grads'] / MIB:,.0f} | {s['optimizer'] / MIB:,.0f} | "
-                         f"{r['peak'] / mem['single_peak']:.3f} |")
-    lines += ["", "Largest per-rank peak over the single-process peak: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in mem["peak_ratio_to_single"].items()), ""]
+            lines.append(
+                f"| {name} | {rank} | {r['peak'] / MIB:,.0f} | {r['before_model'] / MIB:,.0f} | "
+                f"{s['params'] / MIB:,.0f} | {s['grads'] / MIB:,.0f} | {s['optimizer'] / MIB:,.0f} | "
+                f"{r['peak'] / mem['single_peak']:.3f} |"
+            )
+    lines += [
+        "",
+        "Largest per-rank peak over the single-process peak: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in mem["peak_ratio_to_single"].items()),
+        "",
+    ]
     if res.get("activation_checkpointing"):
-        lines += [f"Activation checkpointing ({res['ac_model']}, batch {res['args']['ac_batch']}): the second step's "
-                  "peak above its start, MiB", "", "| T | none | full | selective |", "|---|---|---|---|"]
+        lines += [
+            f"Activation checkpointing ({res['ac_model']}, batch {res['args']['ac_batch']}): the second step's "
+            "peak above its start, MiB",
+            "",
+            "| T | none | full | selective |",
+            "|---|---|---|---|",
+        ]
         ac = res["activation_checkpointing"]
         for seq in res["args"]["ac_seqs"]:
-            lines.append(f"| {seq} | " + " | ".join(f"{ac[f'{m}_T{seq}']['activation_peak'] / MIB:,.0f}"
-                                                   for m in ("none", "full", "selective")) + " |")
+            lines.append(
+                f"| {seq} | "
+                + " | ".join(
+                    f"{ac[f'{m}_T{seq}']['activation_peak'] / MIB:,.0f}" for m in ("none", "full", "selective")
+                )
+                + " |"
+            )
         lines.append("")
     if res.get("compile"):
-        lines += [f"torch.compile ({res['ac_model']}, batch {res['args']['ac_batch']} x {res['args']['compile_seq']}): "
-                  "median step time after the compiling steps", "", "| processes | eager s | compiled s | compiled / eager |",
-                  "|---|---|---|---|"]
+        lines += [
+            f"torch.compile ({res['ac_model']}, batch {res['args']['ac_batch']} x {res['args']['compile_seq']}): "
+            "median step time after the compiling steps",
+            "",
+            "| processes | eager s | compiled s | compiled / eager |",
+            "|---|---|---|---|",
+        ]
         for name, c in res["compile"].items():
             lines.append(f"| {name[1:]} | {c['eager_s']:.3f} | {c['compiled_s']:.3f} | {c['ratio']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -234,8 +282,11 @@ def main() -> None:
     p.add_argument("--compile-warmup", type=int, default=2)
     p.add_argument("--compile-steps", type=int, default=3)
     p.add_argument("--skip", nargs="*", default=[], choices=["memory", "ac", "compile"])
-    p.add_argument("--glibc-default", action="store_true",
-                   help="leave glibc's malloc as it is (RSS then includes freed memory glibc keeps: what a user sees)")
+    p.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's malloc as it is (RSS then includes freed memory glibc keeps: what a user sees)",
+    )
     p.add_argument("--out", help="write <out>.json and <out>.md")
     args = p.parse_args()
     if not args.glibc_default:
@@ -246,9 +297,15 @@ def main() -> None:
         args.ac_seqs = args.ac_seqs[:2]
     with torch.device("meta"):
         num_params = MoETransformer(preset("small", **model_kw), init_seed=0).num_parameters()
-    res = {"date": date.today().isoformat(), "device": "cuda" if torch.cuda.is_available() else "cpu",
-           "command": " ".join(["python", *sys.argv]), "args": vars(args), "model": {"preset": "small", **model_kw},
-           "num_parameters": num_params, "ac_model": {"preset": "small", **ac_kw}}
+    res = {
+        "date": date.today().isoformat(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "command": " ".join(["python", *sys.argv]),
+        "args": vars(args),
+        "model": {"preset": "small", **model_kw},
+        "num_parameters": num_params,
+        "ac_model": {"preset": "small", **ac_kw},
+    }
     if "memory" not in args.skip:
         print("peak memory per rank:", flush=True)
         res["memory"] = memory_part(args, model_kw)

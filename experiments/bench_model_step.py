@@ -61,7 +61,9 @@ def step_flops(model: MoETransformer, routings: list, batch: int, seq: int) -> f
 
 def time_router(router: str, args, device: torch.device, base: str) -> dict:
     torch.manual_seed(0)
-    cfg = preset(base, router=router, router_options=ROUTERS[router], backend=args.backend, max_seq_len=max(args.seq, 8))
+    cfg = preset(
+        base, router=router, router_options=ROUTERS[router], backend=args.backend, max_seq_len=max(args.seq, 8)
+    )
     model = MoETransformer(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), device=device)
@@ -93,7 +95,9 @@ def time_router(router: str, args, device: torch.device, base: str) -> dict:
         "tokens_per_s": args.batch * args.seq / step_s,
         "model_TFLOPs": flops / step_s / 1e12,
         "loss": out.loss.item(),
-        "assignments_per_token": sum(r.num_assignments for r in out.routings) / len(out.routings) / (args.batch * args.seq),
+        "assignments_per_token": sum(r.num_assignments for r in out.routings)
+        / len(out.routings)
+        / (args.batch * args.seq),
         "params": model.num_parameters(),
     }
     if args.matmul_tflops:
@@ -111,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; dry run 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; dry run 1)")
     p.add_argument("--bench-json", default=None, help="bench_kernels JSON whose measured matmul rate sets MFU")
-    p.add_argument("--matmul-tflops", type=float, default=None, help="bf16 matmul rate for MFU (overrides --bench-json)")
+    p.add_argument(
+        "--matmul-tflops", type=float, default=None, help="bf16 matmul rate for MFU (overrides --bench-json)"
+    )
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
 

@@ -57,8 +57,12 @@ from moe.training.optim import make_optimizer
 
 def layouts_for(world: int, num_experts: int) -> list[tuple[int, int]]:
     """Every (R, P) with R*P dividing ``world`` and P dividing ``num_experts``."""
-    return [(r, p) for r in range(1, world + 1) for p in range(1, world + 1)
-            if world % (r * p) == 0 and num_experts % p == 0]
+    return [
+        (r, p)
+        for r in range(1, world + 1)
+        for p in range(1, world + 1)
+        if world % (r * p) == 0 and num_experts % p == 0
+    ]
 
 
 def _timed_steps(model, optimizer, corpus, cfg: TrainConfig, info: DistInfo, n: int) -> list[float]:
@@ -78,8 +82,13 @@ def _timed_steps(model, optimizer, corpus, cfg: TrainConfig, info: DistInfo, n: 
 
 
 def bench_rank(rank: int, world: int, opts: dict) -> dict:
-    cfg = TrainConfig.flat(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
-                           max_bytes=opts["max_bytes"], progress=False)
+    cfg = TrainConfig.flat(
+        preset=opts["preset"],
+        batch_size=opts["batch_size"],
+        seq_len=opts["seq_len"],
+        max_bytes=opts["max_bytes"],
+        progress=False,
+    )
     corpus = cfg.data.load()
     mcfg = model_config(cfg.model, corpus.vocab_size)
     device = torch.device("cpu")
@@ -88,7 +97,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
 
     plain = build_model(mcfg, cfg.seed, device)
     plain_opt = make_optimizer(plain, cfg.optimizer)
-    compute = statistics.median(_timed_steps(plain, plain_opt, corpus, cfg, info, n)[opts["warmup"]:])
+    compute = statistics.median(_timed_steps(plain, plain_opt, corpus, cfg, info, n)[opts["warmup"] :])
     rows = {}
     for r, p in layouts_for(world, mcfg.num_experts) if world > 1 else [(1, 1)]:
         layout = Layout.from_world(world, r, p)
@@ -98,7 +107,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
             shard_model(model, pmesh, list(model.blocks), mixed_precision(device))
             share_router_statistics(model, dist.group.WORLD)
         optimizer = make_optimizer(model, cfg.optimizer)
-        step = statistics.median(_timed_steps(model, optimizer, corpus, cfg, info, n)[opts["warmup"]:])
+        step = statistics.median(_timed_steps(model, optimizer, corpus, cfg, info, n)[opts["warmup"] :])
         mine = torch.tensor([step, compute, float(rank_state_bytes(model, optimizer)["total"])], dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in range(world)]
         if world > 1:
@@ -107,8 +116,12 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
             every = [mine]
         slowest = max(every, key=lambda v: float(v[0]))
         rows[str(layout)] = {
-            "world": world, "dp_replicate": r, "dp_shard": layout.dp_shard, "expert_parallel": p,
-            "step_s": float(slowest[0]), "compute_s": float(slowest[1]),
+            "world": world,
+            "dp_replicate": r,
+            "dp_shard": layout.dp_shard,
+            "expert_parallel": p,
+            "step_s": float(slowest[0]),
+            "compute_s": float(slowest[1]),
             "exposed_comm_s": max(float(slowest[0] - slowest[1]), 0.0),
             "bytes_per_rank": int(max(float(v[2]) for v in every)),
         }
@@ -122,13 +135,20 @@ def _timed(fn, total: list[float]):
             return fn(*args, **kwargs)
         finally:
             total[0] += time.perf_counter() - t0
+
     return wrapper
 
 
 def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
     """Every (schedule, M) of ``opts`` on ``world`` pipeline ranks: step and busy time."""
-    cfg = TrainConfig.flat(preset=opts["preset"], batch_size=opts["batch_size"], seq_len=opts["seq_len"],
-                           max_bytes=opts["max_bytes"], progress=False, model={"n_layers": opts["pipeline_layers"]})
+    cfg = TrainConfig.flat(
+        preset=opts["preset"],
+        batch_size=opts["batch_size"],
+        seq_len=opts["seq_len"],
+        max_bytes=opts["max_bytes"],
+        progress=False,
+        model={"n_layers": opts["pipeline_layers"]},
+    )
     corpus = cfg.data.load()
     mcfg = model_config(cfg.model, corpus.vocab_size)
     device = torch.device("cpu")
@@ -168,28 +188,40 @@ def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
             every = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(every, mine)
             step_s = max(float(e[0]) for e in every)
-            rows.append({
-                "world": world, "schedule": schedule, "microbatches": m, "virtual_stages": v,
-                "step_s": step_s, "busy_s": [float(e[1]) for e in every],
-                "bubble": statistics.mean(1 - float(e[1]) / float(e[0]) for e in every),
-                "bubble_theory": bubble_fraction(world, v * m),
-            })
+            rows.append(
+                {
+                    "world": world,
+                    "schedule": schedule,
+                    "microbatches": m,
+                    "virtual_stages": v,
+                    "step_s": step_s,
+                    "busy_s": [float(e[1]) for e in every],
+                    "bubble": statistics.mean(1 - float(e[1]) / float(e[0]) for e in every),
+                    "bubble_theory": bubble_fraction(world, v * m),
+                }
+            )
     return rows
 
 
 def format_pipeline_table(rows: list[dict]) -> str:
-    lines = ["| S (ranks) | schedule | M | step ms | busy ms per rank | bubble measured | bubble theory |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| S (ranks) | schedule | M | step ms | busy ms per rank | bubble measured | bubble theory |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         busy = " / ".join(f"{b * 1e3:.0f}" for b in r["busy_s"])
-        lines.append(f"| {r['world']} | {r['schedule']} | {r['microbatches']} | {r['step_s'] * 1e3:.1f} | {busy} | "
-                     f"{r['bubble']:.2f} | {r['bubble_theory']:.2f} |")
+        lines.append(
+            f"| {r['world']} | {r['schedule']} | {r['microbatches']} | {r['step_s'] * 1e3:.1f} | {busy} | "
+            f"{r['bubble']:.2f} | {r['bubble_theory']:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def format_table(rows: list[dict], single_bytes: int) -> str:
-    lines = ["| W | R (replicate) | S (shard) | P (expert) | step ms | compute ms | exposed comm ms | bytes/rank | vs 1 process |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| W | R (replicate) | S (shard) | P (expert) | step ms | compute ms | exposed comm ms | bytes/rank | vs 1 process |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['world']} | {r['dp_replicate']} | {r['dp_shard']} | {r['expert_parallel']} | {r['step_s'] * 1e3:.1f} | "
@@ -217,9 +249,22 @@ def main() -> None:
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     if args.pipeline_world and args.pipeline_layers < 2 * args.pipeline_world:
-        parser.error("--pipeline-layers must be at least twice --pipeline-world (interleaved 1F1B: two stages per rank)")
-    opts = {k: getattr(args, k) for k in ("preset", "batch_size", "seq_len", "max_bytes", "iters", "warmup",
-                                          "pipeline_microbatches", "pipeline_layers")}
+        parser.error(
+            "--pipeline-layers must be at least twice --pipeline-world (interleaved 1F1B: two stages per rank)"
+        )
+    opts = {
+        k: getattr(args, k)
+        for k in (
+            "preset",
+            "batch_size",
+            "seq_len",
+            "max_bytes",
+            "iters",
+            "warmup",
+            "pipeline_microbatches",
+            "pipeline_layers",
+        )
+    }
     rows = []
     os.environ["PYTHONWARNINGS"] = "ignore::UserWarning"  # the spawned ranks: FSDP2 / DeviceMesh notices
     for world in args.world_sizes:
@@ -230,23 +275,29 @@ def main() -> None:
         rows.extend(res.values())
         print(f"W={world}: {len(res)} layouts ({time.perf_counter() - t0:.0f}s)", flush=True)
     single = next(r for r in rows if r["world"] == 1) if 1 in args.world_sizes else rows[0]
-    header = (f"preset {args.preset}, global batch {args.batch_size} x {args.seq_len} tokens, "
-              f"median of {args.iters} steps after {args.warmup}, gloo, {os.cpu_count()} CPU cores, 1 thread per process")
+    header = (
+        f"preset {args.preset}, global batch {args.batch_size} x {args.seq_len} tokens, "
+        f"median of {args.iters} steps after {args.warmup}, gloo, {os.cpu_count()} CPU cores, 1 thread per process"
+    )
     table = format_table(rows, single["bytes_per_rank"])
     pipeline_rows, pipeline_table = [], ""
     if args.pipeline_world:
         t0 = time.perf_counter()
-        pipeline_rows = ok_values(run_local(bench_pipeline_rank, args.pipeline_world, opts, timeout_s=1800.0,
-                                            pg_timeout_s=600.0))[0]
+        pipeline_rows = ok_values(
+            run_local(bench_pipeline_rank, args.pipeline_world, opts, timeout_s=1800.0, pg_timeout_s=600.0)
+        )[0]
         print(f"pipeline, S={args.pipeline_world}: {len(pipeline_rows)} layouts ({time.perf_counter() - t0:.0f}s)")
-        pipeline_table = (f"\n\nPipeline, {args.pipeline_layers} blocks, global batch {args.batch_size}:\n\n"
-                          + format_pipeline_table(pipeline_rows))
+        pipeline_table = (
+            f"\n\nPipeline, {args.pipeline_layers} blocks, global batch {args.batch_size}:\n\n"
+            + format_pipeline_table(pipeline_rows)
+        )
     print(f"\n{header}\n\n{table}{pipeline_table}")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"setup": header, "rows": rows, "pipeline_rows": pipeline_rows},
-                                                       indent=1))
+        out.with_suffix(".json").write_text(
+            json.dumps({"setup": header, "rows": rows, "pipeline_rows": pipeline_rows}, indent=1)
+        )
         out.with_suffix(".md").write_text(f"{header}\n\n{table}{pipeline_table}\n")
 
 

@@ -34,8 +34,11 @@ def load_export(path: str) -> MoETransformer:
 def main(argv: list[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("export", help="model.pt written by a run with --export-model")
-    p.add_argument("--data", default="stdlib", help="the corpus the model was trained on (a prepared directory, "
-                                                   "'stdlib' or a text path; default: stdlib)")
+    p.add_argument(
+        "--data",
+        default="stdlib",
+        help="the corpus the model was trained on (a prepared directory, 'stdlib' or a text path; default: stdlib)",
+    )
     p.add_argument("--prompt", help="prompt text (default: the start of the validation split)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="tokens of the default prompt")
     p.add_argument("--max-new-tokens", type=int, default=200)
@@ -47,13 +50,21 @@ def main(argv: list[str] | None = None) -> list[str]:
     model = load_export(args.export)
     corpus = load_corpus(args.data)
     if model.cfg.vocab_size != corpus.vocab_size:
-        p.error(f"the model has vocab_size={model.cfg.vocab_size}, the data {args.data!r} {corpus.vocab_size}: "
-                "pass the --data it was trained on")
+        p.error(
+            f"the model has vocab_size={model.cfg.vocab_size}, the data {args.data!r} {corpus.vocab_size}: "
+            "pass the --data it was trained on"
+        )
     prompt = corpus.encode(args.prompt) if args.prompt is not None else corpus.val[torch.arange(args.prompt_tokens)]
     prompt_BT = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).expand(args.num_samples, -1)
     with torch.no_grad():
-        out_BS = model.generate(prompt_BT, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                seed=args.seed, recompute=model.decode_support() is not None)
+        out_BS = model.generate(
+            prompt_BT,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            recompute=model.decode_support() is not None,
+        )
     texts = [corpus.decode(row) for row in out_BS]
     for k, text in enumerate(texts):
         if args.num_samples > 1:

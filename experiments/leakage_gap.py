@@ -56,8 +56,10 @@ ROUTERS: dict[str, tuple[str, dict]] = {
     "topk": ("topk", {"top_k": 2}),
     "capacity_position": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position"}),
     # position priority with the capacity of the prefix 0..t: causal *and* decode-consistent
-    "capacity_prefix": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position",
-                                     "capacity_scope": "prefix"}),
+    "capacity_prefix": (
+        "capacity",
+        {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "capacity_scope": "prefix"},
+    ),
     "capacity_score": ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score"}),
     "expert_choice": ("expert_choice", {"capacity_factor": 1.0}),
     "ec_threshold": ("ec_threshold", {"capacity_factor": 1.0}),
@@ -74,22 +76,50 @@ class Budget:
     causal_stride: int
 
 
-FULL = {"canary": Budget(steps=5000, eval_windows=2048, causal_stride=1),
-        "text": Budget(steps=1500, eval_windows=64, causal_stride=1)}
-QUICK = {"canary": Budget(steps=500, eval_windows=1024, causal_stride=1),
-         "text": Budget(steps=100, eval_windows=32, causal_stride=8)}
+FULL = {
+    "canary": Budget(steps=5000, eval_windows=2048, causal_stride=1),
+    "text": Budget(steps=1500, eval_windows=64, causal_stride=1),
+}
+QUICK = {
+    "canary": Budget(steps=500, eval_windows=1024, causal_stride=1),
+    "text": Budget(steps=100, eval_windows=32, causal_stride=8),
+}
 
 
 def corpus_config(corpus: str, budget: Budget, args: argparse.Namespace) -> dict:
     """TrainConfig fields of one corpus (the model is the ``tiny`` preset in both)."""
-    common = dict(preset="tiny", seed=args.seed, steps=budget.steps, eval_windows=budget.eval_windows,
-                  causal_stride=budget.causal_stride, log_every=0, progress=False, wandb_mode="disabled")
+    common = dict(
+        preset="tiny",
+        seed=args.seed,
+        steps=budget.steps,
+        eval_windows=budget.eval_windows,
+        causal_stride=budget.causal_stride,
+        log_every=0,
+        progress=False,
+        wandb_mode="disabled",
+    )
     if corpus == "canary":
         # The planning measurement's setting: V=8, T=8, batch 64, 2 layers d=64, 4 experts.
-        return dict(common, data="canary", canary_vocab=8, max_bytes=2_000_000, seq_len=8, batch_size=64,
-                    lr=args.canary_lr, warmup_steps=100, eval_batch_size=64)
-    return dict(common, data=args.data, seq_len=128, batch_size=16, lr=3e-3, warmup_steps=min(100, budget.steps // 10),
-                eval_batch_size=16)
+        return dict(
+            common,
+            data="canary",
+            canary_vocab=8,
+            max_bytes=2_000_000,
+            seq_len=8,
+            batch_size=64,
+            lr=args.canary_lr,
+            warmup_steps=100,
+            eval_batch_size=64,
+        )
+    return dict(
+        common,
+        data=args.data,
+        seq_len=128,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=min(100, budget.steps // 10),
+        eval_batch_size=16,
+    )
 
 
 def run_job(label: str, corpus: str, fields: dict) -> dict:
@@ -100,14 +130,26 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
     res = train(cfg)
     data = cfg.data.load()
     val = data.val
-    train_mode = evaluate(res.model, val, cfg.data.seq_len, cfg.eval.eval_windows, cfg.eval.causal_stride,
-                          cfg.eval.eval_batch_size, causal=False, with_train_mode=True)
+    train_mode = evaluate(
+        res.model,
+        val,
+        cfg.data.seq_len,
+        cfg.eval.eval_windows,
+        cfg.eval.causal_stride,
+        cfg.eval.eval_batch_size,
+        causal=False,
+        with_train_mode=True,
+    )
     ev = {**res.final_eval, "train_mode_loss": train_mode["train_mode_loss"]}
     claims = res.model.blocks[0].ffn.router.claims
     causal_method = "cache" if res.model.eval().decode_support() is None else "recompute"
     with torch.no_grad():  # greedy, from the start of the validation split, as decoding sees it
-        sample = res.model.generate(val[torch.arange(SAMPLE_PROMPT)].long().view(1, -1), SAMPLE_NEW, temperature=0,
-                                    recompute=causal_method == "recompute")[0]
+        sample = res.model.generate(
+            val[torch.arange(SAMPLE_PROMPT)].long().view(1, -1),
+            SAMPLE_NEW,
+            temperature=0,
+            recompute=causal_method == "recompute",
+        )[0]
     return {
         "router": label,
         "router_name": name,
@@ -116,8 +158,17 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
         "claims_causal_eval": claims.causal_eval,
         "claims_causal_train": claims.causal_train,
         "causal_method": causal_method,
-        **{k: ev[k] for k in ("teacher_forced_loss", "causal_loss", "leakage_gap", "leakage_gap_se",
-                              "train_mode_loss", "eval_positions")},
+        **{
+            k: ev[k]
+            for k in (
+                "teacher_forced_loss",
+                "causal_loss",
+                "leakage_gap",
+                "leakage_gap_se",
+                "train_mode_loss",
+                "eval_positions",
+            )
+        },
         "final_train_loss": sum(r["loss"] for r in res.history[-50:]) / len(res.history[-50:]),
         "train_time_s": res.train_time_s,
         "steps": cfg.optimizer.steps,
@@ -173,10 +224,22 @@ def plot(rows: list[dict], corpora: list[str], path: Path) -> None:
         ax.legend(fontsize=8)
         ax = axes[i][1]
         x = torch.arange(len(sub)).double()
-        ax.bar(x - 0.2, [r["leakage_gap"] for r in sub], width=0.4, yerr=[2 * r["leakage_gap_se"] for r in sub],
-               capsize=3, color="tab:red", label="causal - teacher-forced (eval routing, ±2 se)")
-        ax.bar(x + 0.2, [r["train_mode_gap"] for r in sub], width=0.4, color="tab:gray",
-               label="causal - train-mode teacher-forced")
+        ax.bar(
+            x - 0.2,
+            [r["leakage_gap"] for r in sub],
+            width=0.4,
+            yerr=[2 * r["leakage_gap_se"] for r in sub],
+            capsize=3,
+            color="tab:red",
+            label="causal - teacher-forced (eval routing, ±2 se)",
+        )
+        ax.bar(
+            x + 0.2,
+            [r["train_mode_gap"] for r in sub],
+            width=0.4,
+            color="tab:gray",
+            label="causal - train-mode teacher-forced",
+        )
         names = [r["router"] + ("" if r["claims_causal_eval"] else " *") for r in sub]
         ax.set_xticks(x.tolist(), names, rotation=30, ha="right", fontsize=8)
         ax.axhline(0, color="k", lw=0.8)
@@ -204,18 +267,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="fewer steps and positions (< 5 min on 2 CPU cores)")
     p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
     p.add_argument("--corpora", nargs="+", default=["canary", "text"], choices=["canary", "text"])
-    p.add_argument("--data", default="stdlib", help="text corpus: 'stdlib', a text path or a prepared directory "
-                                                   "(default: stdlib)")
+    p.add_argument(
+        "--data", default="stdlib", help="text corpus: 'stdlib', a text path or a prepared directory (default: stdlib)"
+    )
     p.add_argument("--canary-steps", type=int, help="override the canary's training steps")
     p.add_argument("--text-steps", type=int, help="override the text corpus's training steps")
     p.add_argument("--canary-lr", type=float, default=3e-3, help="peak learning rate on the canary")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=2, help="training processes (one thread each)")
-    p.add_argument("--json", type=Path, help="results JSON; the .md table and .png figure go next to it "
-                                             "(default: experiments/results/leakage_gap[_quick].json)")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="results JSON; the .md table and .png figure go next to it "
+        "(default: experiments/results/leakage_gap[_quick].json)",
+    )
     p.add_argument("--replot", type=Path, metavar="JSON", help="only re-render the table and figure of a results JSON")
-    p.add_argument("--update", type=Path, metavar="JSON",
-                   help="run --routers (default: all) with the budgets of this results JSON and replace or add their rows")
+    p.add_argument(
+        "--update",
+        type=Path,
+        metavar="JSON",
+        help="run --routers (default: all) with the budgets of this results JSON and replace or add their rows",
+    )
     args = p.parse_args(argv)
     if args.replot:
         result = json.loads(args.replot.read_text())
@@ -236,8 +308,11 @@ def main(argv: list[str] | None = None) -> dict:
     for label in args.routers:  # fail fast on a bad router before any process starts
         build_router(ROUTERS[label][0], d_model=8, num_experts=4, **ROUTERS[label][1])
 
-    jobs = [(label, corpus, corpus_config(corpus, budgets[corpus], args)) for corpus in args.corpora
-            for label in args.routers]
+    jobs = [
+        (label, corpus, corpus_config(corpus, budgets[corpus], args))
+        for corpus in args.corpora
+        for label in args.routers
+    ]
     t0 = time.perf_counter()
     rows: list[dict] = []
     ctx = multiprocessing.get_context("spawn")
@@ -246,8 +321,10 @@ def main(argv: list[str] | None = None) -> dict:
         for fut in tqdm(as_completed(futures), total=len(futures), desc="routers x corpora", file=sys.stderr):
             r = fut.result()
             rows.append(r)
-            tqdm.write(f"{r['corpus']:>6} {r['router']:<18} tf {r['teacher_forced_loss']:.4f}  "
-                       f"causal {r['causal_loss']:.4f}  gap {r['leakage_gap']:+.4f}  ({r['train_time_s']:.0f} s)")
+            tqdm.write(
+                f"{r['corpus']:>6} {r['router']:<18} tf {r['teacher_forced_loss']:.4f}  "
+                f"causal {r['causal_loss']:.4f}  gap {r['leakage_gap']:+.4f}  ({r['train_time_s']:.0f} s)"
+            )
             if r["corpus"] == "text":
                 tqdm.write(f"{'':>6} {r['router']} sample: {r['sample']!r}")
     wall = time.perf_counter() - t0
@@ -255,11 +332,16 @@ def main(argv: list[str] | None = None) -> dict:
         fresh = {(r["corpus"], r["router"]) for r in rows}
         rows += [r for r in previous["routers"] if (r["corpus"], r["router"]) not in fresh]
         wall += previous["wall_time_s"]
-    order = {(c, l): i for i, (c, l) in enumerate((c, l) for c in budgets for l in ROUTERS)}
+    order = {key: i for i, key in enumerate((c, r) for c in budgets for r in ROUTERS)}
     rows.sort(key=lambda r: order[(r["corpus"], r["router"])])
 
-    result = {"quick": args.quick, "wall_time_s": wall, "torch": torch.__version__,
-              "budgets": {c: vars(budgets[c]) for c in args.corpora}, "routers": rows}
+    result = {
+        "quick": args.quick,
+        "wall_time_s": wall,
+        "torch": torch.__version__,
+        "budgets": {c: vars(budgets[c]) for c in args.corpora},
+        "routers": rows,
+    }
     table = render(result, json_path)
     print(table)
     print(f"wrote {json_path}, {json_path.with_suffix('.md')}, {json_path.with_suffix('.png')}")

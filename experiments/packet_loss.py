@@ -75,12 +75,25 @@ def run_config(common: dict, job: dict) -> TrainConfig:
     """The training configuration of one run: the study's settings, the job's batch, seed and
     policy (the reliable baseline is the ``reliable`` policy over the same transport)."""
     return TrainConfig.flat(
-        preset=common["preset"], model=dict(common["model"]), router="topk", router_options=dict(common["router_options"]),
-        max_bytes=common["max_bytes"], seq_len=common["seq_len"], batch_size=job["batch_size"], steps=common["steps"],
-        seed=job["seed"], warmup_steps=common["warmup_steps"], eval_windows=common["eval_windows"],
-        causal_stride=common["seq_len"], log_every=0, progress=False, wandb_mode="disabled",
-        packet_loss=job["loss_rate"] or common["baseline_rate"], loss_policy=job["policy"],
-        loss_packet_size=common["packet_size"], loss_resync_every=common["resync_every"],
+        preset=common["preset"],
+        model=dict(common["model"]),
+        router="topk",
+        router_options=dict(common["router_options"]),
+        max_bytes=common["max_bytes"],
+        seq_len=common["seq_len"],
+        batch_size=job["batch_size"],
+        steps=common["steps"],
+        seed=job["seed"],
+        warmup_steps=common["warmup_steps"],
+        eval_windows=common["eval_windows"],
+        causal_stride=common["seq_len"],
+        log_every=0,
+        progress=False,
+        wandb_mode="disabled",
+        packet_loss=job["loss_rate"] or common["baseline_rate"],
+        loss_policy=job["policy"],
+        loss_packet_size=common["packet_size"],
+        loss_resync_every=common["resync_every"],
     )
 
 
@@ -93,10 +106,16 @@ def simulate(cfg: TrainConfig, workers: int, corpus: Corpus) -> dict:
     device = torch.device("cpu")
     model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, device)
     if any(m.aux_loss_coef > 0 for m in model.modules() if isinstance(m, Router)):
-        raise ValueError("the simulator counts load-balancing fractions per worker, the processes over all ranks: "
-                         "use aux_loss_coef=0 (balance_rate balances without that loss)")
-    sim = SimulatedDataParallel(model, lambda m: make_optimizer(m, cfg.optimizer),
-                                cfg.lossy.transport(cfg.seed, cfg.optimizer.grad_clip), workers)
+        raise ValueError(
+            "the simulator counts load-balancing fractions per worker, the processes over all ranks: "
+            "use aux_loss_coef=0 (balance_rate balances without that loss)"
+        )
+    sim = SimulatedDataParallel(
+        model,
+        lambda m: make_optimizer(m, cfg.optimizer),
+        cfg.lossy.transport(cfg.seed, cfg.optimizer.grad_clip),
+        workers,
+    )
     history: dict[str, list[float]] = {k: [] for k in HISTORY}
     for replica in sim.replicas:
         replica.train()
@@ -130,9 +149,13 @@ def _process_worker(rank: int, world: int, jobs: list[dict], common: dict) -> li
         t0 = time.perf_counter()
         cfg = run_config(common, job)
         res = train(cfg, corpus)
-        ev = evaluate(res.model, corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=torch.device("cpu"), causal=False)
+        ev = evaluate(
+            res.model, corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=torch.device("cpu"), causal=False
+        )
         history = {k: [r[k] for r in res.history] for k in HISTORY}
-        out.append({**job, "val_loss": ev["teacher_forced_loss"], "history": history, "wall_s": time.perf_counter() - t0})
+        out.append(
+            {**job, "val_loss": ev["teacher_forced_loss"], "history": history, "wall_s": time.perf_counter() - t0}
+        )
     return out
 
 
@@ -145,30 +168,47 @@ def summarise(raw: list[dict]) -> list[dict]:
     """One record per (tokens per step, workers, loss rate, policy) over its seeds; perplexity
     change paired by seed with the reliable run of the same size and workers."""
     base = {(r["batch_size"], r["workers"], r["seed"]): r["val_loss"] for r in raw if r["policy"] == "reliable"}
-    keys = sorted(dict.fromkeys((r["batch_size"], r["workers"], r["loss_rate"], r["policy"]) for r in raw),
-                  key=lambda k: (k[0], k[1], k[2], POLICIES.index(k[3])))
+    keys = sorted(
+        dict.fromkeys((r["batch_size"], r["workers"], r["loss_rate"], r["policy"]) for r in raw),
+        key=lambda k: (k[0], k[1], k[2], POLICIES.index(k[3])),
+    )
     runs = []
     for batch, workers, rate, policy in keys:
-        rs = sorted((r for r in raw if (r["batch_size"], r["workers"], r["loss_rate"], r["policy"]) == (batch, workers, rate, policy)),
-                    key=lambda r: r["seed"])
+        rs = sorted(
+            (
+                r
+                for r in raw
+                if (r["batch_size"], r["workers"], r["loss_rate"], r["policy"]) == (batch, workers, rate, policy)
+            ),
+            key=lambda r: r["seed"],
+        )
         paired = [r for r in rs if (batch, workers, r["seed"]) in base]
         change = [100 * (math.exp(r["val_loss"] - base[batch, workers, r["seed"]]) - 1) for r in paired]
         per_seed = {k: np.asarray([np.mean(r["history"][k]) for r in rs]) for k in HISTORY}
         val_loss = float(np.mean([r["val_loss"] for r in rs]))
-        runs.append({
-            "workers": workers, "batch_size": batch, "tokens_per_step": rs[0]["tokens_per_step"],
-            "sequences_per_worker": batch // workers, "loss_rate": rate, "policy": policy,
-            "seeds": [r["seed"] for r in rs], "val_loss": val_loss, "val_ppl": math.exp(val_loss),
-            "val_loss_per_seed": [r["val_loss"] for r in rs],
-            "ppl_change_pct": float(np.mean(change)) if change else None,
-            "ppl_change_se": _se(change), "ppl_change_per_seed": change,
-            **{k: float(per_seed[k].mean()) for k in METRICS},
-            **{f"{k}_se": _se(per_seed[k].tolist()) for k in ("grad_rel_error", "grad_bias")},
-            "val_ppl_sd_pct": _sd_pct([math.exp(r["val_loss"]) for r in rs]),
-            "max_drift": float(max(max(r["history"]["max_drift"]) for r in rs)),
-            "rms_drift_mean": float(per_seed["rms_drift"].mean()),
-            "wall_s": float(sum(r["wall_s"] for r in rs)),
-        })
+        runs.append(
+            {
+                "workers": workers,
+                "batch_size": batch,
+                "tokens_per_step": rs[0]["tokens_per_step"],
+                "sequences_per_worker": batch // workers,
+                "loss_rate": rate,
+                "policy": policy,
+                "seeds": [r["seed"] for r in rs],
+                "val_loss": val_loss,
+                "val_ppl": math.exp(val_loss),
+                "val_loss_per_seed": [r["val_loss"] for r in rs],
+                "ppl_change_pct": float(np.mean(change)) if change else None,
+                "ppl_change_se": _se(change),
+                "ppl_change_per_seed": change,
+                **{k: float(per_seed[k].mean()) for k in METRICS},
+                **{f"{k}_se": _se(per_seed[k].tolist()) for k in ("grad_rel_error", "grad_bias")},
+                "val_ppl_sd_pct": _sd_pct([math.exp(r["val_loss"]) for r in rs]),
+                "max_drift": float(max(max(r["history"]["max_drift"]) for r in rs)),
+                "rms_drift_mean": float(per_seed["rms_drift"].mean()),
+                "wall_s": float(sum(r["wall_s"] for r in rs)),
+            }
+        )
     return runs
 
 
@@ -190,15 +230,19 @@ def _pm(value: float | None, se: float | None, fmt: str) -> str:
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| tokens/step | workers | seq/worker | loss rate | policy | seeds | val ppl | seed sd % | ppl change % "
-             "| grad rel error | grad bias | received | max drift |", "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| tokens/step | workers | seq/worker | loss rate | policy | seeds | val ppl | seed sd % | ppl change % "
+        "| grad rel error | grad bias | received | max drift |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in runs:
         lines.append(
             f"| {r['tokens_per_step']} | {r['workers']} | {r['sequences_per_worker']} | {r['loss_rate']:.2f} | {r['policy']} "
             f"| {len(r['seeds'])} | {r['val_ppl']:.3f} | {_pm(r['val_ppl_sd_pct'], None, '.2f')} "
             f"| {_pm(r['ppl_change_pct'], r['ppl_change_se'], '+.2f')} "
             f"| {_pm(r['grad_rel_error'], r['grad_rel_error_se'], '.4f')} | {_pm(r['grad_bias'], r['grad_bias_se'], '+.4f')} "
-            f"| {r['received_fraction']:.3f} | {r['max_drift']:.2e} |")
+            f"| {r['received_fraction']:.3f} | {r['max_drift']:.2e} |"
+        )
     return "\n".join(lines)
 
 
@@ -211,26 +255,57 @@ def plot(runs: list[dict], path: Path) -> None:
     lossy = [r for r in runs if r["policy"] != "reliable" and r["ppl_change_pct"] is not None]
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.4))
     for n, (rate, policy) in enumerate(dict.fromkeys((r["loss_rate"], r["policy"]) for r in lossy)):
-        rs = sorted((r for r in lossy if (r["loss_rate"], r["policy"]) == (rate, policy)), key=lambda r: r["tokens_per_step"])
+        rs = sorted(
+            (r for r in lossy if (r["loss_rate"], r["policy"]) == (rate, policy)), key=lambda r: r["tokens_per_step"]
+        )
         label, tokens = f"{policy} p={rate:g}", [r["tokens_per_step"] for r in rs]
-        ax0.errorbar(tokens, [r["ppl_change_pct"] for r in rs], yerr=[r["ppl_change_se"] or 0.0 for r in rs],
-                     marker="o", capsize=3, label=label)
+        ax0.errorbar(
+            tokens,
+            [r["ppl_change_pct"] for r in rs],
+            yerr=[r["ppl_change_se"] or 0.0 for r in rs],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
         for ax, key in ((ax1, "grad_rel_error"), (ax2, "grad_bias")):
-            ax.errorbar(tokens, [r[key] for r in rs], yerr=[r[f"{key}_se"] or 0.0 for r in rs], marker="o", capsize=3,
-                        label=label)
+            ax.errorbar(
+                tokens,
+                [r[key] for r in rs],
+                yerr=[r[f"{key}_se"] or 0.0 for r in rs],
+                marker="o",
+                capsize=3,
+                label=label,
+            )
         if policy == "naive":
-            ax2.plot(tokens, [-rate * (r["workers"] - 1) / r["workers"] for r in rs], "x", color="grey",
-                     label=f"naive predicted -p(P-1)/P, p={rate:g}")
+            ax2.plot(
+                tokens,
+                [-rate * (r["workers"] - 1) / r["workers"] for r in rs],
+                "x",
+                color="grey",
+                label=f"naive predicted -p(P-1)/P, p={rate:g}",
+            )
         if policy == "unbiased":
-            ax1.axhline(math.sqrt(rate / (1 - rate)), color="grey", ls=":",
-                        label=f"unbiased, all noise: sqrt(p/(1-p)), p={rate:g}")
+            ax1.axhline(
+                math.sqrt(rate / (1 - rate)),
+                color="grey",
+                ls=":",
+                label=f"unbiased, all noise: sqrt(p/(1-p)), p={rate:g}",
+            )
         if n == 0:
             for r in rs:
-                ax0.annotate(f"P={r['workers']}, {len(r['seeds'])} seeds", (r["tokens_per_step"], r["ppl_change_pct"]),
-                             fontsize=7, textcoords="offset points", xytext=(5, 8))
+                ax0.annotate(
+                    f"P={r['workers']}, {len(r['seeds'])} seeds",
+                    (r["tokens_per_step"], r["ppl_change_pct"]),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(5, 8),
+                )
     ax0.axhline(0.0, color="grey", lw=0.8)
     ax0.axhline(PAPER_PCT, color="red", lw=0.9, ls="--", label="paper: 0.8% at 10% (LLaMA-2 7B, 64 GPUs)")
-    ax0.set(ylabel="val perplexity change vs reliable (%)", title="cost of packet loss at equal steps (mean ± SE, paired seeds)")
+    ax0.set(
+        ylabel="val perplexity change vs reliable (%)",
+        title="cost of packet loss at equal steps (mean ± SE, paired seeds)",
+    )
     ax1.set(ylabel="||estimate - mean|| / ||mean||", title="aggregated gradient's error per step (± SE over seeds)")
     ax2.axhline(0.0, color="grey", lw=0.8)
     ax2.set(ylabel="<estimate - mean, mean> / ||mean||²", title="aggregated gradient's bias per step")
@@ -250,11 +325,18 @@ def write(json_path: Path, common: dict, commands: list[str], raw: list[dict], w
     """Write the per-run records (.raw.json), the summary (json, md) and, at the end, the figure."""
     runs = summarise(raw)
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    result = {"date": date.today().isoformat(), "wall_s": wall, "complete": final, "config": common,
-              "commands": commands, "runs": runs}
+    result = {
+        "date": date.today().isoformat(),
+        "wall_s": wall,
+        "complete": final,
+        "config": common,
+        "commands": commands,
+        "runs": runs,
+    }
     json_path.write_text(json.dumps(result, indent=1) + "\n")
-    json_path.with_suffix(".raw.json").write_text(json.dumps({"config": common, "commands": commands, "wall_s": wall,
-                                                              "runs": raw}) + "\n")
+    json_path.with_suffix(".raw.json").write_text(
+        json.dumps({"config": common, "commands": commands, "wall_s": wall, "runs": raw}) + "\n"
+    )
     json_path.with_suffix(".md").write_text(table(runs) + "\n")
     if final or len(raw) % 6 == 0:
         plot(runs, json_path.with_suffix(".png"))
@@ -287,10 +369,14 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="40 steps, seed 0, 10%% loss, unbiased and naive, 4 processes")
-    p.add_argument("--runs", nargs="+", default=["16:4"], help="BATCH:WORKERS pairs (global sequences per step : workers)")
+    p.add_argument(
+        "--runs", nargs="+", default=["16:4"], help="BATCH:WORKERS pairs (global sequences per step : workers)"
+    )
     p.add_argument("--simulate", action="store_true", help="logical workers in one process instead of gloo processes")
     p.add_argument("--rates", type=float, nargs="+", default=[0.1], help="packet loss rates")
-    p.add_argument("--policies", nargs="+", default=["unbiased", "naive"], choices=[x for x in POLICIES if x != "reliable"])
+    p.add_argument(
+        "--policies", nargs="+", default=["unbiased", "naive"], choices=[x for x in POLICIES if x != "reliable"]
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--preset", default="tiny")
@@ -300,12 +386,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--packet-size", type=int, default=256, help="elements per packet (1 KiB of fp32)")
     p.add_argument("--resync-every", type=int, default=0)
     p.add_argument("--eval-windows", type=int, default=64)
-    p.add_argument("--json", type=Path, help="results JSON; .md, .png and .raw.json go next to it "
-                                             "(default: experiments/results/packet_loss[_quick].json)")
-    p.add_argument("--add-to", action="store_true", help="keep the runs stored in --json's .raw.json (same settings) "
-                                                         "and run only the missing ones")
-    p.add_argument("--merge", type=Path, nargs="+", help="write --json from these .raw.json files of one study's parts "
-                                                         "(same settings, e.g. one seed each, run side by side); runs nothing")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="results JSON; .md, .png and .raw.json go next to it "
+        "(default: experiments/results/packet_loss[_quick].json)",
+    )
+    p.add_argument(
+        "--add-to",
+        action="store_true",
+        help="keep the runs stored in --json's .raw.json (same settings) and run only the missing ones",
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        help="write --json from these .raw.json files of one study's parts "
+        "(same settings, e.g. one seed each, run side by side); runs nothing",
+    )
     args = p.parse_args(argv)
     if args.merge:
         if not args.json:
@@ -314,23 +412,48 @@ def main(argv: list[str] | None = None) -> dict:
         if any(part["config"] != parts[0]["config"] for part in parts):
             p.error("--merge: the parts ran with different settings")
         raw = [r for part in parts for r in part["runs"]]
-        commands = [c for part in parts for c in part["commands"]] + [shlex.join(["python", "experiments/packet_loss.py", *argv])]
+        commands = [c for part in parts for c in part["commands"]] + [
+            shlex.join(["python", "experiments/packet_loss.py", *argv])
+        ]
         runs = write(args.json, parts[0]["config"], commands, raw, sum(part["wall_s"] for part in parts), final=True)
         print(table(runs))
         return {"config": parts[0]["config"], "runs": runs}
     if args.quick:
         args.runs, args.simulate, args.seeds, args.steps, args.eval_windows = ["16:4"], False, [0], 40, 32
-    common = {"preset": args.preset, "model": _overrides(args.model), "router_options": _overrides(args.router_options),
-              "steps": args.steps, "seq_len": args.seq_len, "warmup_steps": min(30, args.steps // 10),
-              "packet_size": args.packet_size, "resync_every": args.resync_every, "eval_windows": args.eval_windows,
-              "max_bytes": 4_000_000, "baseline_rate": max(args.rates), "simulated": args.simulate}
+    common = {
+        "preset": args.preset,
+        "model": _overrides(args.model),
+        "router_options": _overrides(args.router_options),
+        "steps": args.steps,
+        "seq_len": args.seq_len,
+        "warmup_steps": min(30, args.steps // 10),
+        "packet_size": args.packet_size,
+        "resync_every": args.resync_every,
+        "eval_windows": args.eval_windows,
+        "max_bytes": 4_000_000,
+        "baseline_rate": max(args.rates),
+        "simulated": args.simulate,
+    }
     corpus = load_corpus("stdlib", max_bytes=common["max_bytes"])
-    common["model_config"] = asdict(model_config(run_config(common, {"batch_size": 2, "seed": 0, "loss_rate": 0.1,
-                                                                     "policy": "unbiased"}).model, corpus.vocab_size))
-    jobs = [{"batch_size": b, "workers": w, "tokens_per_step": b * args.seq_len, "loss_rate": rate, "policy": policy,
-             "seed": s}
-            for s in args.seeds for b, w in _parse_runs(args.runs)
-            for rate, policy in [(0.0, "reliable"), *[(r, q) for r in args.rates for q in args.policies]]]
+    common["model_config"] = asdict(
+        model_config(
+            run_config(common, {"batch_size": 2, "seed": 0, "loss_rate": 0.1, "policy": "unbiased"}).model,
+            corpus.vocab_size,
+        )
+    )
+    jobs = [
+        {
+            "batch_size": b,
+            "workers": w,
+            "tokens_per_step": b * args.seq_len,
+            "loss_rate": rate,
+            "policy": policy,
+            "seed": s,
+        }
+        for s in args.seeds
+        for b, w in _parse_runs(args.runs)
+        for rate, policy in [(0.0, "reliable"), *[(r, q) for r in args.rates for q in args.policies]]
+    ]
     jobs = list({tuple(j.items()): j for j in jobs}.values())
     json_path = args.json or RESULTS / ("packet_loss_quick.json" if args.quick else "packet_loss.json")
     command = shlex.join(["python", "experiments/packet_loss.py", *argv])
@@ -345,23 +468,32 @@ def main(argv: list[str] | None = None) -> dict:
         raw, wall, commands = stored["runs"], stored["wall_s"], [*stored["commands"], command]
         done = {(r["batch_size"], r["workers"], r["loss_rate"], r["policy"], r["seed"]) for r in raw}
         jobs = [j for j in jobs if (j["batch_size"], j["workers"], j["loss_rate"], j["policy"], j["seed"]) not in done]
-    print(f"{len(jobs)} runs of {args.steps} steps ({'logical workers in one process' if args.simulate else 'gloo processes'})",
-          flush=True)
+    print(
+        f"{len(jobs)} runs of {args.steps} steps ({'logical workers in one process' if args.simulate else 'gloo processes'})",
+        flush=True,
+    )
     if args.simulate:
         for job in jobs:
             t0 = time.perf_counter()
             res = simulate(run_config(common, job), job["workers"], corpus)
             raw.append({**job, **_compact(res), "wall_s": time.perf_counter() - t0})
             wall += raw[-1]["wall_s"]
-            print(f"  {job['tokens_per_step']:>6} tok/step P={job['workers']:<3} {job['policy']:>9} p={job['loss_rate']:.2f} "
-                  f"seed {job['seed']}: val loss {res['val_loss']:.4f}, grad rel err "
-                  f"{np.mean(res['history']['grad_rel_error']):.4f} ({raw[-1]['wall_s']:.0f}s)", flush=True)
+            print(
+                f"  {job['tokens_per_step']:>6} tok/step P={job['workers']:<3} {job['policy']:>9} p={job['loss_rate']:.2f} "
+                f"seed {job['seed']}: val loss {res['val_loss']:.4f}, grad rel err "
+                f"{np.mean(res['history']['grad_rel_error']):.4f} ({raw[-1]['wall_s']:.0f}s)",
+                flush=True,
+            )
             write(json_path, common, commands, raw, wall, final=False)
     for workers in dict.fromkeys(j["workers"] for j in jobs if not args.simulate):
         t0 = time.perf_counter()
         mine = [j for j in jobs if j["workers"] == workers]
-        raw += [_compact(r) for r in ok_values(run_local(_process_worker, workers, mine, common, timeout_s=24 * 3600.0,
-                                                         pg_timeout_s=600.0))[0]]
+        raw += [
+            _compact(r)
+            for r in ok_values(
+                run_local(_process_worker, workers, mine, common, timeout_s=24 * 3600.0, pg_timeout_s=600.0)
+            )[0]
+        ]
         wall += time.perf_counter() - t0
         write(json_path, common, commands, raw, wall, final=False)
     runs = write(json_path, common, commands, raw, wall, final=True)

@@ -113,25 +113,42 @@ def _measure_one(regime: str, num_workers: int, n: int, trials: int) -> list[dic
                 elem.append(float((err_n.abs() / s_n.abs()).median()))
                 bias.append(float((err_n * s_n).sum() / s_n.square().sum()))
                 zeroed.append(float((((s_n + err_n) == 0) & (s_n != 0)).double().mean()))
-            rows.append({"regime": regime, "workers": num_workers, "dtype": dname, "order": order,
-                         "rel_error": float(np.mean(rel)), "bias": float(np.mean(bias)),
-                         "bias_se": float(np.std(bias, ddof=1) / np.sqrt(trials)) if trials > 1 else None,
-                         "elem_error": float(np.mean(elem)), "zeroed": float(np.mean(zeroed))})
+            rows.append(
+                {
+                    "regime": regime,
+                    "workers": num_workers,
+                    "dtype": dname,
+                    "order": order,
+                    "rel_error": float(np.mean(rel)),
+                    "bias": float(np.mean(bias)),
+                    "bias_se": float(np.std(bias, ddof=1) / np.sqrt(trials)) if trials > 1 else None,
+                    "elem_error": float(np.mean(elem)),
+                    "zeroed": float(np.mean(zeroed)),
+                }
+            )
     return rows
 
 
 def table(rows: list[dict], workers: list[int]) -> str:
-    lines = ["| regime | dtype | order | " + " | ".join(f"W={w}" for w in workers) + " |",
-             "|" + "---|" * (3 + len(workers)),
-             "| | | | " + " | ".join("rel err / bias / elem err" for _ in workers) + " |"]
+    lines = [
+        "| regime | dtype | order | " + " | ".join(f"W={w}" for w in workers) + " |",
+        "|" + "---|" * (3 + len(workers)),
+        "| | | | " + " | ".join("rel err / bias / elem err" for _ in workers) + " |",
+    ]
     for regime in REGIMES:
         for dname in DTYPES:
             for order in ORDERS:
                 cells = [r for r in rows if r["regime"] == regime and r["dtype"] == dname and r["order"] == order]
                 if cells:
-                    lines.append(f"| {regime} | {dname} | {order} | " + " | ".join(
-                        f"{r['rel_error']:.1e} / {r['bias']:+.1e} / {r['elem_error']:.1e}"
-                        + (f" ({100 * r['zeroed']:.0f}% zeroed)" if r["zeroed"] > 0.005 else "") for r in cells) + " |")
+                    lines.append(
+                        f"| {regime} | {dname} | {order} | "
+                        + " | ".join(
+                            f"{r['rel_error']:.1e} / {r['bias']:+.1e} / {r['elem_error']:.1e}"
+                            + (f" ({100 * r['zeroed']:.0f}% zeroed)" if r["zeroed"] > 0.005 else "")
+                            for r in cells
+                        )
+                        + " |"
+                    )
     return "\n".join(lines)
 
 
@@ -147,8 +164,15 @@ def plot(rows: list[dict], path: Path) -> None:
             for order, color in zip(ORDERS, ("C0", "C1", "C2", "C3")):
                 cells = [r for r in rows if r["regime"] == regime and r["dtype"] == dname and r["order"] == order]
                 if cells:
-                    ax.plot([r["workers"] for r in cells], [r["rel_error"] for r in cells], style, color=color,
-                            marker="o", ms=3, label=f"{dname} {order}")
+                    ax.plot(
+                        [r["workers"] for r in cells],
+                        [r["rel_error"] for r in cells],
+                        style,
+                        color=color,
+                        marker="o",
+                        ms=3,
+                        label=f"{dname} {order}",
+                    )
         ax.axhline(0.1, color="grey", lw=0.5)
         ax.set(xscale="log", yscale="log", xlabel="workers W", title=f"{regime} gradients: relative error of the sum")
     axes[0].set_ylabel("||sum - exact|| / ||exact||")
@@ -159,13 +183,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def _train_worker(rank: int, world: int, steps: int, dtype: str) -> dict:
-    cfg = TrainConfig.flat(preset="tiny", steps=steps, batch_size=16, grad_reduce_dtype=dtype, eval_windows=64,
-                           progress=False, log_every=0)
+    cfg = TrainConfig.flat(
+        preset="tiny", steps=steps, batch_size=16, grad_reduce_dtype=dtype, eval_windows=64, progress=False, log_every=0
+    )
     res = train(cfg)
     diffs = [h.get("grad_reduce_rel_diff", 0.0) for h in res.history]
-    return {"val_loss": res.final_eval["teacher_forced_loss"], "grad_reduce_rel_diff": float(np.mean(diffs)) if diffs else 0.0,
-            "train_loss_last50": float(np.mean([h["loss"] for h in res.history[-50:]])) if res.history else None,
-            "config": dataclasses.asdict(cfg)}
+    return {
+        "val_loss": res.final_eval["teacher_forced_loss"],
+        "grad_reduce_rel_diff": float(np.mean(diffs)) if diffs else 0.0,
+        "train_loss_last50": float(np.mean([h["loss"] for h in res.history[-50:]])) if res.history else None,
+        "config": dataclasses.asdict(cfg),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -175,7 +203,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--no-train", action="store_true", help="skip the training comparison")
-    p.add_argument("--json", type=Path, help="results JSON (default: experiments/results/reduction_bias-DATE.json); figure next to it")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="results JSON (default: experiments/results/reduction_bias-DATE.json); figure next to it",
+    )
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     rows = measure(args.workers, args.elements, args.trials)
@@ -183,10 +215,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(md)
     first = next((r for r in sorted(rows, key=lambda r: r["workers"]) if r["rel_error"] >= 0.1), None)
     if first:
-        print(f"first order-of-magnitude error: {first['regime']} gradients, {first['dtype']} {first['order']} at W={first['workers']} "
-              f"(rel error {first['rel_error']:.2f}, bias {first['bias']:+.3f})")
-    result = {"date": date.today().isoformat(), "elements": args.elements, "trials": args.trials, "rows": rows,
-              "first_order_of_magnitude_error": first, "measure_s": time.perf_counter() - t0}
+        print(
+            f"first order-of-magnitude error: {first['regime']} gradients, {first['dtype']} {first['order']} at W={first['workers']} "
+            f"(rel error {first['rel_error']:.2f}, bias {first['bias']:+.3f})"
+        )
+    result = {
+        "date": date.today().isoformat(),
+        "elements": args.elements,
+        "trials": args.trials,
+        "rows": rows,
+        "first_order_of_magnitude_error": first,
+        "measure_s": time.perf_counter() - t0,
+    }
     if not args.no_train:
         training = {}
         for dtype in ("fp32", "bf16"):

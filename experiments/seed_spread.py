@@ -28,14 +28,24 @@ from moe.training import TrainConfig, train
 
 
 def table(rows: list[dict]) -> str:
-    return "\n".join(["| steps | seeds | val ppl per seed | spread % | sd % | wall s |", "|---|---|---|---|---|---|"] + [
-        f"| {r['steps']} | {len(r['seeds'])} | {', '.join(f'{v:.3f}' for v in r['val_ppl'])} | {r['spread_pct']:.2f} | "
-        f"{r['sd_pct']:.2f} | {r['wall_s']:.0f} |" for r in rows])
+    return "\n".join(
+        ["| steps | seeds | val ppl per seed | spread % | sd % | wall s |", "|---|---|---|---|---|---|"]
+        + [
+            f"| {r['steps']} | {len(r['seeds'])} | {', '.join(f'{v:.3f}' for v in r['val_ppl'])} | {r['spread_pct']:.2f} | "
+            f"{r['sd_pct']:.2f} | {r['wall_s']:.0f} |"
+            for r in rows
+        ]
+    )
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> dict:
-    result = {"date": date.today().isoformat(), "preset": args.preset, "batch_size": args.batch_size,
-              "seq_len": args.seq_len, "rows": rows}
+    result = {
+        "date": date.today().isoformat(),
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "rows": rows,
+    }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
@@ -61,18 +71,36 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         losses = []
         for seed in args.seeds:
-            cfg = TrainConfig.flat(preset=args.preset, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                                   seed=seed, warmup_steps=min(30, steps // 10), eval_windows=args.eval_windows,
-                                   log_every=0, progress=False, wandb_mode="disabled")
+            cfg = TrainConfig.flat(
+                preset=args.preset,
+                steps=steps,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
+                seed=seed,
+                warmup_steps=min(30, steps // 10),
+                eval_windows=args.eval_windows,
+                log_every=0,
+                progress=False,
+                wandb_mode="disabled",
+            )
             losses.append(train(cfg, corpus).final_eval["teacher_forced_loss"])
         ppl = [math.exp(v) for v in losses]
-        row = {"steps": steps, "seeds": args.seeds, "val_loss": losses, "val_ppl": ppl,
-               "spread_pct": 100 * (max(ppl) / min(ppl) - 1),
-               "sd_pct": 100 * statistics.stdev(ppl) / statistics.mean(ppl), "wall_s": time.perf_counter() - t0,
-               "config": dataclasses.asdict(cfg)}  # the last seed's; the others differ only in seed
+        row = {
+            "steps": steps,
+            "seeds": args.seeds,
+            "val_loss": losses,
+            "val_ppl": ppl,
+            "spread_pct": 100 * (max(ppl) / min(ppl) - 1),
+            "sd_pct": 100 * statistics.stdev(ppl) / statistics.mean(ppl),
+            "wall_s": time.perf_counter() - t0,
+            "config": dataclasses.asdict(cfg),
+        }  # the last seed's; the others differ only in seed
         rows.append(row)
-        print(f"{steps:6d} steps: ppl {', '.join(f'{v:.3f}' for v in ppl)}; spread {row['spread_pct']:.2f}%, "
-              f"sd {row['sd_pct']:.2f}% ({row['wall_s']:.0f}s)", flush=True)
+        print(
+            f"{steps:6d} steps: ppl {', '.join(f'{v:.3f}' for v in ppl)}; spread {row['spread_pct']:.2f}%, "
+            f"sd {row['sd_pct']:.2f}% ({row['wall_s']:.0f}s)",
+            flush=True,
+        )
         result = write(rows, args)  # after every length: a long run keeps what it measured
     print(table(rows))
     return result

@@ -24,9 +24,22 @@ from kernels.metadata import RoutingMeta
 
 
 def _gather_kernel(
-    src_ptr, idx_ptr, out_ptr, scale_ptr, dot_ptr, dot_out_ptr, dot_dst_ptr,
-    P, D, stride_src, stride_out, stride_dot,
-    SCALE: tl.constexpr, DOT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+    src_ptr,
+    idx_ptr,
+    out_ptr,
+    scale_ptr,
+    dot_ptr,
+    dot_out_ptr,
+    dot_dst_ptr,
+    P,
+    D,
+    stride_src,
+    stride_out,
+    stride_dot,
+    SCALE: tl.constexpr,
+    DOT: tl.constexpr,
+    BR: tl.constexpr,
+    BD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = pid * BR + tl.arange(0, BR)
@@ -52,8 +65,19 @@ def _gather_kernel(
 
 
 def _combine_kernel(
-    rows_ptr, w_ptr, pos_ptr, out_ptr, N, E, D, stride_rows, stride_out,
-    WEIGHTED: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, BD: tl.constexpr,
+    rows_ptr,
+    w_ptr,
+    pos_ptr,
+    out_ptr,
+    N,
+    E,
+    D,
+    stride_rows,
+    stride_out,
+    WEIGHTED: tl.constexpr,
+    BT: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BD: tl.constexpr,
 ):
     n = tl.program_id(0) * BT + tl.arange(0, BT)
     nm = n < N
@@ -111,10 +135,22 @@ def gather_rows_kernel(
         return out, dots
     br, bd = _row_blocks(d, dev)
     _gather[(triton.cdiv(p, br),), dev](
-        src_MD, idx_P, out, scale_P if scale_P is not None else out, dot_with_PD,
-        dots if want_dot else out, dot_dst_P if want_dot else idx_P,
-        p, d, src_MD.stride(0), out.stride(0), dot_with_PD.stride(0),
-        SCALE=scale_P is not None, DOT=want_dot, BR=br, BD=bd,
+        src_MD,
+        idx_P,
+        out,
+        scale_P if scale_P is not None else out,
+        dot_with_PD,
+        dots if want_dot else out,
+        dot_dst_P if want_dot else idx_P,
+        p,
+        d,
+        src_MD.stride(0),
+        out.stride(0),
+        dot_with_PD.stride(0),
+        SCALE=scale_P is not None,
+        DOT=want_dot,
+        BR=br,
+        BD=bd,
     )
     return out, dots
 
@@ -130,8 +166,19 @@ def combine_kernel(rows_PD: Tensor, weight_P: Tensor | None, pos_NE: Tensor, out
         return out
     bt, bd = _row_blocks(d, dev)
     _combine[(triton.cdiv(n, bt), triton.cdiv(d, bd)), dev](
-        rows_PD, weight_P if weight_P is not None else rows_PD, pos_NE, out, n, e, d, rows_PD.stride(0), out.stride(0),
-        WEIGHTED=weight_P is not None, BT=bt, BLOCK_E=max(2, next_pow2(e)), BD=bd,
+        rows_PD,
+        weight_P if weight_P is not None else rows_PD,
+        pos_NE,
+        out,
+        n,
+        e,
+        d,
+        rows_PD.stride(0),
+        out.stride(0),
+        WEIGHTED=weight_P is not None,
+        BT=bt,
+        BLOCK_E=max(2, next_pow2(e)),
+        BD=bd,
     )
     return out
 
@@ -161,8 +208,12 @@ class _Combine(torch.autograd.Function):
         meta = ctx.meta
         want_w = ctx.needs_input_grad[1]
         grad_rows, grad_w = gather_rows_kernel(
-            grad_ND, meta.token_P, weight_P,
-            dot_with_PD=rows_PD if want_w else None, dot_dst_P=meta.perm_P, dot_size=meta.num_assignments,
+            grad_ND,
+            meta.token_P,
+            weight_P,
+            dot_with_PD=rows_PD if want_w else None,
+            dot_dst_P=meta.perm_P,
+            dot_size=meta.num_assignments,
         )
         return grad_rows, grad_w, None
 
@@ -191,5 +242,7 @@ def combine_reference(rows_PD: Tensor, weight_A: Tensor, perm_P: Tensor, token_P
     """y = M @ rows with the dense [N, P] matrix M[token_P[p], p] = weight_A[perm_P[p]]."""
     p = rows_PD.shape[0]
     m_NP = rows_PD.new_zeros(num_tokens, p)
-    m_NP = m_NP.index_put((token_P.long(), torch.arange(p, device=rows_PD.device)), weight_A[perm_P.long()].to(rows_PD.dtype))
+    m_NP = m_NP.index_put(
+        (token_P.long(), torch.arange(p, device=rows_PD.device)), weight_A[perm_P.long()].to(rows_PD.dtype)
+    )
     return m_NP @ rows_PD

@@ -28,20 +28,46 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import Kernel, check_same_device, interpreting, matmul_blocks, next_pow2
 from kernels.dispatch_combine import combine_kernel
+from kernels.launch import Kernel, check_same_device, interpreting, matmul_blocks, next_pow2
 from kernels.metadata import RoutingMeta
 
 LINEAR, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
 
 def _gmm_kernel(
-    x_ptr, x2_ptr, w_ptr, w2_ptr, gather_ptr, scatter_ptr,
-    y_ptr, y2_ptr, y3_ptr, gate_ptr, up_ptr, counts_ptr, offsets_ptr,
-    M, K, E,
-    stride_xm, stride_xk, stride_we, stride_wk, stride_wn, stride_ym, stride_yn,
-    GATHER: tl.constexpr, SCATTER: tl.constexpr, MODE: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
+    x_ptr,
+    x2_ptr,
+    w_ptr,
+    w2_ptr,
+    gather_ptr,
+    scatter_ptr,
+    y_ptr,
+    y2_ptr,
+    y3_ptr,
+    gate_ptr,
+    up_ptr,
+    counts_ptr,
+    offsets_ptr,
+    M,
+    K,
+    E,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    stride_ym,
+    stride_yn,
+    GATHER: tl.constexpr,
+    SCATTER: tl.constexpr,
+    MODE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     # Column tiles vary fastest: the programs in flight share a row tile (read from HBM once)
     # and one expert's weights (reused from L2 across that expert's row tiles).
@@ -118,11 +144,32 @@ def _gmm_kernel(
 
 
 def _wgrad_kernel(
-    x_ptr, dy_ptr, dy2_ptr, gather_ptr, dy_gather_ptr, dw_ptr, dw2_ptr, counts_ptr, offsets_ptr,
-    K, M,
-    stride_xm, stride_xk, stride_dym, stride_dyn, stride_we, stride_wk, stride_wn,
-    GATHER: tl.constexpr, DY_GATHER: tl.constexpr, TWO: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    x_ptr,
+    dy_ptr,
+    dy2_ptr,
+    gather_ptr,
+    dy_gather_ptr,
+    dw_ptr,
+    dw2_ptr,
+    counts_ptr,
+    offsets_ptr,
+    K,
+    M,
+    stride_xm,
+    stride_xk,
+    stride_dym,
+    stride_dyn,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    GATHER: tl.constexpr,
+    DY_GATHER: tl.constexpr,
+    TWO: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     # Tiles of one expert are consecutive: the programs in flight read the same expert's rows,
     # which then come from L2 for every tile after the first.
@@ -150,7 +197,9 @@ def _wgrad_kernel(
             dy_rows = tl.load(dy_gather_ptr + rows, mask=rm, other=0).to(tl.int64)
         else:
             dy_rows = rows.to(tl.int64)
-        xt = tl.load(x_ptr + x_rows[None, :] * stride_xm + kr[:, None] * stride_xk, mask=krm[:, None] & rm[None, :], other=0.0)
+        xt = tl.load(
+            x_ptr + x_rows[None, :] * stride_xm + kr[:, None] * stride_xk, mask=krm[:, None] & rm[None, :], other=0.0
+        )
         dy_off = dy_rows[:, None] * stride_dym + cols[None, :] * stride_dyn
         dy = tl.load(dy_ptr + dy_off, mask=rm[:, None] & cm[None, :], other=0.0)
         if DOT_FP32:
@@ -213,7 +262,9 @@ def gmm(
         w2_EKM = w2_EKM.contiguous()
         w_EKM = w_EKM.contiguous()
     rows_out = p if out_rows is None else out_rows
-    outs = [torch.empty(rows_out, m, dtype=x.dtype, device=dev) for _ in range(3 if mode in (SWIGLU, SWIGLU_BWD) else 1)]
+    outs = [
+        torch.empty(rows_out, m, dtype=x.dtype, device=dev) for _ in range(3 if mode in (SWIGLU, SWIGLU_BWD) else 1)
+    ]
     if scatter is not None and rows_out != p:
         outs[0].zero_()
     if p == 0 or m == 0:
@@ -225,14 +276,39 @@ def gmm(
         gate_PM, up_PM = gate_PM.contiguous(), up_PM.contiguous()
     extra = {} if interpreting(dev) else {"num_warps": blk.num_warps, "num_stages": blk.num_stages}
     _gmm[grid, dev](
-        x, x2 if x2 is not None else x, w_EKM, w2_EKM if w2_EKM is not None else w_EKM,
-        gather if gather is not None else meta.counts_E, scatter if scatter is not None else meta.counts_E,
-        y, outs[1] if len(outs) > 1 else y, outs[2] if len(outs) > 2 else y,
-        gate_PM if gate_PM is not None else y, up_PM if up_PM is not None else y,
-        meta.counts_E, meta.offsets_E, m, k, e,
-        x.stride(0), x.stride(1), w_EKM.stride(0), w_EKM.stride(1), w_EKM.stride(2), y.stride(0), y.stride(1),
-        GATHER=gather is not None, SCATTER=scatter is not None, MODE=mode, DOT_FP32=interpreting(dev),
-        PRECISION=_precision(x.dtype), BM=blk.bm, BN=blk.bn, BK=blk.bk, BLOCK_E=max(2, next_pow2(e)), **extra,
+        x,
+        x2 if x2 is not None else x,
+        w_EKM,
+        w2_EKM if w2_EKM is not None else w_EKM,
+        gather if gather is not None else meta.counts_E,
+        scatter if scatter is not None else meta.counts_E,
+        y,
+        outs[1] if len(outs) > 1 else y,
+        outs[2] if len(outs) > 2 else y,
+        gate_PM if gate_PM is not None else y,
+        up_PM if up_PM is not None else y,
+        meta.counts_E,
+        meta.offsets_E,
+        m,
+        k,
+        e,
+        x.stride(0),
+        x.stride(1),
+        w_EKM.stride(0),
+        w_EKM.stride(1),
+        w_EKM.stride(2),
+        y.stride(0),
+        y.stride(1),
+        GATHER=gather is not None,
+        SCATTER=scatter is not None,
+        MODE=mode,
+        DOT_FP32=interpreting(dev),
+        PRECISION=_precision(x.dtype),
+        BM=blk.bm,
+        BN=blk.bn,
+        BK=blk.bk,
+        BLOCK_E=max(2, next_pow2(e)),
+        **extra,
     )
     return tuple(outs)
 
@@ -264,24 +340,50 @@ def wgrad(
     dw = outs[0]
     extra = {} if interpreting(dev) else {"num_warps": blk.num_warps, "num_stages": blk.num_stages}
     _wgrad[(e * triton.cdiv(k, blk.bm) * triton.cdiv(m, blk.bn),), dev](
-        x, dy_PM, dy2_PM if dy2_PM is not None else dy_PM,
-        gather if gather is not None else meta.counts_E, dy_gather if dy_gather is not None else meta.counts_E,
-        dw, outs[-1], meta.counts_E, meta.offsets_E, k, m,
-        x.stride(0), x.stride(1), dy_PM.stride(0), dy_PM.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-        GATHER=gather is not None, DY_GATHER=dy_gather is not None, TWO=dy2_PM is not None,
-        DOT_FP32=interpreting(dev), PRECISION=_precision(x.dtype), BM=blk.bm, BN=blk.bn, BK=blk.bk, **extra,
+        x,
+        dy_PM,
+        dy2_PM if dy2_PM is not None else dy_PM,
+        gather if gather is not None else meta.counts_E,
+        dy_gather if dy_gather is not None else meta.counts_E,
+        dw,
+        outs[-1],
+        meta.counts_E,
+        meta.offsets_E,
+        k,
+        m,
+        x.stride(0),
+        x.stride(1),
+        dy_PM.stride(0),
+        dy_PM.stride(1),
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+        GATHER=gather is not None,
+        DY_GATHER=dy_gather is not None,
+        TWO=dy2_PM is not None,
+        DOT_FP32=interpreting(dev),
+        PRECISION=_precision(x.dtype),
+        BM=blk.bm,
+        BN=blk.bn,
+        BK=blk.bk,
+        **extra,
     )
     return tuple(outs)
 
 
 class _GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w_EKM: Tensor, meta: RoutingMeta, gather_tokens: bool, scatter_assignments: bool) -> Tensor:
+    def forward(
+        ctx, x: Tensor, w_EKM: Tensor, meta: RoutingMeta, gather_tokens: bool, scatter_assignments: bool
+    ) -> Tensor:
         ctx.save_for_backward(x, w_EKM)
         ctx.meta, ctx.gather_tokens, ctx.scatter_assignments = meta, gather_tokens, scatter_assignments
         return gmm(
-            x, w_EKM, meta,
-            gather=meta.token_P if gather_tokens else None, scatter=meta.perm_P if scatter_assignments else None,
+            x,
+            w_EKM,
+            meta,
+            gather=meta.token_P if gather_tokens else None,
+            scatter=meta.perm_P if scatter_assignments else None,
         )[0]
 
     @staticmethod

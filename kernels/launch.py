@@ -22,8 +22,8 @@ import would have done). Do not set ``TRITON_INTERPRET=1`` in a process that lau
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor

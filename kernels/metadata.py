@@ -86,8 +86,17 @@ def _prefix_kernel(hist_ptr, base_ptr, counts_ptr, offsets_ptr, NB, E, CHUNK: tl
 
 
 def _scatter_kernel(
-    expert_ptr, token_ptr, base_ptr, offsets_ptr, perm_ptr, token_sorted_ptr, pos_ptr,
-    A, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+    expert_ptr,
+    token_ptr,
+    base_ptr,
+    offsets_ptr,
+    perm_ptr,
+    token_sorted_ptr,
+    pos_ptr,
+    A,
+    E,
+    BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -163,7 +172,9 @@ def routing_metadata(
 def _check_valid(token_A: Tensor, expert_A: Tensor, pos_NE: Tensor, num_tokens: int, num_experts: int) -> None:
     if token_A.numel() == 0:
         return
-    in_range = (token_A.min() >= 0) & (token_A.max() < num_tokens) & (expert_A.min() >= 0) & (expert_A.max() < num_experts)
+    in_range = (
+        (token_A.min() >= 0) & (token_A.max() < num_tokens) & (expert_A.min() >= 0) & (expert_A.max() < num_experts)
+    )
     distinct = (pos_NE >= 0).sum() == token_A.numel()
     msg = (
         f"assignments must have tokens in [0, {num_tokens}), experts in [0, {num_experts}) "
@@ -182,7 +193,13 @@ def routing_metadata_reference(token_A: Tensor, expert_A: Tensor, num_tokens: in
     offsets_E = torch.zeros(num_experts + 1, dtype=torch.int64, device=token_A.device)
     offsets_E[1:] = torch.cumsum(counts_E, 0)
     pos_NE = torch.full((num_tokens, num_experts), -1, dtype=torch.int32, device=token_A.device)
-    pos_NE[token_A[order_A], expert_A[order_A]] = torch.arange(order_A.numel(), dtype=torch.int32, device=token_A.device)
+    pos_NE[token_A[order_A], expert_A[order_A]] = torch.arange(
+        order_A.numel(), dtype=torch.int32, device=token_A.device
+    )
     return RoutingMeta(
-        perm_P=order_A.int(), token_P=token_A[order_A].int(), counts_E=counts_E.int(), offsets_E=offsets_E.int(), pos_NE=pos_NE
+        perm_P=order_A.int(),
+        token_P=token_A[order_A].int(),
+        counts_E=counts_E.int(),
+        offsets_E=offsets_E.int(),
+        pos_NE=pos_NE,
     )

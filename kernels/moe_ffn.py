@@ -47,10 +47,16 @@ class _MoEFFN(torch.autograd.Function):
         meta = ctx.meta
         need_x, need_w, need_gate, need_up, need_down, _ = ctx.needs_input_grad
         drows_PD, dweight_A = gather_rows_kernel(
-            dy_ND.to(x_ND.dtype), meta.token_P, weight_P,
-            dot_with_PD=rows_PD if need_w else None, dot_dst_P=meta.perm_P, dot_size=meta.num_assignments,
+            dy_ND.to(x_ND.dtype),
+            meta.token_P,
+            weight_P,
+            dot_with_PD=rows_PD if need_w else None,
+            dot_dst_P=meta.perm_P,
+            dot_size=meta.num_assignments,
         )
-        dgate_PF, dup_PF, h_PF = gmm(drows_PD, w_down.transpose(1, 2), meta, mode=SWIGLU_BWD, gate_PM=gate_PF, up_PM=up_PF)
+        dgate_PF, dup_PF, h_PF = gmm(
+            drows_PD, w_down.transpose(1, 2), meta, mode=SWIGLU_BWD, gate_PM=gate_PF, up_PM=up_PF
+        )
         dx = dw_gate = dw_up = dw_down = None
         if need_down:
             (dw_down,) = wgrad(h_PF, drows_PD, meta, out_dtype=w_down.dtype)
@@ -87,7 +93,9 @@ def moe_ffn_triton(
         x_ND, w_gate_EDF, w_up_EDF, w_down_EFD = (t.to(dtype) for t in (x_ND, w_gate_EDF, w_up_EDF, w_down_EFD))
     dtypes = {t.dtype for t in (x_ND, w_gate_EDF, w_up_EDF, w_down_EFD)}
     if len(dtypes) > 1:
-        raise ValueError(f"x and the expert weights must share one dtype (or run under autocast), got {sorted(map(str, dtypes))}")
+        raise ValueError(
+            f"x and the expert weights must share one dtype (or run under autocast), got {sorted(map(str, dtypes))}"
+        )
     n, e = x_ND.shape[0], w_gate_EDF.shape[0]
     if token_A.numel() == 0:
         return x_ND.new_zeros(n, w_down_EFD.shape[-1])
@@ -100,7 +108,9 @@ def check_ffn_shapes(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_
     if x_ND.dim() != 2:
         raise ValueError(f"x_ND must be [N, D], got {tuple(x_ND.shape)}")
     if w_gate_EDF.dim() != 3 or w_gate_EDF.shape != w_up_EDF.shape:
-        raise ValueError(f"w_gate_EDF and w_up_EDF must both be [E, D, F], got {tuple(w_gate_EDF.shape)} and {tuple(w_up_EDF.shape)}")
+        raise ValueError(
+            f"w_gate_EDF and w_up_EDF must both be [E, D, F], got {tuple(w_gate_EDF.shape)} and {tuple(w_up_EDF.shape)}"
+        )
     e, d, f = w_gate_EDF.shape
     if x_ND.shape[1] != d:
         raise ValueError(f"x_ND has width {x_ND.shape[1]} but the experts expect D={d}")

@@ -71,7 +71,9 @@ def gather_rows(x_ND: Tensor, token_A: Tensor, slot_A: Tensor, num_slots: int) -
     return _GatherRows.apply(x_ND, token_A, slot_A, num_slots)
 
 
-def grouped_swiglu(x_AD: Tensor, counts_E: list[int], w_gate_EDF: Tensor, w_up_EDF: Tensor, w_down_EFD: Tensor) -> Tensor:
+def grouped_swiglu(
+    x_AD: Tensor, counts_E: list[int], w_gate_EDF: Tensor, w_up_EDF: Tensor, w_down_EFD: Tensor
+) -> Tensor:
     """Rows already sorted by expert; expert e's contiguous slice goes through its SwiGLU."""
     outs = []
     # unbind, not w[e]: each w[e]'s backward would materialise a zero [E, D, F] gradient
@@ -126,8 +128,6 @@ def _sorted_moe_ffn(
     return scatter_sum(weighted_AD, token_sorted_A, slot_A, num_slots, n)
 
 
-
-
 def _sorted_layout(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_experts: int):
     """(order_A, counts_E as a list, token_sorted_A, slot_A, S) of the sorted path."""
     order_A, counts_E = sort_by_expert(expert_A, num_experts)
@@ -138,7 +138,12 @@ def _sorted_layout(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_exper
 
 @torch.library.custom_op("moe_kernels::moe_ffn", mutates_args=())
 def _moe_ffn_op(
-    x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, w_gate_EDF: Tensor, w_up_EDF: Tensor,
+    x_ND: Tensor,
+    token_A: Tensor,
+    expert_A: Tensor,
+    weight_A: Tensor,
+    w_gate_EDF: Tensor,
+    w_up_EDF: Tensor,
     w_down_EFD: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y_ND, gate_AF, up_AF, rows_AD) of the sorted path, rows in expert order (module docstring)."""
@@ -156,14 +161,27 @@ def _moe_ffn_op(
 @_moe_ffn_op.register_fake
 def _moe_ffn_fake(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD):
     a, f = token_A.shape[0], w_gate_EDF.shape[-1]
-    return (x_ND.new_empty(x_ND.shape[0], w_down_EFD.shape[-1]), x_ND.new_empty(a, f), x_ND.new_empty(a, f),
-            x_ND.new_empty(a, w_down_EFD.shape[-1]))
+    return (
+        x_ND.new_empty(x_ND.shape[0], w_down_EFD.shape[-1]),
+        x_ND.new_empty(a, f),
+        x_ND.new_empty(a, f),
+        x_ND.new_empty(a, w_down_EFD.shape[-1]),
+    )
 
 
 @torch.library.custom_op("moe_kernels::moe_ffn_backward", mutates_args=())
 def _moe_ffn_backward_op(
-    grad_ND: Tensor, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, w_gate_EDF: Tensor,
-    w_up_EDF: Tensor, w_down_EFD: Tensor, gate_AF: Tensor, up_AF: Tensor, rows_AD: Tensor,
+    grad_ND: Tensor,
+    x_ND: Tensor,
+    token_A: Tensor,
+    expert_A: Tensor,
+    weight_A: Tensor,
+    w_gate_EDF: Tensor,
+    w_up_EDF: Tensor,
+    w_down_EFD: Tensor,
+    gate_AF: Tensor,
+    up_AF: Tensor,
+    rows_AD: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of y w.r.t. (x, weight, w_gate, w_up, w_down), the SwiGLU backward per expert
     slice, the gradient of x summed per token in slot order as the eager path does."""
@@ -178,8 +196,15 @@ def _moe_ffn_backward_op(
     h_AF = gate_AF * sig_AF * up_AF
     grads = {"x": [], "gate": [], "up": [], "down": []}
     for x_e, g_e, u_e, s_e, h_e, dr_e, wg, wu, wd in zip(
-        x_AD.split(counts), gate_AF.split(counts), up_AF.split(counts), sig_AF.split(counts), h_AF.split(counts),
-        grad_rows_AD.split(counts), w_gate_EDF.unbind(0), w_up_EDF.unbind(0), w_down_EFD.unbind(0),
+        x_AD.split(counts),
+        gate_AF.split(counts),
+        up_AF.split(counts),
+        sig_AF.split(counts),
+        h_AF.split(counts),
+        grad_rows_AD.split(counts),
+        w_gate_EDF.unbind(0),
+        w_up_EDF.unbind(0),
+        w_down_EFD.unbind(0),
     ):
         dh_e = dr_e @ wd.T
         dgate_e = dh_e * u_e * (s_e * (1 + g_e * (1 - s_e)))
@@ -189,13 +214,13 @@ def _moe_ffn_backward_op(
         grads["up"].append(x_e.T @ dup_e)
         grads["x"].append(dgate_e @ wg.T + dup_e @ wu.T)
     grad_x_ND = scatter_sum(torch.cat(grads["x"]), token_sorted_A, slot_A, num_slots, n)
-    return (grad_x_ND, grad_weight_A, torch.stack(grads["gate"]), torch.stack(grads["up"]),
-            torch.stack(grads["down"]))
+    return (grad_x_ND, grad_weight_A, torch.stack(grads["gate"]), torch.stack(grads["up"]), torch.stack(grads["down"]))
 
 
 @_moe_ffn_backward_op.register_fake
-def _moe_ffn_backward_fake(grad_ND, x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF,
-                           up_AF, rows_AD):
+def _moe_ffn_backward_fake(
+    grad_ND, x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF, up_AF, rows_AD
+):
     return tuple(torch.empty_like(t) for t in (x_ND, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD))
 
 
@@ -206,7 +231,16 @@ def _save_for_backward(ctx, inputs, output):
 def _moe_ffn_op_backward(ctx, grad_ND, _grad_gate, _grad_up, _grad_rows):
     x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF, up_AF, rows_AD = ctx.saved_tensors
     dx, dweight, dgate, dup, ddown = torch.ops.moe_kernels.moe_ffn_backward(
-        grad_ND.contiguous(), x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF, up_AF,
+        grad_ND.contiguous(),
+        x_ND,
+        token_A,
+        expert_A,
+        weight_A,
+        w_gate_EDF,
+        w_up_EDF,
+        w_down_EFD,
+        gate_AF,
+        up_AF,
         rows_AD,
     )
     return dx, None, None, dweight, dgate, dup, ddown

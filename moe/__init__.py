@@ -1,9 +1,9 @@
 """Causality-safe Mixture-of-Experts routing.
 
-    import moe
-    router = moe.build_router("capacity", d_model=512, num_experts=8, top_k=2, capacity_factor=1.0)
-    layer = moe.MoELayer(512, 1024, 8, router="topk", top_k=2)
-    y, routing = layer(x_BTD, return_routing=True)
+import moe
+router = moe.build_router("capacity", d_model=512, num_experts=8, top_k=2, capacity_factor=1.0)
+layer = moe.MoELayer(512, 1024, 8, router="topk", top_k=2)
+y, routing = layer(x_BTD, return_routing=True)
 """
 
 from moe.layer import MoELayer, update_routers

@@ -109,8 +109,11 @@ def evaluate(
         if causal and causal_method == "cache":
             causal_WP.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, causal_stride, seq_len, device))
         elif causal:
-            causal_WP.append(torch.cat([_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:]
-                                        for t in pos_P.tolist()], 1))
+            causal_WP.append(
+                torch.cat(
+                    [_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:] for t in pos_P.tolist()], 1
+                )
+            )
         if with_train_mode:
             model.train()
             train_WT.append(_nll(model, idx_BT, targets_BT, device))
@@ -143,8 +146,9 @@ def _nll(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, device: torch.dev
     return lm_loss(logits_BTV, targets_BT, reduction="none").double().cpu()
 
 
-def _decoded_nll(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, pos_P: Tensor, stride: int, seq_len: int,
-                 device: torch.device) -> Tensor:
+def _decoded_nll(
+    model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, pos_P: Tensor, stride: int, seq_len: int, device: torch.device
+) -> Tensor:
     """float64 [B, P]: chunks of k = ``stride`` new tokens through the cache, each ending at an
     evaluated position, the loss read at its last one."""
     cache = model.init_cache(idx_BT.shape[0], seq_len)
@@ -157,7 +161,7 @@ def _decoded_nll(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, pos_P: Te
 
 
 def _causal_method(model: nn.Module, requested: str) -> str:
-    """"cache" or "recompute" for ``requested`` "auto" or "cache" (ValueError when "cache" is
+    """ "cache" or "recompute" for ``requested`` "auto" or "cache" (ValueError when "cache" is
     impossible: the model has no KV cache or a router cannot decode in eval mode)."""
     support = getattr(model, "decode_support", None)
     reason = "the model has no KV cache" if support is None else support()

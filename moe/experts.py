@@ -55,7 +55,9 @@ class SwiGLUExperts(nn.Module):
         nn.init.normal_(self.w_up, std=1 / math.sqrt(self.d_model))
         nn.init.normal_(self.w_down, std=1 / math.sqrt(self.d_ff))
 
-    def forward(self, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, backend: str = "torch") -> Tensor:
+    def forward(
+        self, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, backend: str = "torch"
+    ) -> Tensor:
         fn = resolve_backend(backend, x_ND.device)
         return fn(x_ND, token_A, expert_A, weight_A, self.w_gate, self.w_up, self.w_down)
 
@@ -100,7 +102,9 @@ class FusedSwiGLUExperts(nn.Module):
     def w_down(self) -> Tensor:
         return self.down_proj.transpose(1, 2)
 
-    def forward(self, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, backend: str = "torch") -> Tensor:
+    def forward(
+        self, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, backend: str = "torch"
+    ) -> Tensor:
         fn = resolve_backend(backend, x_ND.device)
         return fn(x_ND, token_A, expert_A, weight_A, self.w_gate, self.w_up, self.w_down)
 

@@ -68,13 +68,15 @@ def check_token_ids(idx_BT: Tensor, max_seq_len: int | None = None, cache: KVCac
 def lm_loss(logits_BTV: Tensor, targets_BT: Tensor, reduction: str = "mean") -> Tensor:
     """Next-token cross-entropy in fp32 of logits [..., V] against targets [...] (already
     shifted): the mean, or with ``reduction="none"`` one loss per position (shape of the targets)."""
-    loss = F.cross_entropy(logits_BTV.float().reshape(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1),
-                           reduction=reduction)
+    loss = F.cross_entropy(
+        logits_BTV.float().reshape(-1, logits_BTV.shape[-1]), targets_BT.reshape(-1), reduction=reduction
+    )
     return loss.view(targets_BT.shape) if reduction == "none" else loss
 
 
-def empty_cache(n_layers: int, max_seq_len: int, blocks: dict[int, nn.Module], batch_size: int,
-                max_len: int | None, decode_support) -> KVCache:
+def empty_cache(
+    n_layers: int, max_seq_len: int, blocks: dict[int, nn.Module], batch_size: int, max_len: int | None, decode_support
+) -> KVCache:
     """An empty :class:`KVCache` for a model of ``n_layers`` blocks, with the router decode states
     of ``blocks`` (block index -> block with ``init_decode_state(B)``: all of them, or a pipeline
     stage's). ``max_len`` defaults to ``max_seq_len``; ValueError if it is out of range or if

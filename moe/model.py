@@ -72,7 +72,9 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
         if (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"head width d_model/n_heads={self.d_model // self.n_heads} must be even for rotary positions")
+            raise ValueError(
+                f"head width d_model/n_heads={self.d_model // self.n_heads} must be even for rotary positions"
+            )
         if not isinstance(self.moe_every, int) or self.moe_every < 0:
             raise ValueError(f"moe_every must be an integer >= 0, got {self.moe_every!r}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
@@ -93,8 +95,14 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(d_model=256, n_layers=4, n_heads=8, d_ff=512, moe_d_ff=512, num_experts=8, max_seq_len=512),
     # About 100M parameters (about 36M active with top-2): a GPU preset.
     "gpu100m": ModelConfig(
-        d_model=768, n_layers=6, n_heads=12, d_ff=2048, moe_d_ff=768, num_experts=8,
-        max_seq_len=1024, router_options={"top_k": 2},
+        d_model=768,
+        n_layers=6,
+        n_heads=12,
+        d_ff=2048,
+        moe_d_ff=768,
+        num_experts=8,
+        max_seq_len=1024,
+        router_options={"top_k": 2},
     ),
 }
 
@@ -189,8 +197,13 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if use_moe:
             self.ffn = MoELayer(
-                cfg.d_model, cfg.moe_d_ff, cfg.num_experts, router=cfg.router, backend=cfg.backend,
-                expert_parallel=expert_parallel, **cfg.router_options,
+                cfg.d_model,
+                cfg.moe_d_ff,
+                cfg.num_experts,
+                router=cfg.router,
+                backend=cfg.backend,
+                expert_parallel=expert_parallel,
+                **cfg.router_options,
             )
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
@@ -320,8 +333,14 @@ class MoETransformer(nn.Module):
     def init_cache(self, batch_size: int, max_len: int | None = None) -> KVCache:
         """An empty cache for ``batch_size`` sequences of at most ``max_len`` (default
         ``max_seq_len``) positions; ValueError if a router cannot decode in the current mode."""
-        return empty_cache(self.cfg.n_layers, self.cfg.max_seq_len, dict(enumerate(self.blocks)), batch_size, max_len,
-                           self.decode_support)
+        return empty_cache(
+            self.cfg.n_layers,
+            self.cfg.max_seq_len,
+            dict(enumerate(self.blocks)),
+            batch_size,
+            max_len,
+            self.decode_support,
+        )
 
     @torch.no_grad()
     def generate(
@@ -358,8 +377,9 @@ class MoETransformer(nn.Module):
                 f"expected int64 token ids of shape [B, T] or a list of 1-D prompts, got shape {tuple(idx.shape)}"
             )
         prompts = list(idx)
-        if not prompts or any(not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype != torch.long
-                              for p in prompts):
+        if not prompts or any(
+            not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype != torch.long for p in prompts
+        ):
             raise ValueError("idx must be int64 [B, T] token ids or a list of non-empty 1-D int64 prompts")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
@@ -377,8 +397,10 @@ class MoETransformer(nn.Module):
             if not recompute:
                 reason = self.decode_support()
                 if reason is not None:
-                    raise ValueError(f"cannot decode with a KV cache: {reason}. Pass recompute=True to reroute "
-                                     "the whole prefix at every step (slow; what this router needs at inference)")
+                    raise ValueError(
+                        f"cannot decode with a KV cache: {reason}. Pass recompute=True to reroute "
+                        "the whole prefix at every step (slow; what this router needs at inference)"
+                    )
             device = self.embed.weight.device
             seq_BS = torch.zeros(b, total, dtype=torch.long, device=device)
             forced_BS = torch.zeros(b, total, dtype=torch.bool, device=device)
@@ -396,7 +418,9 @@ class MoETransformer(nn.Module):
                     chunks_BTV.append(self(step_BT, cache=cache).logits[:, -1:].float())
         finally:
             self.train(was_training)
-        out = seq_BS if isinstance(idx, Tensor) else [seq_BS[row, : n + max_new_tokens] for row, n in enumerate(lengths)]
+        out = (
+            seq_BS if isinstance(idx, Tensor) else [seq_BS[row, : n + max_new_tokens] for row, n in enumerate(lengths)]
+        )
         return (out, torch.cat(chunks_BTV, 1)[:, : total - 1]) if return_logits else out
 
     def num_parameters(self, active: bool = False) -> int:

@@ -76,7 +76,9 @@ class Routing:
                 f"expert {tuple(self.expert.shape)}, weight {tuple(self.weight.shape)}"
             )
         if self.valid is not None and (self.valid.shape != a or self.valid.dtype != torch.bool):
-            raise ValueError(f"valid must be a bool tensor of shape {tuple(a)}, got {self.valid.dtype} {tuple(self.valid.shape)}")
+            raise ValueError(
+                f"valid must be a bool tensor of shape {tuple(a)}, got {self.valid.dtype} {tuple(self.valid.shape)}"
+            )
         if self.batch_shape is None:
             self.batch_shape = (1, self.num_tokens)
         elif self.batch_shape[0] * self.batch_shape[1] != self.num_tokens:
@@ -92,9 +94,7 @@ class Routing:
         if self.valid is None:
             return self
         keep = self.valid
-        return replace(
-            self, token=self.token[keep], expert=self.expert[keep], weight=self.weight[keep], valid=None
-        )
+        return replace(self, token=self.token[keep], expert=self.expert[keep], weight=self.weight[keep], valid=None)
 
     def dense(self) -> Tensor:
         """The [B, T, E] combine-weight matrix, zero where a token was not routed to an expert."""
@@ -213,10 +213,14 @@ class Router(nn.Module):
         c = self.claims
         mode = "training" if self.training else "eval"
         if not c.decode_consistent:
-            return (f"router {self.name!r} ({type(self).__name__}) is not decode-consistent: routing a prefix alone "
-                    "does not reproduce the full-sequence routing, so it cannot route new tokens from a decode state")
+            return (
+                f"router {self.name!r} ({type(self).__name__}) is not decode-consistent: routing a prefix alone "
+                "does not reproduce the full-sequence routing, so it cannot route new tokens from a decode state"
+            )
         if not self.causal:
-            return f"router {self.name!r} ({type(self).__name__}) is not causal in {mode} mode, so it cannot decode there"
+            return (
+                f"router {self.name!r} ({type(self).__name__}) is not causal in {mode} mode, so it cannot decode there"
+            )
         return None
 
     def init_decode_state(self, batch_size: int) -> DecodeState:
@@ -259,12 +263,16 @@ class Router(nn.Module):
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         raise NotImplementedError
 
-    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+    def route_decode(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
+    ) -> Routing:
         """Route the next T tokens of each sequence (positions ``state.position ...``); called
         only when :meth:`decode_support` allows it; ``forward`` advances the state. Every
         decode-consistent router implements it (a router whose routing of a token depends on
         that token alone can return :meth:`route`)."""
-        raise NotImplementedError(f"{type(self).__name__} claims to be decode-consistent but implements no route_decode")
+        raise NotImplementedError(
+            f"{type(self).__name__} claims to be decode-consistent but implements no route_decode"
+        )
 
     def update_after_step(self) -> None:
         """Apply state learned from past batches (balancing bias, thresholds). Call after each

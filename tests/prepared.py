@@ -11,8 +11,10 @@ import numpy as np
 from moe.data.__main__ import main as data_main
 from moe.data.shards import DTYPES, read_manifest
 
-WORDS = ("the quick brown fox jumps over a lazy dog while experts route tokens causally and "
-         "capacity drops späte wörter ünïcode ≤ ∑ 你好").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while experts route tokens causally and "
+    "capacity drops späte wörter ünïcode ≤ ∑ 你好"
+).split()
 
 
 def sentences(seed: int, lines: int) -> str:

@@ -108,7 +108,10 @@ POSITIVE = {
 NEGATIVE = {
     "dense_mlp": lambda s: (PositionwiseMLP(seed=s), example(s)),
     "dropless_topk": lambda s: (router("topk", s, top_k=2), example(s, 32)),
-    "capacity_position_sequence": lambda s: (router("capacity", s, priority="position", capacity_factor=1.0), example(s, 32)),
+    "capacity_position_sequence": lambda s: (
+        router("capacity", s, priority="position", capacity_factor=1.0),
+        example(s, 32),
+    ),
     "prefix_mean": lambda s: (PrefixMean(), example(s)),
     "batch_mixer": lambda s: (BatchMixer(seed=s), example(s)),
 }
@@ -294,7 +297,9 @@ def test_report_json_and_table():
     assert entry["name"] == "single" and entry["claimed_causal"] is None
     assert entry["leaks"] is True and entry["leaks_in"] == ["train", "eval"] and entry["batch_invariant"] is True
     names = {(p["name"], p["mode"]) for p in entry["probes"]}
-    assert names == {(n, m) for n in (*FUTURE_PROBES, "batch_interference", "decode_consistency") for m in ("train", "eval")}
+    assert names == {
+        (n, m) for n in (*FUTURE_PROBES, "batch_interference", "decode_consistency") for m in ("train", "eval")
+    }
     for p in entry["probes"]:
         assert set(p) >= {"name", "mode", "leaks", "max_abs_delta", "first_leaking_position"}
         if p["name"] in FUTURE_PROBES:

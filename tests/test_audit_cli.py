@@ -154,7 +154,20 @@ def test_causal_target_exits_0(target_file, capsys):
     # One summary: the verdict, batch / decode findings and how it was judged; no tables.
     assert out.startswith("causal: no leak found\n") and "judged: deterministic regime" in out, out
     assert "random_future" not in out and "max |delta|" not in out and "verdict" not in out, out
-    assert run("--target", f"{target_file}:causal", "--input", "float:4,16,8", "--modes", "eval", "--trials", "1", "--verbose") == 0
+    assert (
+        run(
+            "--target",
+            f"{target_file}:causal",
+            "--input",
+            "float:4,16,8",
+            "--modes",
+            "eval",
+            "--trials",
+            "1",
+            "--verbose",
+        )
+        == 0
+    )
     verbose = capsys.readouterr().out
     assert "random_future" in verbose and "max |delta|" in verbose, verbose
 
@@ -168,7 +181,9 @@ def test_factory_and_token_input(target_file, capsys):
 
 def test_leaky_target_exits_1_and_writes_json(target_file, tmp_path, capsys):
     out_json = tmp_path / "audit.json"
-    code = run("--target", f"{target_file}:leaky", "--input", "float:4,16,8", "--modes", "eval", "--json", str(out_json))
+    code = run(
+        "--target", f"{target_file}:leaky", "--input", "float:4,16,8", "--modes", "eval", "--json", str(out_json)
+    )
     assert code == 1
     out = capsys.readouterr().out
     assert "leaky: LEAKS in eval mode" in out
@@ -188,7 +203,10 @@ def test_module_path_target(tmp_path, monkeypatch):
     (tmp_path / "audit_cli_target_mod.py").write_text(TARGETS)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert run("--target", "audit_cli_target_mod:leaky", "--input", "float:2,8,8", "--modes", "train", "--trials", "1") == 1
+    assert (
+        run("--target", "audit_cli_target_mod:leaky", "--input", "float:2,8,8", "--modes", "train", "--trials", "1")
+        == 1
+    )
 
 
 @pytest.mark.parametrize(
@@ -243,7 +261,10 @@ def test_future_annotations_dataclass_file_and_output_field(target_file, capsys)
 def test_claimed_leak_that_is_not_demonstrated_exits_1(target_file, capsys):
     assert run("--target", f"{target_file}:claims_a_leak", "--input", "float:2,8,8", "--trials", "1") == 1
     out = capsys.readouterr().out
-    assert "claims_a_leak: no leak found (FALSE CLAIM)" in out and "FALSE CLAIM: claims a leak in eval mode; none found" in out
+    assert (
+        "claims_a_leak: no leak found (FALSE CLAIM)" in out
+        and "FALSE CLAIM: claims a leak in eval mode; none found" in out
+    )
 
 
 def test_dtype_and_device(target_file, capsys):
@@ -303,7 +324,9 @@ def test_no_argument_run_checks_claims_both_ways(monkeypatch, capsys, tmp_path, 
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:3] == ["target", "causal", "claim"]
     assert "claims hold" in out and "? = it claims" in out and " ok " not in out, out
-    assert "router topk" in out and ("FALSE CLAIMS" in out) == bool(extra) and ("every claim holds" in out) != bool(extra)
+    assert (
+        "router topk" in out and ("FALSE CLAIMS" in out) == bool(extra) and ("every claim holds" in out) != bool(extra)
+    )
     if extra == "pessimistic":
         assert "router pessimistic topk: claims a leak in eval mode; none found" in out
     targets = json.loads(out_json.read_text())["targets"]
@@ -348,9 +371,24 @@ def test_python_dash_m_end_to_end(target_file):
     """`python -m moe.audit` in a fresh interpreter: table on stdout, exit code 1 for a leak."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run(
-        [sys.executable, "-m", "moe.audit", "--target", f"{target_file}:leaky", "--input", "float:2,8,8",
-         "--modes", "eval", "--trials", "1", "--no-progress"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "moe.audit",
+            "--target",
+            f"{target_file}:leaky",
+            "--input",
+            "float:2,8,8",
+            "--modes",
+            "eval",
+            "--trials",
+            "1",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 1, proc.stderr
     assert "leaky: LEAKS in eval mode" in proc.stdout

@@ -207,9 +207,10 @@ def test_stochastic_second_expert(gshard):
 def test_dropout_before_expert_choice_is_a_false_causal_claim_in_both_modes():
     for seed in SEEDS:
         report = audit(DropoutExpertChoice(seed), example(seed), seed=seed)
-        assert report.violations[:2] == ["claims causal in train mode but leaks", "claims causal in eval mode but leaks"], (
-            report.table()
-        )
+        assert report.violations[:2] == [
+            "claims causal in train mode but leaks",
+            "claims causal in eval mode but leaks",
+        ], report.table()
 
 
 def test_dropout_inside_expert_batches_is_audited_by_distribution_and_clean():
@@ -362,7 +363,8 @@ class Structured(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "kind, clean_field", [("tuple", "2"), ("dict", "hidden"), ("dataclass", "hidden"), ("model_output", "last_hidden_state")]
+    "kind, clean_field",
+    [("tuple", "2"), ("dict", "hidden"), ("dataclass", "hidden"), ("model_output", "last_hidden_state")],
 )
 def test_structured_outputs(kind, clean_field):
     """Default: `logits` (for the tuple: its first tensor), which leaks; `output=` picks the clean field."""
@@ -454,7 +456,9 @@ def test_bf16_target_gets_a_bf16_tolerance():
         target = ViewingTopK(seed).to(torch.bfloat16)
         report = audit(target, example(seed).to(torch.bfloat16), seed=seed, modes=("eval",))
         _assert_clean(report, modes=("eval",))
-        leak = audit(DivisibleGate(seed, leaky=True).to(torch.bfloat16), example(seed).bfloat16(), seed=seed, modes=("eval",))
+        leak = audit(
+            DivisibleGate(seed, leaky=True).to(torch.bfloat16), example(seed).bfloat16(), seed=seed, modes=("eval",)
+        )
         assert leak.leaks_in == ["eval"], leak.table()
     # 4 ulp of bf16 (eps 2**-7) at the output scale, not fp32's 100 ulp.
     scale = float(report.probe("random_future", "eval").tolerance) / (4 * 2**-7)

@@ -19,8 +19,19 @@ from moe.training.checkpoint import (
     verify_checkpoint,
 )
 
-SMALL = dict(seq_len=32, batch_size=8, max_bytes=200_000, eval_windows=4, eval_batch_size=4, causal_stride=8,
-             warmup_steps=2, log_every=0, progress=False, eval_every=0, model={"d_model": 32, "moe_d_ff": 64})
+SMALL = dict(
+    seq_len=32,
+    batch_size=8,
+    max_bytes=200_000,
+    eval_windows=4,
+    eval_batch_size=4,
+    causal_stride=8,
+    warmup_steps=2,
+    log_every=0,
+    progress=False,
+    eval_every=0,
+    model={"d_model": 32, "moe_d_ff": 64},
+)
 
 
 def shard(ckpt: Path) -> Path:
@@ -46,8 +57,16 @@ def losses(path: Path) -> dict[int, float]:
 def run(tmp_path_factory):
     """A 6-step run with checkpoints at steps 2, 4 and 6 (kept) and its per-step losses."""
     d = tmp_path_factory.mktemp("run")
-    train(TrainConfig.flat(steps=6, checkpoint_dir=str(d / "ckpt"), checkpoint_every=2, keep_checkpoints=3,
-                      metrics_jsonl=str(d / "full.jsonl"), **SMALL))
+    train(
+        TrainConfig.flat(
+            steps=6,
+            checkpoint_dir=str(d / "ckpt"),
+            checkpoint_every=2,
+            keep_checkpoints=3,
+            metrics_jsonl=str(d / "full.jsonl"),
+            **SMALL,
+        )
+    )
     return d
 
 
@@ -71,8 +90,17 @@ def test_damaged_newest_checkpoint_falls_back_with_one_warning(run, tmp_path, ca
     assert verify_checkpoint(checkpoint_path(ckpt, 6)) is not None
     jsonl = tmp_path / "resumed.jsonl"
     capsys.readouterr()
-    train(TrainConfig.flat(steps=6, checkpoint_dir=str(ckpt), checkpoint_every=2, keep_checkpoints=3, resume=True,
-                      metrics_jsonl=str(jsonl), **SMALL))
+    train(
+        TrainConfig.flat(
+            steps=6,
+            checkpoint_dir=str(ckpt),
+            checkpoint_every=2,
+            keep_checkpoints=3,
+            resume=True,
+            metrics_jsonl=str(jsonl),
+            **SMALL,
+        )
+    )
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "step-00000006" in warnings[0], warnings
     want, got = losses(run / "full.jsonl"), losses(jsonl)
@@ -87,8 +115,17 @@ def test_two_damaged_checkpoints_fall_back_two_and_none_left_is_an_error(run, tm
     truncate(shard(checkpoint_path(ckpt, 6)))
     flip_bytes(shard(checkpoint_path(ckpt, 4)), at=2000)
     jsonl = tmp_path / "resumed.jsonl"
-    train(TrainConfig.flat(steps=6, checkpoint_dir=str(ckpt), checkpoint_every=2, keep_checkpoints=3, resume=True,
-                      metrics_jsonl=str(jsonl), **SMALL))
+    train(
+        TrainConfig.flat(
+            steps=6,
+            checkpoint_dir=str(ckpt),
+            checkpoint_every=2,
+            keep_checkpoints=3,
+            resume=True,
+            metrics_jsonl=str(jsonl),
+            **SMALL,
+        )
+    )
     assert sorted(losses(jsonl)) == [3, 4, 5, 6]
     for step in (2, 4, 6):
         truncate(shard(checkpoint_path(ckpt, step)))

@@ -84,7 +84,9 @@ def test_layer_compiled_by_inductor_equals_eager(name, opts):
 
 
 def test_fixed_size_capacity_routing_equals_compact(monkeypatch):
-    router = moe.build_router("capacity", d_model=8, num_experts=4, top_k=2, capacity_factor=0.5, capacity_scope="prefix")
+    router = moe.build_router(
+        "capacity", d_model=8, num_experts=4, top_k=2, capacity_factor=0.5, capacity_scope="prefix"
+    )
     x = torch.randn(3, 7, 8)
     compact = router(x)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -113,7 +115,11 @@ def test_traced_operator_equals_the_eager_sorted_path():
     expert_A = torch.tensor([1, 2, 1, 0, 1, 2, 1])
     weight = torch.tensor([0.5, 0.5, 1.0, 0.2, 0.0, 0.8, 0.0], dtype=torch.float64)
     x = torch.randn(n, d, dtype=torch.float64)
-    ws = [torch.randn(e, d, f, dtype=torch.float64), torch.randn(e, d, f, dtype=torch.float64), torch.randn(e, f, d, dtype=torch.float64)]
+    ws = [
+        torch.randn(e, d, f, dtype=torch.float64),
+        torch.randn(e, d, f, dtype=torch.float64),
+        torch.randn(e, f, d, dtype=torch.float64),
+    ]
     outs = []
     for fn in (moe_ffn_reference, lambda *a: torch.ops.moe_kernels.moe_ffn(*a)[0]):
         leaves = [t.clone().requires_grad_(True) for t in (x, weight, *ws)]

@@ -10,8 +10,19 @@ from moe.parallel.steps import STRATEGIES, choose_strategy, register_strategy
 from moe.parallel.steps.plain import Plain
 from moe.training import TrainConfig, build_model, config_from_args, model_config, train
 
-TINY_RUN = dict(seq_len=16, batch_size=4, max_bytes=50_000, eval_windows=2, eval_batch_size=2, causal_stride=8,
-                warmup_steps=1, log_every=0, progress=False, wandb_mode="disabled", model={"d_model": 32, "moe_d_ff": 32})
+TINY_RUN = dict(
+    seq_len=16,
+    batch_size=4,
+    max_bytes=50_000,
+    eval_windows=2,
+    eval_batch_size=2,
+    causal_stride=8,
+    warmup_steps=1,
+    log_every=0,
+    progress=False,
+    wandb_mode="disabled",
+    model={"d_model": 32, "moe_d_ff": 32},
+)
 
 RUN_TOML = """
 seed = 3
@@ -36,8 +47,15 @@ microbatches = 2
 def test_toml_then_flags_override_it(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(RUN_TOML)
-    expected = TrainConfig.flat(seed=3, router="capacity", router_options={"top_k": 1, "capacity_factor": 1.5},
-                                model={"d_model": 32}, steps=7, lr=0.01, microbatches=2)
+    expected = TrainConfig.flat(
+        seed=3,
+        router="capacity",
+        router_options={"top_k": 1, "capacity_factor": 1.5},
+        model={"d_model": 32},
+        steps=7,
+        lr=0.01,
+        microbatches=2,
+    )
     assert TrainConfig.load(path) == expected
     cfg = config_from_args(["--config", str(path), "--steps", "9", "--router-option", "priority=score"])
     assert cfg.optimizer.steps == 9 and cfg.optimizer.lr == 0.01 and cfg.seed == 3

@@ -39,8 +39,14 @@ def write_shards(directory: Path, tokens: np.ndarray, cuts: list[int], vocab_siz
         name = f"s{k}.bin"
         part.astype("<u2" if dtype == "uint16" else "<u4").tofile(directory / name)
         shards.append({"file": name, "num_tokens": int(part.size)})
-    manifest = {"format": FORMAT, "vocab_size": vocab_size, "dtype": dtype, "shards": shards,
-                "num_tokens": int(tokens.size), "tokenizer": "tokenizer.json"}
+    manifest = {
+        "format": FORMAT,
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+        "shards": shards,
+        "num_tokens": int(tokens.size),
+        "tokenizer": "tokenizer.json",
+    }
     (directory / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -134,12 +140,24 @@ def peak_rss(directory: Path, num_tokens: int, shards: int) -> tuple[int, int]:
     for k in range(shards):
         with (directory / f"s{k}.bin").open("wb") as f:
             f.truncate(per * 2)
-    manifest = {"format": FORMAT, "vocab_size": 50_000, "dtype": "uint16", "num_tokens": per * shards,
-                "shards": [{"file": f"s{k}.bin", "num_tokens": per} for k in range(shards)], "tokenizer": "none"}
+    manifest = {
+        "format": FORMAT,
+        "vocab_size": 50_000,
+        "dtype": "uint16",
+        "num_tokens": per * shards,
+        "shards": [{"file": f"s{k}.bin", "num_tokens": per} for k in range(shards)],
+        "tokenizer": "none",
+    }
     (directory / "manifest.json").write_text(json.dumps(manifest))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(directory)], env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(directory)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
     return int(out[0]), int(out[1])
 
 

@@ -25,8 +25,17 @@ from moe.training import TrainConfig, config_from_args, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-SMALL = dict(seq_len=32, batch_size=8, eval_windows=4, eval_batch_size=4, causal_stride=8, warmup_steps=2,
-             log_every=0, progress=False, model={"d_model": 32, "moe_d_ff": 64})
+SMALL = dict(
+    seq_len=32,
+    batch_size=8,
+    eval_windows=4,
+    eval_batch_size=4,
+    causal_stride=8,
+    warmup_steps=2,
+    log_every=0,
+    progress=False,
+    model={"d_model": 32, "moe_d_ff": 64},
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +73,24 @@ def test_resume_continues_at_exactly_the_next_batch_mid_shard(data, tmp_path, mo
 
     monkeypatch.setattr(mt, "local_batch", crash_at_step_5)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train(TrainConfig.flat(checkpoint_dir=str(tmp_path / "run"), checkpoint_every=3,
-                          metrics_jsonl=str(tmp_path / "resumed.jsonl"), **common))
+        train(
+            TrainConfig.flat(
+                checkpoint_dir=str(tmp_path / "run"),
+                checkpoint_every=3,
+                metrics_jsonl=str(tmp_path / "resumed.jsonl"),
+                **common,
+            )
+        )
     monkeypatch.setattr(mt, "local_batch", real_batch)
-    resumed = train(TrainConfig.flat(checkpoint_dir=str(tmp_path / "run"), checkpoint_every=3, resume=True,
-                                metrics_jsonl=str(tmp_path / "resumed.jsonl"), **common))
+    resumed = train(
+        TrainConfig.flat(
+            checkpoint_dir=str(tmp_path / "run"),
+            checkpoint_every=3,
+            resume=True,
+            metrics_jsonl=str(tmp_path / "resumed.jsonl"),
+            **common,
+        )
+    )
     keys = ("step", "loss", "aux_loss", "grad_norm", "eval/causal_loss")
     a = [[r.get(k) for k in keys] for r in read_jsonl(tmp_path / "full.jsonl")]
     b = [[r.get(k) for k in keys] for r in read_jsonl(tmp_path / "resumed.jsonl")]
@@ -93,15 +115,52 @@ def free_port() -> int:
 
 
 def test_one_process_and_two_processes_give_the_same_losses(data, tmp_path):
-    args = ["--data", data, "--steps", "4", "--seq-len", "16", "--batch-size", "8", "--eval-windows", "2",
-            "--causal-stride", "8", "--log-every", "0", "--no-progress", "--d-model", "32", "--moe-d-ff", "64"]
+    args = [
+        "--data",
+        data,
+        "--steps",
+        "4",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--eval-windows",
+        "2",
+        "--causal-stride",
+        "8",
+        "--log-every",
+        "0",
+        "--no-progress",
+        "--d-model",
+        "32",
+        "--moe-d-ff",
+        "64",
+    ]
     train(config_from_args([*args, "--metrics-jsonl", str(tmp_path / "s.jsonl")]))
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "experiments" / "train.py"), *args, "--metrics-jsonl",
-                               str(tmp_path / "d.jsonl")],
-                              env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(ROOT / "experiments" / "train.py"),
+                *args,
+                "--metrics-jsonl",
+                str(tmp_path / "d.jsonl"),
+            ],
+            env={
+                **ENV,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
@@ -116,9 +175,23 @@ def test_one_process_and_two_processes_give_the_same_losses(data, tmp_path):
 def test_hf_model_trains_from_a_prepared_directory(data):
     pytest.importorskip("transformers")
     vocab = read_manifest(data)["vocab_size"]
-    res = train(TrainConfig.flat(data=data, hf_model="olmoe-tiny", router="ec_threshold", steps=20, lr=1e-2, seq_len=32,
-                            batch_size=8, eval_windows=2, eval_batch_size=2, causal_stride=16, warmup_steps=2,
-                            log_every=0, progress=False))
+    res = train(
+        TrainConfig.flat(
+            data=data,
+            hf_model="olmoe-tiny",
+            router="ec_threshold",
+            steps=20,
+            lr=1e-2,
+            seq_len=32,
+            batch_size=8,
+            eval_windows=2,
+            eval_batch_size=2,
+            causal_stride=16,
+            warmup_steps=2,
+            log_every=0,
+            progress=False,
+        )
+    )
     assert res.model.hf.config.vocab_size == vocab
     losses = [r["loss"] for r in res.history]
     assert abs(losses[0] - math.log(vocab)) < 0.3, losses[0]
@@ -134,25 +207,66 @@ def test_generate_prints_text_decoded_by_the_tokenizer(data, tmp_path):
         sys.path.remove(str(ROOT / "experiments"))
     train(TrainConfig.flat(data=data, steps=2, checkpoint_dir=str(tmp_path), export_model=True, **SMALL))
     prompt = "the quick brown"
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "generate.py"), str(tmp_path / "model.pt"),
-                           "--data", data, "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0"],
-                          env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "experiments" / "generate.py"),
+            str(tmp_path / "model.pt"),
+            "--data",
+            data,
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     corpus = load_corpus(data)
     model = generate.load_export(str(tmp_path / "model.pt"))
     ids = torch.tensor([corpus.encode(prompt)])
     want = corpus.decode(model.generate(ids, 12, temperature=0)[0])
     assert proc.stdout == want + "\n" and want.startswith(prompt) and len(corpus.encode(want)) > ids.shape[1]
-    wrong = subprocess.run([sys.executable, str(ROOT / "experiments" / "generate.py"), str(tmp_path / "model.pt")],
-                           env=ENV, capture_output=True, text=True, timeout=120)
+    wrong = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "generate.py"), str(tmp_path / "model.pt")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert wrong.returncode == 2 and "pass the --data it was trained on" in wrong.stderr
 
 
 def test_leakage_study_on_a_prepared_directory_prints_decoded_samples(data, tmp_path):
     out = tmp_path / "gap.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "leakage_gap.py"), "--quick", "--corpora", "text",
-                           "--data", data, "--routers", "topk", "--text-steps", "3", "--workers", "1",
-                           "--json", str(out)], env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "experiments" / "leakage_gap.py"),
+            "--quick",
+            "--corpora",
+            "text",
+            "--data",
+            data,
+            "--routers",
+            "topk",
+            "--text-steps",
+            "3",
+            "--workers",
+            "1",
+            "--json",
+            str(out),
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["router"]: r for r in json.loads(out.read_text())["routers"]}
     corpus = load_corpus(data)

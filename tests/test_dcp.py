@@ -17,8 +17,19 @@ from moe.parallel.launch import ok_values, run_local
 from moe.training import TrainConfig, train
 from moe.training.checkpoint import complete_checkpoints
 
-COMMON = dict(preset="tiny", router="ec_threshold", steps=12, batch_size=8, seq_len=64, max_bytes=200_000,
-              eval_windows=2, causal_stride=64, log_every=0, progress=False, wandb_mode="disabled")
+COMMON = dict(
+    preset="tiny",
+    router="ec_threshold",
+    steps=12,
+    batch_size=8,
+    seq_len=64,
+    max_bytes=200_000,
+    eval_windows=2,
+    causal_stride=64,
+    log_every=0,
+    progress=False,
+    wandb_mode="disabled",
+)
 REL_TOL = 1e-4
 
 
@@ -41,8 +52,11 @@ def _assert_same(got: dict, ref: dict, what: str) -> None:
 def test_save_on_4_processes_resume_on_2_and_1(tmp_path):
     ref = _losses(train(TrainConfig.flat(**COMMON)).history)
     saved = tmp_path / "saved"
-    ok_values(run_local(_train_worker, 4, dict(expert_parallel=2, checkpoint_dir=str(saved), checkpoint_every=6),
-                        timeout_s=300))
+    ok_values(
+        run_local(
+            _train_worker, 4, dict(expert_parallel=2, checkpoint_dir=str(saved), checkpoint_every=6), timeout_s=300
+        )
+    )
     assert [p.name for p in complete_checkpoints(saved)] == ["step-00000006", "step-00000012"]
     shutil.rmtree(saved / "step-00000012")
 
@@ -57,8 +71,11 @@ def test_save_on_4_processes_resume_on_2_and_1(tmp_path):
     (one / ".tmp-step-00000012").mkdir()
     (one / ".tmp-step-00000012" / "__0_0.distcp").write_bytes(b"partial")
     (one / "step-00000012").mkdir()  # renamed but never marked complete: ignored
-    _assert_same(_losses(train(TrainConfig.flat(**COMMON, checkpoint_dir=str(one), resume=True)).history), ref,
-                 "resumed on 1 process")
+    _assert_same(
+        _losses(train(TrainConfig.flat(**COMMON, checkpoint_dir=str(one), resume=True)).history),
+        ref,
+        "resumed on 1 process",
+    )
 
 
 def test_interrupted_save_keeps_last_checkpoint(tmp_path, monkeypatch):

@@ -7,11 +7,11 @@ every prefix): what decoding must reproduce for a decode-consistent router.
 
 import pytest
 import torch
+from helpers import ROUTER_CONFIGS, identity_router
 
 import moe
 from moe.eval import evaluate
 from moe.model import MoETransformer, preset
-from helpers import ROUTER_CONFIGS, identity_router
 
 # Decode-consistent configurations; capacity factor 0.5 so that capacity routers drop.
 DECODE_CONFIGS: list[tuple[str, dict]] = [
@@ -204,7 +204,9 @@ def test_generate_sampling_is_seeded_and_checks_its_arguments():
     a = model.generate(prompt, 10, seed=3, top_k=5)
     assert torch.equal(a, model.generate(prompt, 10, seed=3, top_k=5))
     assert not torch.equal(a, model.generate(prompt, 10, seed=4, top_k=5))
-    assert torch.equal(model.generate(prompt, 10, temperature=0), model.generate(prompt, 10, temperature=0, top_k=1, seed=9))
+    assert torch.equal(
+        model.generate(prompt, 10, temperature=0), model.generate(prompt, 10, temperature=0, top_k=1, seed=9)
+    )
     assert torch.equal(model.generate(prompt, 0), prompt)
     for kwargs, match in [
         (dict(idx=torch.zeros(3, dtype=torch.long), max_new_tokens=1), r"shape \[B, T\]"),

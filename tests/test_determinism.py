@@ -1,4 +1,4 @@
-""""Bitwise reproducible, no atomics": checks that fail when a nondeterministic op enters the path.
+""" "Bitwise reproducible, no atomics": checks that fail when a nondeterministic op enters the path.
 
 On a CPU nothing runs nondeterministically, so rerunning alone shows little. Three checks
 that bite here too:
@@ -27,11 +27,11 @@ import textwrap
 
 import pytest
 import torch
+from helpers import ROUTER_CONFIGS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernels
 import moe
-from helpers import ROUTER_CONFIGS
 
 
 def _has_repeats(rows_XK: torch.Tensor) -> bool:

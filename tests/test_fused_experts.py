@@ -29,8 +29,9 @@ def per_token_reference(x, token, expert, weight, gate_up, down):
 def test_fused_layout_matches_a_per_token_reference_with_gradients(backend):
     dtype = torch.float64 if backend == "torch" else torch.float32  # the Triton kernels run fp32 at most
     torch.manual_seed(1)
-    fused = FusedSwiGLUExperts(torch.nn.Parameter(torch.randn(E, 2 * F, D, dtype=dtype)),
-                               torch.nn.Parameter(torch.randn(E, D, F, dtype=dtype)))
+    fused = FusedSwiGLUExperts(
+        torch.nn.Parameter(torch.randn(E, 2 * F, D, dtype=dtype)), torch.nn.Parameter(torch.randn(E, D, F, dtype=dtype))
+    )
     x = torch.randn(N, D, dtype=dtype, requires_grad=True)
     token = torch.tensor([0, 0, 1, 3, 3, 4, 6, 6, 7, 9])  # tokens 2, 5, 8 get no expert
     expert = torch.tensor([1, 3, 1, 0, 3, 1, 2, 0, 1, 1])  # expert 1 takes five rows, 2 one
@@ -45,9 +46,13 @@ def test_fused_layout_matches_a_per_token_reference_with_gradients(backend):
     (y_ref * dy).sum().backward()
     # float64: differences are rounding only; fp32 (triton): ~1e-6 relative after a few sums
     tol = 1e-12 if dtype == torch.float64 else 2e-5
-    for name, got, want in [("y", y, y_ref), ("dx", x.grad, x_ref.grad), ("dweight", weight.grad, weight_ref.grad),
-                            ("dgate_up", fused.gate_up_proj.grad, gate_up_ref.grad),
-                            ("ddown", fused.down_proj.grad, down_ref.grad)]:
+    for name, got, want in [
+        ("y", y, y_ref),
+        ("dx", x.grad, x_ref.grad),
+        ("dweight", weight.grad, weight_ref.grad),
+        ("dgate_up", fused.gate_up_proj.grad, gate_up_ref.grad),
+        ("ddown", fused.down_proj.grad, down_ref.grad),
+    ]:
         err = (got - want).abs()
         assert err.max() <= tol * want.abs().max(), f"{name}: max {err.max():.2e} mean {err.mean():.2e}"
 

@@ -39,8 +39,11 @@ from moe.training import TrainConfig, train  # noqa: E402
 V = 64
 ROOT = Path(__file__).resolve().parents[1]
 # (tiny config, norm_topk_prob): families that read the renormalisation from their config run both ways
-CASES = [(name, norm) for name, (model_type, _) in TINY_CONFIGS.items()
-         for norm in ((False, True) if model_type not in ("mixtral", "minimax", "granitemoe") else (None,))]
+CASES = [
+    (name, norm)
+    for name, (model_type, _) in TINY_CONFIGS.items()
+    for norm in ((False, True) if model_type not in ("mixtral", "minimax", "granitemoe") else (None,))
+]
 
 
 def tiny_model(name: str, norm: bool | None = None, seed: int = 0):
@@ -61,7 +64,9 @@ def logits(model, ids):
 
 def assert_rel_close(got, want, rtol, what=""):
     err = (got - want).abs()
-    assert err.max() <= rtol * want.abs().max(), f"{what} max {err.max():.2e} mean {err.mean():.2e} (scale {want.abs().max():.2e})"
+    assert err.max() <= rtol * want.abs().max(), (
+        f"{what} max {err.max():.2e} mean {err.mean():.2e} (scale {want.abs().max():.2e})"
+    )
 
 
 def test_every_tiny_config_is_a_supported_family():
@@ -119,7 +124,7 @@ def test_swap_shares_every_parameter_without_copying():
     block = next(m for m in model.modules() if isinstance(m, HFMoEBlock))
     experts = block.moe.experts
     assert experts.w_gate.data_ptr() == experts.gate_up_proj.data_ptr()
-    assert experts.w_up.data_ptr() == experts.gate_up_proj[:, experts.d_ff:].data_ptr()
+    assert experts.w_up.data_ptr() == experts.gate_up_proj[:, experts.d_ff :].data_ptr()
     assert experts.w_down.data_ptr() == experts.down_proj.data_ptr()
     assert block.shared_expert is not None and block.shared_expert_gate is not None
 
@@ -179,8 +184,15 @@ def test_every_router_swaps_in_and_trains_a_step(router):
 
 
 def generate_with_logits(model, prompt_BT, n):
-    out = model.generate(prompt_BT, max_new_tokens=n, do_sample=False, use_cache=True, output_logits=True,
-                         return_dict_in_generate=True, pad_token_id=0)
+    out = model.generate(
+        prompt_BT,
+        max_new_tokens=n,
+        do_sample=False,
+        use_cache=True,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     return out.sequences, torch.stack(out.logits, 1)  # [B, T0 + n], [B, n, V]
 
 
@@ -189,8 +201,10 @@ def full_forward_logits(model, seq_BT, n):
     return logits(model, seq_BT)[:, -n - 1 : -1]
 
 
-@pytest.mark.parametrize("router, options", [("capacity", {"capacity_scope": "prefix", "capacity_factor": 0.5}),
-                                             ("ec_threshold", {}), ("topk", {})])
+@pytest.mark.parametrize(
+    "router, options",
+    [("capacity", {"capacity_scope": "prefix", "capacity_factor": 0.5}), ("ec_threshold", {}), ("topk", {})],
+)
 def test_generate_inside_decoding_equals_the_full_forward(router, options):
     model = swap_moe_blocks(tiny_model("olmoe-tiny", norm=True), router, **options)
     prompt = torch.randint(0, V, (2, 5))
@@ -204,8 +218,9 @@ def test_generate_inside_decoding_equals_the_full_forward(router, options):
 def test_generate_outside_decoding_misroutes_a_prefix_capacity_router():
     # Each cached call routes its new token as a sequence of its own (position 0, capacity >= 1):
     # nothing is dropped, while the full forward drops. The context is what makes it exact.
-    model = swap_moe_blocks(tiny_model("olmoe-tiny", norm=True), "capacity", capacity_scope="prefix",
-                            capacity_factor=0.5)
+    model = swap_moe_blocks(
+        tiny_model("olmoe-tiny", norm=True), "capacity", capacity_scope="prefix", capacity_factor=0.5
+    )
     prompt = torch.randint(0, V, (2, 5))
     seq, step_logits = generate_with_logits(model, prompt, 12)
     assert (step_logits - full_forward_logits(model, seq, 12)).abs().max() > 1e-3
@@ -224,7 +239,10 @@ def test_swap_errors():
     with pytest.raises(ValueError, match="router_jitter_noise"):
         swap_moe_blocks(jittery)
     four_x = type("MixtralSparseMoeBlock", (torch.nn.Module,), {})()  # transformers 4.x: one module per expert
-    four_x.gate, four_x.experts = torch.nn.Linear(8, 4, bias=False), torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+    four_x.gate, four_x.experts = (
+        torch.nn.Linear(8, 4, bias=False),
+        torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4)),
+    )
     with pytest.raises(ValueError, match="5.x layout"):
         swap_moe_blocks(torch.nn.Sequential(four_x))
     with pytest.raises(ValueError, match="neither a built-in tiny config"):
@@ -249,9 +267,21 @@ def test_local_directory_loads_weights_or_config(tmp_path):
 @pytest.mark.parametrize("router,options", [("ec_threshold", {}), ("capacity", {"capacity_scope": "prefix"})])
 def test_swapped_olmoe_trains_with_the_loop(router, options):
     corpus = load_corpus("stdlib", 0.1, 100_000)
-    cfg = TrainConfig.flat(hf_model="olmoe-tiny", router=router, router_options=options, steps=25, lr=1e-2,
-                      seq_len=32, batch_size=8, eval_windows=2, eval_batch_size=2, causal_stride=16,
-                      warmup_steps=2, log_every=0, progress=False)
+    cfg = TrainConfig.flat(
+        hf_model="olmoe-tiny",
+        router=router,
+        router_options=options,
+        steps=25,
+        lr=1e-2,
+        seq_len=32,
+        batch_size=8,
+        eval_windows=2,
+        eval_batch_size=2,
+        causal_stride=16,
+        warmup_steps=2,
+        log_every=0,
+        progress=False,
+    )
     res = train(cfg, corpus)
     losses = [r["loss"] for r in res.history]
     assert abs(losses[0] - math.log(256)) < 0.3, losses[0]  # random init: uniform over the bytes
@@ -266,8 +296,18 @@ def test_swapped_olmoe_trains_with_the_loop(router, options):
 def test_swapped_model_resumes_exactly_from_a_checkpoint(tmp_path):
     # the swapped blocks' router state (ec_threshold's thresholds) lives in the checkpoint too
     corpus = load_corpus("stdlib", 0.1, 100_000)
-    common = dict(hf_model="qwen2-moe-tiny", router="ec_threshold", seq_len=16, batch_size=4, eval_windows=2,
-                  eval_batch_size=2, causal_stride=8, warmup_steps=1, log_every=0, progress=False)
+    common = dict(
+        hf_model="qwen2-moe-tiny",
+        router="ec_threshold",
+        seq_len=16,
+        batch_size=4,
+        eval_windows=2,
+        eval_batch_size=2,
+        causal_stride=8,
+        warmup_steps=1,
+        log_every=0,
+        progress=False,
+    )
     full = train(TrainConfig.flat(steps=4, **common), corpus)
     train(TrainConfig.flat(steps=2, checkpoint_dir=str(tmp_path), **common), corpus)
     resumed = train(TrainConfig.flat(steps=4, checkpoint_dir=str(tmp_path), resume=True, **common), corpus)
@@ -297,4 +337,3 @@ def test_audit_cli_with_a_factory(tmp_path, capsys):
     assert audit_cli.main([*argv, "--target", f"{target}:causal"]) == 0
     assert audit_cli.main([*argv, "--target", f"{target}:build"]) == 1
     assert "leak" in capsys.readouterr().out
-

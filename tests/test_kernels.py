@@ -87,7 +87,7 @@ def run_ffn(fn, x, token_A, expert_A, w, ws, dtype, gy):
     weight = leaf(w, torch.float64 if dtype == torch.float64 else torch.float32)
     y = fn(leaves[0], token_A, expert_A, weight, *leaves[1:])
     y.backward(gy.to(y.dtype))
-    return [y.detach(), leaves[0].grad, weight.grad, *(l.grad for l in leaves[1:])]
+    return [y.detach(), leaves[0].grad, weight.grad, *(leaf.grad for leaf in leaves[1:])]
 
 
 def check_moe_ffn(kind, n, d, f, e, k, dtype, seed, device="cpu", rerun=False):
@@ -105,7 +105,6 @@ def check_moe_ffn(kind, n, d, f, e, k, dtype, seed, device="cpu", rerun=False):
         assert g.dtype == s.dtype, f"{name}: dtype {g.dtype} != reference {s.dtype}"
         assert torch.equal(g, g2), f"{name}: two identical calls differ"
         assert_near(f"{kind} {name} on {device}", g, r, s, dtype)
-
 
 
 # -- routing metadata ------------------------------------------------------------------
@@ -196,7 +195,12 @@ def test_dispatch_combine_forward_and_grads(kind, n, d, e, k, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "kind,gather,scatter",
-    [("empty_experts", False, False), ("one_expert", True, False), ("topk", True, True), ("expert_choice", False, True)],
+    [
+        ("empty_experts", False, False),
+        ("one_expert", True, False),
+        ("topk", True, True),
+        ("expert_choice", False, True),
+    ],
 )
 def test_grouped_mm_forward_and_grads(kind, gather, scatter, dtype):
     n, kdim, mdim, e = 70, 48, 40, 6
@@ -317,7 +321,9 @@ ROUTERS = [
 ]
 
 
-@pytest.mark.parametrize("router,options,training", ROUTERS, ids=[f"{r}-{'train' if t else 'eval'}" for r, _, t in ROUTERS])
+@pytest.mark.parametrize(
+    "router,options,training", ROUTERS, ids=[f"{r}-{'train' if t else 'eval'}" for r, _, t in ROUTERS]
+)
 def test_layer_triton_equals_torch(router, options, training):
     from moe import MoELayer
 

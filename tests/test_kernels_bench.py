@@ -84,7 +84,11 @@ def test_bench_kernels_dry_run_checks_first_and_reports_consistent_numbers(tmp_p
         assert r["triton_over_dense_fwd_bwd"] == pytest.approx(ms["triton_fwd_bwd"] / ms["dense_same_flops_fwd_bwd"])
         for key in ("routing_metadata", "dispatch", "combine", "triton_fwd", "triton_fwd_bwd", "torch_eager_fwd_bwd"):
             assert ms[key] > 0, key
-        for key in ("dispatch_combine_fraction_of_bandwidth", "layer_fwd_bwd_over_gemm_floor", "speedup_vs_torch_eager"):
+        for key in (
+            "dispatch_combine_fraction_of_bandwidth",
+            "layer_fwd_bwd_over_gemm_floor",
+            "speedup_vs_torch_eager",
+        ):
             assert saved[key][name] == r[key], key
 
 
@@ -97,11 +101,14 @@ def not_reproducible(fn):
     return lambda x, *rest: fn(x, *rest) * (1 + 1e-7 * next(calls))
 
 
-@pytest.mark.parametrize("path,broken", [
-    ("triton", lambda fn: wrong_by(fn, 1.001)),
-    ("torch_eager", lambda fn: wrong_by(fn, 1.001)),
-    ("triton", not_reproducible),
-])
+@pytest.mark.parametrize(
+    "path,broken",
+    [
+        ("triton", lambda fn: wrong_by(fn, 1.001)),
+        ("torch_eager", lambda fn: wrong_by(fn, 1.001)),
+        ("triton", not_reproducible),
+    ],
+)
 def test_correctness_check_catches_a_wrong_path(monkeypatch, path, broken):
     import torch
 

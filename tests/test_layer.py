@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ROUTER_CONFIGS, naive_moe
 
 import moe
-from helpers import ROUTER_CONFIGS, naive_moe
 from moe.model import SwiGLU
 
 
@@ -162,8 +162,22 @@ def test_bench_layer_times_equal_flops_and_equivalent_paths(tmp_path):
     from experiments import bench_layer
 
     n, d, f, e, k = 64, 16, 32, 4, 2
-    argv = ["--tokens", str(n), "--d-model", str(d), "--d-ff", str(f), "--experts", str(e), "--top-k", str(k),
-            "--reps", "1", "--threads", "1"]
+    argv = [
+        "--tokens",
+        str(n),
+        "--d-model",
+        str(d),
+        "--d-ff",
+        str(f),
+        "--experts",
+        str(e),
+        "--top-k",
+        str(k),
+        "--reps",
+        "1",
+        "--threads",
+        "1",
+    ]
     layer, dense, x = bench_layer.build(bench_layer.parse_args(argv))
     paths = bench_layer.compared_paths(layer, dense, x)
     assert set(paths) == {"dense", "expert_matmuls_only", "moe_layer", "naive_mask_loop"}

@@ -69,8 +69,23 @@ def test_short_canary_run_shows_the_expert_choice_leak_and_none_for_topk(tmp_pat
     from the whole sequence, already decodes worse than it teacher-forces, many standard
     errors above zero; dropless top-k, causal, has no gap beyond float rounding."""
     out = tmp_path / "gap.json"
-    run(["--quick", "--corpora", "canary", "--routers", "topk", "expert_choice", "--canary-steps", "20",
-         "--workers", "1", "--json", str(out)], timeout=300)
+    run(
+        [
+            "--quick",
+            "--corpora",
+            "canary",
+            "--routers",
+            "topk",
+            "expert_choice",
+            "--canary-steps",
+            "20",
+            "--workers",
+            "1",
+            "--json",
+            str(out),
+        ],
+        timeout=300,
+    )
     result = json.loads(out.read_text())
     rows = {r["router"]: r for r in result["routers"]}
     assert set(rows) == {"topk", "expert_choice"}

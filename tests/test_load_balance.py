@@ -19,4 +19,6 @@ def test_load_balance_loss_top2_counts_assignments():
     mean_p = [sum(p[e] for p in probs) / 4 for e in range(3)]
     expected = 3 * sum(f * m for f, m in zip(frac, mean_p))  # coef * E * sum_e frac_e * mean prob_e
     got = r(x).aux_loss.item()
-    assert got == pytest.approx(expected, rel=1e-12), f"aux loss {got}, expected {expected} (tokens-counted: {2 * expected})"
+    assert got == pytest.approx(expected, rel=1e-12), (
+        f"aux loss {got}, expected {expected} (tokens-counted: {2 * expected})"
+    )

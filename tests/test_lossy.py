@@ -78,8 +78,11 @@ def test_independent_losses_have_rate_p_and_no_correlation():
     se = math.sqrt(p * (1 - p) / n)
     assert abs(x.mean() - p) < 3 * se, f"loss rate {x.mean():.4f}, expected {p} +- {3 * se:.4f}"
     # Neighbouring packets, neighbouring steps, the reverse direction: P(both lost) = p^2.
-    for name, y in [("next packet", x.roll(1)), ("next step", lost_packets(cfg, 1, 0, 0, 1, n).double()),
-                    ("reverse link", lost_packets(cfg, 0, 0, 1, 0, n).double())]:
+    for name, y in [
+        ("next packet", x.roll(1)),
+        ("next step", lost_packets(cfg, 1, 0, 0, 1, n).double()),
+        ("reverse link", lost_packets(cfg, 0, 0, 1, 0, n).double()),
+    ]:
         both = (x * y).mean()
         se2 = math.sqrt(p * p * (1 - p * p) / n)
         assert abs(both - p * p) < 3 * se2, f"{name}: P(both lost) {both:.4f}, expected {p * p:.4f} +- {3 * se2:.4f}"
@@ -96,8 +99,13 @@ def test_bursts_have_rate_p_and_mean_length_L():
 
 
 def test_bad_configs_raise():
-    for kwargs in [{"rate": 1.0}, {"rate": -0.1}, {"packet_size": 0}, {"burst_length": 0.5},
-                   {"rate": 0.9, "burst_length": 1.0}]:
+    for kwargs in [
+        {"rate": 1.0},
+        {"rate": -0.1},
+        {"packet_size": 0},
+        {"burst_length": 0.5},
+        {"rate": 0.9, "burst_length": 1.0},
+    ]:
         with pytest.raises(ValueError):
             LossConfig(**kwargs)
     with pytest.raises(ValueError, match="policy"):
@@ -154,8 +162,11 @@ def _bitwise_checks(rank: int, size: int) -> dict:
     for name in ("plain", "reliable", "unbiased"):
         m = _model(1)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        dp = LossyDataParallel(m, opt, LossyDPConfig("reliable" if name == "plain" else name,
-                                                     LossConfig(rate=0.0, packet_size=5), grad_clip=0.0))
+        dp = LossyDataParallel(
+            m,
+            opt,
+            LossyDPConfig("reliable" if name == "plain" else name, LossConfig(rate=0.0, packet_size=5), grad_clip=0.0),
+        )
         for step in range(3):
             _backward(m, rank, step)
             if name == "plain":
@@ -182,12 +193,17 @@ def _reference_checks(rank: int, size: int) -> dict:
             t = LossyTransport(cfg)
             t.begin_step(step)
             got = _aggregate(flat, policy, t)
-            arrived = [~expand_packets(lost_packets(cfg, step, 0, src, rank, cfg.num_packets(hi - lo)), hi - lo, 2)
-                       for src in range(size)]
+            arrived = [
+                ~expand_packets(lost_packets(cfg, step, 0, src, rank, cfg.num_packets(hi - lo)), hi - lo, 2)
+                for src in range(size)
+            ]
             parts = [every[src][lo:hi] * arrived[src] for src in range(size)]
             count = sum(a.double() for a in arrived)
-            want = {"unbiased": sum(parts) / count, "naive": sum(parts) / size,
-                    "reweighted": (every[rank][lo:hi] + (sum(parts) - parts[rank]) / (1 - cfg.rate)) / size}[policy]
+            want = {
+                "unbiased": sum(parts) / count,
+                "naive": sum(parts) / size,
+                "reweighted": (every[rank][lo:hi] + (sum(parts) - parts[rank]) / (1 - cfg.rate)) / size,
+            }[policy]
             key = f"reference/{policy}"
             out[key] = max(out.get(key, 0.0), float((got - want).abs().max()))
         out["reference/some_lost"] = out.get("reference/some_lost", 0) + int(count.lt(size).sum())
@@ -207,9 +223,12 @@ def _statistics(rank: int, size: int) -> dict:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step * size + rank)
         iid = mu + torch.randn(n * blocks, dtype=torch.float64, generator=g)
-        for key, policy, grad, ref in [("iid/unbiased", "unbiased", iid, mu), ("iid/naive", "naive", iid, mu),
-                                       ("fixed/reweighted", "reweighted", fixed, fixed_mean),
-                                       ("fixed/unbiased", "unbiased", fixed, fixed_mean)]:
+        for key, policy, grad, ref in [
+            ("iid/unbiased", "unbiased", iid, mu),
+            ("iid/naive", "naive", iid, mu),
+            ("fixed/reweighted", "reweighted", fixed, fixed_mean),
+            ("fixed/unbiased", "unbiased", fixed, fixed_mean),
+        ]:
             t = LossyTransport(cfg)
             t.begin_step(step)
             ratio = torch.zeros(n * blocks, dtype=torch.float64)
@@ -227,8 +246,13 @@ def _drift_run(rank: int, size: int, resync_every: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 3, bias=False))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    dp = LossyDataParallel(model, opt, LossyDPConfig("unbiased", LossConfig(rate=0.1, packet_size=4, seed=4),
-                                                     resync_every=resync_every, grad_clip=0.0))
+    dp = LossyDataParallel(
+        model,
+        opt,
+        LossyDPConfig(
+            "unbiased", LossConfig(rate=0.1, packet_size=4, seed=4), resync_every=resync_every, grad_clip=0.0
+        ),
+    )
     drift, rms, received, snapshot = [], [], [], None
     for step in range(steps):
         g = torch.Generator().manual_seed(7919 * step + rank)
@@ -244,9 +268,14 @@ def _drift_run(rank: int, size: int, resync_every: int, steps: int) -> dict:
         return {"max_drift": drift, "rms_drift": rms}
     # what a replica that stopped receiving at step 100 would be off by at step 200
     frozen = parameters_to_vector(model.parameters()).detach() - snapshot
-    return {"max_drift": drift, "rms_drift": rms, "frozen_rms": float(frozen.square().mean().sqrt()),
-            "frozen_max": float(frozen.abs().max()), "per_param": sorted(m["drift"]),
-            "received": float(np.mean(received))}
+    return {
+        "max_drift": drift,
+        "rms_drift": rms,
+        "frozen_rms": float(frozen.square().mean().sqrt()),
+        "frozen_max": float(frozen.abs().max()),
+        "per_param": sorted(m["drift"]),
+        "received": float(np.mean(received)),
+    }
 
 
 def _experts(num_experts: int, d: int, f: int) -> tuple[SwiGLUExperts, SwiGLUExperts, int, int]:
@@ -284,7 +313,9 @@ def _expert_checks(rank: int, size: int) -> dict:
         per_rank = stop - start
         for a in range(2 * n):
             dst = int(expert_A[a]) // per_rank
-            same = (expert_A // per_rank == dst) & ((expert_A < expert_A[a]) | ((expert_A == expert_A[a]) & (torch.arange(2 * n) < a)))
+            same = (expert_A // per_rank == dst) & (
+                (expert_A < expert_A[a]) | ((expert_A == expert_A[a]) & (torch.arange(2 * n) < a))
+            )
             pos, rows = int(same.sum()), int((expert_A // per_rank == dst).sum())
             there = lost_packets(cfg, 3, 0, rank, dst, cfg.num_packets(rows * d))
             back = lost_packets(cfg, 3, 1, dst, rank, cfg.num_packets(rows * d))
@@ -301,7 +332,9 @@ def _expert_checks(rank: int, size: int) -> dict:
     # Through MoELayer: a wrapped router at p = 0 changes nothing; at p = 0.3 the layer's
     # routing holds the survivors and counts them as drops.
     torch.manual_seed(1)
-    layer = MoELayer(d, f, num_experts, router="topk", top_k=2, expert_parallel=ExpertParallel(dist.group.WORLD)).double()
+    layer = MoELayer(
+        d, f, num_experts, router="topk", top_k=2, expert_parallel=ExpertParallel(dist.group.WORLD)
+    ).double()
     x_BTD = x.view(2, n // 2, d)
     y_plain, r_plain = layer(x_BTD, return_routing=True)
     t = LossyTransport(LossConfig(rate=0.0))
@@ -313,8 +346,13 @@ def _expert_checks(rank: int, size: int) -> dict:
     _, r_lossy = layer(x_BTD, return_routing=True)
     kept_fraction = r_lossy.token.numel() / r_plain.token.numel()
     out["ep/layer_lost"] = float(r_lossy.stats["ep_lost_fraction"])
-    out["ep/layer_dropped_consistent"] = abs(
-        float(r_lossy.stats["dropped_fraction"]) - (1 - (1 - float(r_plain.stats["dropped_fraction"])) * kept_fraction)) < 1e-6  # fp32 stats
+    out["ep/layer_dropped_consistent"] = (
+        abs(
+            float(r_lossy.stats["dropped_fraction"])
+            - (1 - (1 - float(r_plain.stats["dropped_fraction"])) * kept_fraction)
+        )
+        < 1e-6
+    )  # fp32 stats
     out["ep/layer_kept_matches"] = abs(kept_fraction - (1 - out["ep/layer_lost"])) < 1e-6
     t = LossyTransport(LossConfig(rate=0.0))
     t.begin_step(0)
@@ -378,8 +416,13 @@ def _expert_backward_checks(rank: int, size: int) -> dict:
                 out["epb/lost_dispatched"] += dispatched
             x_in = xs[tok[a]].detach() if dispatched or returned else xs[tok[a]]
             weights = [w.detach() if returned else w for w in ref.values()]
-            ys = ys.index_add(0, tok[a : a + 1], moe_ffn_reference(x_in[None], torch.zeros(1, dtype=torch.long),
-                                                                   exp[a : a + 1], ws[a : a + 1], *weights))
+            ys = ys.index_add(
+                0,
+                tok[a : a + 1],
+                moe_ffn_reference(
+                    x_in[None], torch.zeros(1, dtype=torch.long), exp[a : a + 1], ws[a : a + 1], *weights
+                ),
+            )
         total = total + (ys * gs).sum()
         if src == rank:
             mine = (xs, ws)
@@ -397,10 +440,15 @@ def _expert_backward_checks(rank: int, size: int) -> dict:
 
 
 def _worker(rank: int, size: int) -> dict:
-    return {**_bitwise_checks(rank, size), **_reference_checks(rank, size), **_expert_checks(rank, size),
-            **_expert_backward_checks(rank, size),
-            "stats": _statistics(rank, size),
-            "drift": _drift_run(rank, size, 0, 200), "drift_resync": _drift_run(rank, size, 10, 100)}
+    return {
+        **_bitwise_checks(rank, size),
+        **_reference_checks(rank, size),
+        **_expert_checks(rank, size),
+        **_expert_backward_checks(rank, size),
+        "stats": _statistics(rank, size),
+        "drift": _drift_run(rank, size, 0, 200),
+        "drift_resync": _drift_run(rank, size, 10, 100),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -419,7 +467,9 @@ def test_policies_match_a_float64_reference(results):
     for rank, res in enumerate(results):
         assert res["reference/some_lost"] > 0, f"rank {rank}: nothing was lost, the reference check is vacuous"
         for policy in ("unbiased", "naive", "reweighted"):
-            assert res[f"reference/{policy}"] < 1e-12, f"rank {rank} {policy}: max diff {res[f'reference/{policy}']:.3e}"
+            assert res[f"reference/{policy}"] < 1e-12, (
+                f"rank {rank} {policy}: max diff {res[f'reference/{policy}']:.3e}"
+            )
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -456,10 +506,14 @@ def test_expert_parallel_loss_drops_assignments(results):
         assert res["ep/lost"] > 0, f"rank {rank}: no assignment lost at p = 0.3: the check is vacuous"
         assert res["ep/lost_set_matches"], f"rank {rank}: lost assignments differ from the packets' reading"
         assert res["ep/output"] < 1e-10, f"rank {rank}: EP output vs reference on survivors {res['ep/output']:.3e}"
-        assert res["ep/renorm_sum"] < 1e-12, f"rank {rank}: renormalised weights lost their sum {res['ep/renorm_sum']:.3e}"
+        assert res["ep/renorm_sum"] < 1e-12, (
+            f"rank {rank}: renormalised weights lost their sum {res['ep/renorm_sum']:.3e}"
+        )
         assert res["ep/p0_identity"], f"rank {rank}: p = 0 changed the assignments"
         assert res["ep/layer_p0_equal"], f"rank {rank}: a LossyRouter at p = 0 changed the layer's output"
-        assert res["ep/layer_kept_matches"], f"rank {rank}: survivors do not match ep_lost_fraction {res['ep/layer_lost']}"
+        assert res["ep/layer_kept_matches"], (
+            f"rank {rank}: survivors do not match ep_lost_fraction {res['ep/layer_lost']}"
+        )
         assert res["ep/layer_dropped_consistent"], f"rank {rank}: dropped_fraction does not count the lost assignments"
     assert sum(r["ep/layer_lost"] for r in results) > 0, "no assignment lost through the layer: vacuous"
 
@@ -467,11 +521,14 @@ def test_expert_parallel_loss_drops_assignments(results):
 def test_expert_parallel_backward_loss_drops_gradient_rows(results):
     for rank, res in enumerate(results):
         assert res["epb/lost_returned"] > 0 and res["epb/lost_dispatched"] > 0, (
-            f"rank {rank}: no gradient row lost ({res['epb/lost_returned']}, {res['epb/lost_dispatched']}): vacuous")
+            f"rank {rank}: no gradient row lost ({res['epb/lost_returned']}, {res['epb/lost_dispatched']}): vacuous"
+        )
         assert res["epb/forward_unchanged"], f"rank {rank}: backward losses changed the forward output"
         for key in ("epb/x_grad", "epb/weight_grad", "epb/expert_grad"):
             assert res[key] < 1e-10, f"rank {rank}: {key} vs the float64 reference: max diff {res[key]:.3e}"
-        assert res["epb/reliable_x_grad_differs"] > 1e-3, f"rank {rank}: the lost rows did not change the input gradient"
+        assert res["epb/reliable_x_grad_differs"] > 1e-3, (
+            f"rank {rank}: the lost rows did not change the input gradient"
+        )
 
 
 def test_drift_stays_bounded(results):
@@ -486,11 +543,13 @@ def test_drift_stays_bounded(results):
     # second half's mean 40% above the first's.
     (early, se_early), (late, se_late) = _mean_se(rms[10:100].tolist()), _mean_se(rms[100:].tolist())
     assert late <= early + 3 * math.hypot(se_early, se_late), (
-        f"RMS drift grew: steps 10-100 {early:.2e} +- {se_early:.1e}, steps 100-200 {late:.2e} +- {se_late:.1e}")
+        f"RMS drift grew: steps 10-100 {early:.2e} +- {se_early:.1e}, steps 100-200 {late:.2e} +- {se_late:.1e}"
+    )
     # A replica frozen at step 100 (a never-resynced random walk) is off by frozen_rms at step
     # 200; the lossy replicas' worst drift over steps 100-200 stays far below it.
     assert max(res["max_drift"][100:]) < 0.5 * res["frozen_max"], (
-        f"max drift {max(res['max_drift'][100:]):.3e} vs frozen replica {res['frozen_max']:.3e}")
+        f"max drift {max(res['max_drift'][100:]):.3e} vs frozen replica {res['frozen_max']:.3e}"
+    )
     assert late < 0.1 * res["frozen_rms"], f"RMS drift {late:.3e} vs frozen replica {res['frozen_rms']:.3e}"
     assert res["per_param"] == ["0.weight", "1.weight"]
 

@@ -32,18 +32,37 @@ POLICIES = ("reliable", "unbiased")
 
 
 def _config(policy: str) -> TrainConfig:
-    return TrainConfig.flat(preset="tiny", model={"n_layers": 1}, router_options={"aux_loss_coef": 0.0, "balance_rate": 0.01},
-                       max_bytes=MAX_BYTES, seq_len=32, batch_size=8, steps=8, warmup_steps=2, eval_windows=4,
-                       causal_stride=32, log_every=0, progress=False, wandb_mode="disabled", packet_loss=0.3,
-                       loss_policy=policy, loss_packet_size=64, seed=3)
+    return TrainConfig.flat(
+        preset="tiny",
+        model={"n_layers": 1},
+        router_options={"aux_loss_coef": 0.0, "balance_rate": 0.01},
+        max_bytes=MAX_BYTES,
+        seq_len=32,
+        batch_size=8,
+        steps=8,
+        warmup_steps=2,
+        eval_windows=4,
+        causal_stride=32,
+        log_every=0,
+        progress=False,
+        wandb_mode="disabled",
+        packet_loss=0.3,
+        loss_policy=policy,
+        loss_packet_size=64,
+        seed=3,
+    )
 
 
 def _processes(rank: int, world: int, policy: str) -> dict:
     corpus = load_corpus("stdlib", max_bytes=MAX_BYTES)
     res = train(_config(policy), corpus)
     ev = evaluate(res.model, corpus.val, 32, 4, device=torch.device("cpu"), causal=False)
-    return {"loss": [r["loss"] for r in res.history], "received": [r["received_fraction"] for r in res.history],
-            "grad_rel_error": [r["grad_rel_error"] for r in res.history], "val_loss": ev["teacher_forced_loss"]}
+    return {
+        "loss": [r["loss"] for r in res.history],
+        "received": [r["received_fraction"] for r in res.history],
+        "grad_rel_error": [r["grad_rel_error"] for r in res.history],
+        "val_loss": ev["teacher_forced_loss"],
+    }
 
 
 @functools.cache
@@ -61,8 +80,10 @@ def _check(policy: str) -> dict:
     procs, sim = _pair(policy)
     assert len(sim["history"]["loss"]) == len(procs["loss"]) == 8
     rel = _rel(procs["loss"], sim["history"]["loss"])
-    assert max(rel) <= REL_TOL, (f"{policy}: training loss differs, max rel {max(rel):.2e} at step {rel.index(max(rel)) + 1}, "
-                                 f"mean rel {sum(rel) / len(rel):.2e}")
+    assert max(rel) <= REL_TOL, (
+        f"{policy}: training loss differs, max rel {max(rel):.2e} at step {rel.index(max(rel)) + 1}, "
+        f"mean rel {sum(rel) / len(rel):.2e}"
+    )
     assert sim["history"]["received_fraction"] == procs["received"], f"{policy}: different packets lost"
     val_rel = abs(sim["val_loss"] - procs["val_loss"]) / procs["val_loss"]
     assert val_rel <= REL_TOL, f"{policy}: final validation loss {sim['val_loss']:.7f} vs {procs['val_loss']:.7f}"

@@ -21,7 +21,9 @@ def test_forward_shapes_and_aux(router):
 
 
 def test_moe_every_and_dense_model():
-    assert len(MoETransformer(preset("tiny", n_layers=4, moe_every=2))(torch.zeros(1, 4, dtype=torch.long)).routings) == 2
+    assert (
+        len(MoETransformer(preset("tiny", n_layers=4, moe_every=2))(torch.zeros(1, 4, dtype=torch.long)).routings) == 2
+    )
     dense = MoETransformer(preset("tiny", moe_every=0))
     out = dense(torch.zeros(1, 4, dtype=torch.long))
     assert out.routings == [] and out.aux_loss.item() == 0.0

@@ -201,7 +201,9 @@ def _training_worker(rank: int, world: int) -> dict[str, float]:
     out["router_state/balance_bias"] = _max_diff(ep.router.balance_bias, full.router.balance_bias)
     out["router_state/bias_nonzero"] = float(full.router.balance_bias.abs().max())
 
-    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=32, moe_d_ff=16, num_experts=E, max_seq_len=16)
+    cfg = ModelConfig(
+        vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=32, moe_d_ff=16, num_experts=E, max_seq_len=16
+    )
     torch.manual_seed(4)
     full_model = MoETransformer(cfg).double()
     ep_model = MoETransformer(cfg, expert_parallel=ExpertParallel(group)).double()
@@ -265,9 +267,18 @@ def test_expert_parallel_equals_single_process_4_ranks():
 
 def test_gradient_reduction_router_state_and_checkpoints():
     for rank, res in enumerate(ok_values(run_local(_training_worker, 2))):
-        assert res["mean_loss/aux_loss_rel"] <= 1e-6, f"rank {rank}: aux loss rel diff {res['mean_loss/aux_loss_rel']:.3e}"
-        for key in ("mean_loss/router_grad", "mean_loss/w_gate_grad", "mean_loss/w_up_grad", "mean_loss/w_down_grad",
-                    "router_state/balance_bias", "model/logits", "model/checkpoint"):
+        assert res["mean_loss/aux_loss_rel"] <= 1e-6, (
+            f"rank {rank}: aux loss rel diff {res['mean_loss/aux_loss_rel']:.3e}"
+        )
+        for key in (
+            "mean_loss/router_grad",
+            "mean_loss/w_gate_grad",
+            "mean_loss/w_up_grad",
+            "mean_loss/w_down_grad",
+            "router_state/balance_bias",
+            "model/logits",
+            "model/checkpoint",
+        ):
             assert res[key] <= TOL, f"rank {rank} {key}: max diff {res[key]:.3e} > {TOL}"
         assert res["router_state/bias_nonzero"] > 0, "balancing bias never moved: the sync check is vacuous"
         assert res["model/checkpoint_keys_match"] == 1.0
@@ -312,5 +323,7 @@ def test_layer_and_parallel_do_not_import_each_other():
     layer_imports = _imported_modules(root / "layer.py")
     assert not any(m.startswith("moe.parallel") for m in layer_imports), layer_imports
     for path in (root / "parallel").glob("*.py"):
-        bad = {m for m in _imported_modules(path) if m in ("moe", "moe.layer", "moe.model") or m.startswith("moe.training")}
+        bad = {
+            m for m in _imported_modules(path) if m in ("moe", "moe.layer", "moe.model") or m.startswith("moe.training")
+        }
         assert not bad, f"{path.name} imports {bad}"

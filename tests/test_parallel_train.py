@@ -22,16 +22,40 @@ from moe.training import config_from_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
-    "--preset", "tiny", "--steps", "12", "--batch-size", "8", "--seq-len", "64", "--max-bytes", "200000",
-    "--eval-windows", "2", "--causal-stride", "64", "--log-every", "0", "--no-progress", "--wandb-mode", "disabled",
+    "--preset",
+    "tiny",
+    "--steps",
+    "12",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+    "--max-bytes",
+    "200000",
+    "--eval-windows",
+    "2",
+    "--causal-stride",
+    "64",
+    "--log-every",
+    "0",
+    "--no-progress",
+    "--wandb-mode",
+    "disabled",
 ]
 REL_TOL = 1e-4
 
 
 def _torchrun(args: list[str], nproc: int, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "experiments" / "train.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(ROOT / "experiments" / "train.py"),
+        *args,
+    ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -54,8 +78,20 @@ def _compare(single: list[dict], parallel: list[dict]) -> None:
 def _run_pair(tmp_path: Path, extra: list[str]) -> None:
     single = train(config_from_args([*COMMON, *extra]))
     jsonl, ckpt_dir = tmp_path / "ep.jsonl", tmp_path / "ckpt"
-    _torchrun([*COMMON, *extra, "--expert-parallel", "2", "--metrics-jsonl", str(jsonl), "--checkpoint-dir", str(ckpt_dir),
-               "--export-model"], 2)
+    _torchrun(
+        [
+            *COMMON,
+            *extra,
+            "--expert-parallel",
+            "2",
+            "--metrics-jsonl",
+            str(jsonl),
+            "--checkpoint-dir",
+            str(ckpt_dir),
+            "--export-model",
+        ],
+        2,
+    )
     parallel = [json.loads(line) for line in jsonl.read_text().splitlines()]
     _compare(single.history, parallel)
     state = torch.load(ckpt_dir / "model.pt", map_location="cpu", weights_only=False)
@@ -117,8 +153,20 @@ def test_packet_loss_flags_train_over_the_lossy_transport(tmp_path):
     runs = {}
     for policy in ("reliable", "unbiased", "naive"):
         jsonl = tmp_path / f"{policy}.jsonl"
-        _torchrun([*COMMON, "--packet-loss", "0.3", "--loss-policy", policy, "--loss-packet-size", "256",
-                   "--metrics-jsonl", str(jsonl)], 2)
+        _torchrun(
+            [
+                *COMMON,
+                "--packet-loss",
+                "0.3",
+                "--loss-policy",
+                policy,
+                "--loss-packet-size",
+                "256",
+                "--metrics-jsonl",
+                str(jsonl),
+            ],
+            2,
+        )
         runs[policy] = [json.loads(line) for line in jsonl.read_text().splitlines()]
     _compare(single.history, runs["reliable"])
     assert all(r["received_fraction"] == 1.0 and r["max_drift"] == 0.0 for r in runs["reliable"])

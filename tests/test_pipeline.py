@@ -53,8 +53,24 @@ def _assert_same_state(exported, reference_model, router_tol: float = 1e-6) -> N
 def test_two_stages_match_single_process_ec_threshold(tmp_path, schedule):
     single = train(config_from_args([*COMMON, *EC]))
     jsonl, ckpt = tmp_path / "pp.jsonl", tmp_path / "ckpt"
-    _torchrun([*COMMON, *EC, "--pipeline-parallel", "2", "--microbatches", "2", "--pipeline-schedule", schedule,
-               "--metrics-jsonl", str(jsonl), "--checkpoint-dir", str(ckpt), "--export-model"], 2)
+    _torchrun(
+        [
+            *COMMON,
+            *EC,
+            "--pipeline-parallel",
+            "2",
+            "--microbatches",
+            "2",
+            "--pipeline-schedule",
+            schedule,
+            "--metrics-jsonl",
+            str(jsonl),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--export-model",
+        ],
+        2,
+    )
     _assert_same_run(single.history, _records(jsonl))
     _assert_same_state(ckpt / "model.pt", single.model)
 
@@ -62,8 +78,24 @@ def test_two_stages_match_single_process_ec_threshold(tmp_path, schedule):
 def test_two_stages_times_expert_parallel_match_single_process(tmp_path):
     single = train(config_from_args([*COMMON, *EC]))
     jsonl, ckpt = tmp_path / "pp.jsonl", tmp_path / "ckpt"
-    _torchrun([*COMMON, *EC, "--pipeline-parallel", "2", "--expert-parallel", "2", "--microbatches", "2",
-               "--metrics-jsonl", str(jsonl), "--checkpoint-dir", str(ckpt), "--export-model"], 4)
+    _torchrun(
+        [
+            *COMMON,
+            *EC,
+            "--pipeline-parallel",
+            "2",
+            "--expert-parallel",
+            "2",
+            "--microbatches",
+            "2",
+            "--metrics-jsonl",
+            str(jsonl),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--export-model",
+        ],
+        4,
+    )
     _assert_same_run(single.history, _records(jsonl))
     _assert_same_state(ckpt / "model.pt", single.model)
 
@@ -74,8 +106,22 @@ def test_topk_pipeline_matches_microbatch_accumulation(tmp_path):
     accumulated = train(config_from_args([*COMMON, *topk, "--microbatches", "4"]))
     plain = train(config_from_args([*COMMON, *topk]))
     jsonl, ckpt = tmp_path / "pp.jsonl", tmp_path / "ckpt"
-    _torchrun([*COMMON, *topk, "--pipeline-parallel", "2", "--microbatches", "4", "--metrics-jsonl", str(jsonl),
-               "--checkpoint-dir", str(ckpt), "--export-model"], 2)
+    _torchrun(
+        [
+            *COMMON,
+            *topk,
+            "--pipeline-parallel",
+            "2",
+            "--microbatches",
+            "4",
+            "--metrics-jsonl",
+            str(jsonl),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--export-model",
+        ],
+        2,
+    )
     run = _records(jsonl)
     _assert_same_run(accumulated.history, run)
     _assert_same_state(ckpt / "model.pt", accumulated.model)
@@ -90,8 +136,22 @@ def test_interleaved_1f1b_matches_single_process(tmp_path):
     four = ["--n-layers", "4"]
     single = train(config_from_args([*COMMON, *EC, *four]))
     jsonl = tmp_path / "pp.jsonl"
-    _torchrun([*COMMON, *EC, *four, "--pipeline-parallel", "2", "--microbatches", "4",
-               "--pipeline-schedule", "interleaved1f1b", "--metrics-jsonl", str(jsonl)], 2)
+    _torchrun(
+        [
+            *COMMON,
+            *EC,
+            *four,
+            "--pipeline-parallel",
+            "2",
+            "--microbatches",
+            "4",
+            "--pipeline-schedule",
+            "interleaved1f1b",
+            "--metrics-jsonl",
+            str(jsonl),
+        ],
+        2,
+    )
     _assert_same_run(single.history, _records(jsonl))
 
 
@@ -112,8 +172,22 @@ def test_pipeline_checkpoints_load_into_one_process_and_back(tmp_path):
     ckpt1 = tmp_path / "ckpt1"
     train(config_from_args([*half, *ec, "--checkpoint-dir", str(ckpt1)]))
     jsonl = tmp_path / "pp.jsonl"
-    _torchrun([*COMMON, *ec, "--pipeline-parallel", "2", "--microbatches", "2", "--checkpoint-dir", str(ckpt1),
-               "--resume", "--metrics-jsonl", str(jsonl)], 2)
+    _torchrun(
+        [
+            *COMMON,
+            *ec,
+            "--pipeline-parallel",
+            "2",
+            "--microbatches",
+            "2",
+            "--checkpoint-dir",
+            str(ckpt1),
+            "--resume",
+            "--metrics-jsonl",
+            str(jsonl),
+        ],
+        2,
+    )
     for a, b in zip(full.history[6:], _records(jsonl)[6:]):
         assert b["step"] == a["step"] and math.isclose(a["loss"], b["loss"], rel_tol=REL_TOL), (a, b)
 

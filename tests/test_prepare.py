@@ -46,7 +46,9 @@ def test_trained_bpe_shards_decode_to_the_input_documents(trained):
     assert [s["num_tokens"] for s in m["shards"][:-1]] == [1000] * (len(m["shards"]) - 1)
     assert sum(s["num_tokens"] for s in m["shards"]) == m["num_tokens"] == stream(out).size
     assert (out / m["tokenizer"]).is_file() and sorted(p.name for p in out.iterdir() if p.suffix != ".bin") == [
-        "manifest.json", "tokenizer.json"]
+        "manifest.json",
+        "tokenizer.json",
+    ]
     # Byte-level BPE is lossless: each document decodes to its file's text (sorted, hidden file skipped).
     assert decoded(out) == docs
     # Subwords: fewer tokens than bytes, every id below the vocabulary.
@@ -58,8 +60,20 @@ def test_the_same_tokens_for_any_workers_and_shard_size(trained, tmp_path, monke
     # Small pieces and batches: documents cross pieces, many batches are in flight in the workers.
     monkeypatch.setattr(documents_module, "PIECE_BYTES", 512)
     monkeypatch.setattr(prepare_module, "BATCH_CHARS", 2048)
-    assert prepare(texts, "--out", tmp_path / "w2", "--tokenizer", out / "tokenizer.json", "--workers", 2,
-                   "--shard-tokens", 10**9) == 0
+    assert (
+        prepare(
+            texts,
+            "--out",
+            tmp_path / "w2",
+            "--tokenizer",
+            out / "tokenizer.json",
+            "--workers",
+            2,
+            "--shard-tokens",
+            10**9,
+        )
+        == 0
+    )
     m = read_manifest(tmp_path / "w2")
     assert len(m["shards"]) == 1 and m["config"]["workers"] == 2
     assert np.array_equal(stream(tmp_path / "w2"), stream(out))
@@ -76,8 +90,12 @@ def test_jsonl_and_parquet_documents_with_a_tokenizer_file(trained, tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"body": docs[4:], "n": list(range(3))}), tmp_path / "in" / "b.parquet")
-    assert prepare(tmp_path / "in", "--out", tmp_path / "out", "--tokenizer", out / "tokenizer.json",
-                   "--text-field", "body") == 0
+    assert (
+        prepare(
+            tmp_path / "in", "--out", tmp_path / "out", "--tokenizer", out / "tokenizer.json", "--text-field", "body"
+        )
+        == 0
+    )
     assert decoded(tmp_path / "out") == docs
 
 
@@ -97,16 +115,23 @@ def test_hugging_face_tokenizer_folder_with_and_without_tokenizer_json(trained, 
     # GPT-2 style files only (vocab.json + merges.txt): transformers converts them to a fast tokenizer.
     (tmp_path / "gpt2").mkdir()
     tok.model.save(str(tmp_path / "gpt2"))
-    (tmp_path / "gpt2" / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "add_prefix_space": False}))
+    (tmp_path / "gpt2" / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "add_prefix_space": False})
+    )
     assert prepare(texts, "--out", tmp_path / "b", "--tokenizer", tmp_path / "gpt2") == 0
     assert np.array_equal(stream(tmp_path / "b"), stream(out))
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "moe.data", "prepare", *map(str, args), "--no-progress"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "moe.data", "prepare", *map(str, args), "--no-progress"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -145,11 +170,28 @@ def test_bad_input_is_one_line_and_exit_2_leaving_nothing(trained, tmp_path, cap
 
 def prepare_peak_rss(text_file: Path, out: Path, tokenizer: Path) -> int:
     """Peak RSS (MiB) of a process preparing ``text_file``."""
-    script = ("import resource, sys\nfrom moe.data.__main__ import main\n"
-              "assert main(sys.argv[1:]) == 0\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
-    proc = subprocess.run([sys.executable, "-c", script, "prepare", str(text_file), "--out", str(out), "--tokenizer",
-                           str(tokenizer), "--no-progress"], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=600)
+    script = (
+        "import resource, sys\nfrom moe.data.__main__ import main\n"
+        "assert main(sys.argv[1:]) == 0\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "prepare",
+            str(text_file),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tokenizer),
+            "--no-progress",
+        ],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return int(proc.stdout.split()[-1])
 

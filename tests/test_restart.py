@@ -17,8 +17,25 @@ from moe.training import config_from_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
-    "--preset", "tiny", "--steps", "12", "--batch-size", "8", "--seq-len", "64", "--max-bytes", "200000",
-    "--eval-windows", "2", "--causal-stride", "64", "--log-every", "0", "--no-progress", "--wandb-mode", "disabled",
+    "--preset",
+    "tiny",
+    "--steps",
+    "12",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+    "--max-bytes",
+    "200000",
+    "--eval-windows",
+    "2",
+    "--causal-stride",
+    "64",
+    "--log-every",
+    "0",
+    "--no-progress",
+    "--wandb-mode",
+    "disabled",
 ]
 REL_TOL = 1e-4
 
@@ -27,11 +44,33 @@ REL_TOL = 1e-4
 def test_rank_killed_at_step_7_restarts_and_matches(tmp_path):
     single = train(config_from_args(COMMON)).history
     jsonl = tmp_path / "metrics.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1",
-           "MOE_FAULT_AT_STEP": "7", "MOE_FAULT_RANK": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           str(ROOT / "experiments" / "train.py"), *COMMON, "--expert-parallel", "2", "--checkpoint-dir",
-           str(tmp_path / "ckpt"), "--checkpoint-every", "3", "--resume", "--metrics-jsonl", str(jsonl)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "WANDB_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+        "MOE_FAULT_AT_STEP": "7",
+        "MOE_FAULT_RANK": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        str(ROOT / "experiments" / "train.py"),
+        *COMMON,
+        "--expert-parallel",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "3",
+        "--resume",
+        "--metrics-jsonl",
+        str(jsonl),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     log = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, log

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from helpers import ROUTER_CONFIGS, identity_router
 
 import moe
-from helpers import ROUTER_CONFIGS, identity_router
 
 
 def assignments(routing: moe.Routing) -> list[tuple[int, int]]:
@@ -115,8 +115,9 @@ def test_kept_under_ceiling_matches_a_sequential_walk():
 @pytest.mark.parametrize("group", ["sequence", "batch"])
 def test_capacity_prefix_scope_is_decode_consistent(group):
     torch.manual_seed(3)
-    r = moe.build_router("capacity", d_model=8, num_experts=4, top_k=2, capacity_factor=0.5, group=group,
-                         capacity_scope="prefix")
+    r = moe.build_router(
+        "capacity", d_model=8, num_experts=4, top_k=2, capacity_factor=0.5, group=group, capacity_scope="prefix"
+    )
     x = torch.randn(3, 12, 8)
     full = r(x).dense()
     for t in range(12):
@@ -134,8 +135,13 @@ def test_capacity_unbounded_equals_topk():
         for priority in ("position", "score", "choice"):
             for group in ("sequence", "batch"):
                 cap = moe.build_router(
-                    "capacity", d_model=16, num_experts=6, capacity_factor=float("inf"),
-                    priority=priority, group=group, **opts,
+                    "capacity",
+                    d_model=16,
+                    num_experts=6,
+                    capacity_factor=float("inf"),
+                    priority=priority,
+                    group=group,
+                    **opts,
                 )
                 cap.load_state_dict(topk.state_dict())
                 x = torch.randn(3, 10, 16)

@@ -20,8 +20,18 @@ from moe.training import TrainConfig, build_model, config_from_args, lr_at, mode
 from moe.training.metrics import resolve_wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = dict(seq_len=32, batch_size=8, max_bytes=200_000, eval_windows=4, eval_batch_size=4, causal_stride=8,
-             warmup_steps=2, log_every=0, progress=False, model={"d_model": 32, "moe_d_ff": 64})
+SMALL = dict(
+    seq_len=32,
+    batch_size=8,
+    max_bytes=200_000,
+    eval_windows=4,
+    eval_batch_size=4,
+    causal_stride=8,
+    warmup_steps=2,
+    log_every=0,
+    progress=False,
+    model={"d_model": 32, "moe_d_ff": 64},
+)
 
 
 @pytest.fixture(autouse=True)
@@ -72,8 +82,9 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
     monkeypatch.setattr(mt, "local_batch", real_batch)
     assert [r["step"] for r in read_jsonl(jsonl)] == [1, 2, 3, 4]
     assert sorted(p.name for p in run_dir.iterdir()) == ["step-00000003"]  # no temporary directory left behind
-    resumed = train(TrainConfig.flat(checkpoint_dir=str(run_dir), checkpoint_every=3, metrics_jsonl=jsonl, resume=True,
-                                **common))
+    resumed = train(
+        TrainConfig.flat(checkpoint_dir=str(run_dir), checkpoint_every=3, metrics_jsonl=jsonl, resume=True, **common)
+    )
 
     a, b = read_jsonl(tmp_path / "full.jsonl"), read_jsonl(jsonl)
     assert [r["step"] for r in b] == list(range(1, 7))
@@ -139,18 +150,48 @@ def free_port() -> int:
 
 def test_data_parallel_two_processes_equals_single_process(tmp_path):
     # the Switch loss counts expert fractions over both ranks (share_router_statistics), so it matches too
-    args = ["--steps", "4", "--seq-len", "16", "--batch-size", "8", "--max-bytes", "100000", "--eval-windows", "2",
-            "--causal-stride", "8", "--log-every", "2", "--no-progress", "--d-model", "32", "--moe-d-ff", "64",
-            "--router", "topk"]
+    args = [
+        "--steps",
+        "4",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--max-bytes",
+        "100000",
+        "--eval-windows",
+        "2",
+        "--causal-stride",
+        "8",
+        "--log-every",
+        "2",
+        "--no-progress",
+        "--d-model",
+        "32",
+        "--moe-d-ff",
+        "64",
+        "--router",
+        "topk",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "experiments" / "train.py")
     train(config_from_args([*args, "--metrics-jsonl", str(tmp_path / "s.jsonl")]))
     port = str(free_port())
     procs = [
-        subprocess.Popen([sys.executable, script, *args, "--metrics-jsonl", str(tmp_path / "d.jsonl")],
-                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, script, *args, "--metrics-jsonl", str(tmp_path / "d.jsonl")],
+            env={
+                **env,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
     ]
     outs = []
@@ -173,23 +214,49 @@ def test_data_parallel_two_processes_equals_single_process(tmp_path):
 
 def help_of(args: list[str]) -> str:
     """What ``experiments/train.py ARGS --help`` prints."""
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "train.py"), *args, "--help"],
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "experiments" / "train.py"), *args, "--help"],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"},
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     return " ".join(out.stdout.translate({ord(c): " " for c in "│╭╮╰╯─"}).split())  # without tyro's boxes
 
 
 def test_cli_flags_come_from_the_configs():
-    cfg = config_from_args([
-        "--router", "capacity", "--router-option", "top_k=1", "--router-option", "capacity_factor=1.5",
-        "--router-option", "priority=score", "--router-option", "normalize=false", "--d-model", "32",
-        "--steps", "7", "--no-progress", "--metrics-jsonl", "m.jsonl",
-    ])
+    cfg = config_from_args(
+        [
+            "--router",
+            "capacity",
+            "--router-option",
+            "top_k=1",
+            "--router-option",
+            "capacity_factor=1.5",
+            "--router-option",
+            "priority=score",
+            "--router-option",
+            "normalize=false",
+            "--d-model",
+            "32",
+            "--steps",
+            "7",
+            "--no-progress",
+            "--metrics-jsonl",
+            "m.jsonl",
+        ]
+    )
     assert cfg.model.router_options == {"top_k": 1, "capacity_factor": 1.5, "priority": "score", "normalize": False}
     assert cfg.model.given() == {"d_model": 32} and cfg.optimizer.steps == 7 and cfg.logging.progress is False
     assert cfg.logging.metrics_jsonl == "m.jsonl" and cfg.parallel.expert_parallel == 1
-    assert cfg == TrainConfig.flat(router="capacity", router_options=cfg.model.router_options, model={"d_model": 32},
-                                   steps=7, progress=False, metrics_jsonl="m.jsonl")
+    assert cfg == TrainConfig.flat(
+        router="capacity",
+        router_options=cfg.model.router_options,
+        model={"d_model": 32},
+        steps=7,
+        progress=False,
+        metrics_jsonl="m.jsonl",
+    )
     help_text = " ".join(help_of([]).split())
     assert "--causal-stride" in help_text and "--num-experts" in help_text and "every k-th" in help_text
     with pytest.raises(ValueError, match="KEY=VALUE"):
@@ -206,7 +273,9 @@ def test_model_config_follows_the_preset_router_options_rule_and_refuses_a_usele
     assert ec.router_options == {}
     with torch.device("meta"):
         assert len(MoETransformer(ec).routers()) == 6
-    topk = model_config(TrainConfig.flat(preset="gpu100m", router="topk", router_options={"gate": "sigmoid"}).model, 256)
+    topk = model_config(
+        TrainConfig.flat(preset="gpu100m", router="topk", router_options={"gate": "sigmoid"}).model, 256
+    )
     assert topk.router_options == {"top_k": 2, "gate": "sigmoid"}
     assert topk == preset("gpu100m", vocab_size=256, router="topk", router_options={"gate": "sigmoid"})
     with pytest.raises(ValueError, match="d_ff=64 has no effect: every block is an MoE block"):

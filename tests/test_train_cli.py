@@ -7,9 +7,29 @@ from moe.training import TrainConfig, lr_at
 from moe.training.cli import main
 from moe.training.optim import OptimizerConfig
 
-RUN = ["--seq-len", "16", "--batch-size", "2", "--max-bytes", "20000", "--eval-windows", "2", "--eval-batch-size", "2",
-       "--causal-stride", "8", "--d-model", "32", "--moe-d-ff", "32", "--no-progress", "--wandb-mode", "disabled",
-       "--log-every", "1"]
+RUN = [
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "2",
+    "--max-bytes",
+    "20000",
+    "--eval-windows",
+    "2",
+    "--eval-batch-size",
+    "2",
+    "--causal-stride",
+    "8",
+    "--d-model",
+    "32",
+    "--moe-d-ff",
+    "32",
+    "--no-progress",
+    "--wandb-mode",
+    "disabled",
+    "--log-every",
+    "1",
+]
 
 
 def refused(argv, capsys) -> str:
@@ -21,16 +41,19 @@ def refused(argv, capsys) -> str:
     return err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--data", "no/such/corpus"], "--data 'no/such/corpus': no such file or directory"),
-    (["--batch-size", "0"], "batch_size must be a positive integer, got 0"),
-    (["--router", "nope"], "unknown router 'nope'; known routers:"),
-    (["--preset", "huge"], "unknown preset 'huge'; known presets: tiny"),
-    (["--lr", "-1"], "need lr > 0"),
-    (["--steps", "-5"], "steps must be a positive integer, got -5"),
-    (["--router-option", "top_k=8"], "top_k must be an integer in [1, num_experts=4], got 8"),
-    (["--seq-len", "512"], "seq_len=512 exceeds the tiny preset's max_seq_len=128"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "no/such/corpus"], "--data 'no/such/corpus': no such file or directory"),
+        (["--batch-size", "0"], "batch_size must be a positive integer, got 0"),
+        (["--router", "nope"], "unknown router 'nope'; known routers:"),
+        (["--preset", "huge"], "unknown preset 'huge'; known presets: tiny"),
+        (["--lr", "-1"], "need lr > 0"),
+        (["--steps", "-5"], "steps must be a positive integer, got -5"),
+        (["--router-option", "top_k=8"], "top_k must be an integer in [1, num_experts=4], got 8"),
+        (["--seq-len", "512"], "seq_len=512 exceeds the tiny preset's max_seq_len=128"),
+    ],
+)
 def test_user_errors_are_one_line_and_exit_2(args, message, capsys):
     err = refused(args, capsys)
     assert err.count("\n") == 0 and err.startswith("error: ") and message in err, err

@@ -11,8 +11,20 @@ from moe.training import TrainConfig, train
 from moe.training.build import model_config
 from moe.training.cli import main
 
-SMALL = dict(steps=4, seq_len=32, batch_size=4, max_bytes=200_000, eval_windows=2, eval_batch_size=2, causal_stride=16,
-             warmup_steps=1, log_every=0, progress=False, eval_every=0, model={"d_model": 32, "moe_d_ff": 64})
+SMALL = dict(
+    steps=4,
+    seq_len=32,
+    batch_size=4,
+    max_bytes=200_000,
+    eval_windows=2,
+    eval_batch_size=2,
+    causal_stride=16,
+    warmup_steps=1,
+    log_every=0,
+    progress=False,
+    eval_every=0,
+    model={"d_model": 32, "moe_d_ff": 64},
+)
 KEYS = ("loss", "aux_loss", "grad_norm")
 
 
@@ -47,10 +59,19 @@ def test_the_placed_model_is_the_single_process_initialisation():
         assert d < 1e-9, f"{name}: max {d:.3e} (one step at lr 1e-12 moves a weight by about 1e-12)"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--compile", "--activation-checkpointing", "full"], "activation checkpointing of a compiled block is not supported"),
-    (["--activation-checkpointing", "some"], "activation_checkpointing must be one of none, full, selective, got 'some'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--compile", "--activation-checkpointing", "full"],
+            "activation checkpointing of a compiled block is not supported",
+        ),
+        (
+            ["--activation-checkpointing", "some"],
+            "activation_checkpointing must be one of none, full, selective, got 'some'",
+        ),
+    ],
+)
 def test_bad_combinations_are_one_line_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--steps", "1", "--no-progress", "--wandb-mode", "disabled", *args])

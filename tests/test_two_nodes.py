@@ -22,8 +22,25 @@ from moe.training import config_from_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
-    "--preset", "tiny", "--steps", "8", "--batch-size", "8", "--seq-len", "64", "--max-bytes", "200000",
-    "--eval-windows", "2", "--causal-stride", "64", "--log-every", "0", "--no-progress", "--wandb-mode", "disabled",
+    "--preset",
+    "tiny",
+    "--steps",
+    "8",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "64",
+    "--max-bytes",
+    "200000",
+    "--eval-windows",
+    "2",
+    "--causal-stride",
+    "64",
+    "--log-every",
+    "0",
+    "--no-progress",
+    "--wandb-mode",
+    "disabled",
 ]
 REL_TOL = 1e-4
 
@@ -41,11 +58,36 @@ def test_two_torchrun_nodes_ep_inside_hsdp_across_equal_one_process(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-             "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", "two-nodes", str(ROOT / "experiments" / "train.py"), *COMMON,
-             "--expert-parallel", "2", "--dp-replicate", "2", "--metrics-jsonl", str(jsonl)],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "two-nodes",
+                str(ROOT / "experiments" / "train.py"),
+                *COMMON,
+                "--expert-parallel",
+                "2",
+                "--dp-replicate",
+                "2",
+                "--metrics-jsonl",
+                str(jsonl),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for node in (0, 1)
     ]

@@ -37,31 +37,49 @@ SIGMOID_GROUPS = "sigmoid scores + e_score_correction_bias (a fixed buffer), top
 SOFTMAX_TOPK = "softmax top-k of the token's own logits, experts loop over index_add_; no capacity"
 
 EXPECTED: dict[str, Expect] = {
-    "AfmoeSparseMoeBlock": per_token(f"AfmoeTokenChoiceRouter: {SIGMOID_GROUPS.replace('inside the top groups of', 'of')}"),
-    "AriaTextMoELayer": per_token("AriaTextTopKRouter: topk of the logits then softmax, per token; shared MLP is dense"),
+    "AfmoeSparseMoeBlock": per_token(
+        f"AfmoeTokenChoiceRouter: {SIGMOID_GROUPS.replace('inside the top groups of', 'of')}"
+    ),
+    "AriaTextMoELayer": per_token(
+        "AriaTextTopKRouter: topk of the logits then softmax, per token; shared MLP is dense"
+    ),
     "AXK1MoE": per_token(f"AXK1TopkRouter: {SIGMOID_GROUPS}"),
     "AXK2MoE": per_token(f"AXK2TopkRouter: {SIGMOID_GROUPS}"),
     "BailingHybridMoE": per_token(f"BailingHybridTopkRouter: {SIGMOID_GROUPS}"),
     "BeamMoE": per_token(f"BeamTopKRouter: {SIGMOID_GROUPS}"),
-    "Cohere2MoeSparseMoeBlock": per_token("Cohere2MoeTopKRouter: topk of the token's logits, then softmax or sigmoid over the k"),
+    "Cohere2MoeSparseMoeBlock": per_token(
+        "Cohere2MoeTopKRouter: topk of the token's logits, then softmax or sigmoid over the k"
+    ),
     "DbrxFFN": per_token("DbrxRouter: softmax top-k per token; moe_jitter_eps is None by default; no capacity"),
     "DeepseekOcr2TextMoe": per_token("DeepseekOcr2TextTopkRouter: softmax, group-limited top-k per token; no capacity"),
     "DeepseekV2Moe": per_token("DeepseekV2TopkRouter: softmax, group-limited top-k per token; no capacity"),
     "DeepseekV3MoE": per_token(f"DeepseekV3TopkRouter + route_tokens_to_experts: {SIGMOID_GROUPS}"),
     "DeepseekV32MoE": per_token(f"DeepseekV32TopkRouter: {SIGMOID_GROUPS}"),
-    "DeepseekV4SparseMoeBlock": per_token("DeepseekV4TopKRouter (last layer: 'moe', not 'hash_moe'): score_fn top-k + bias per token"),
-    "DiffusionGemmaEncoderTextLayer": not_standalone("a decoder layer with the MoE inline; forward needs position_embeddings"),
-    "DiffusionGemmaDecoderTextLayer": not_standalone("a decoder layer with the MoE inline; forward needs position_embeddings"),
+    "DeepseekV4SparseMoeBlock": per_token(
+        "DeepseekV4TopKRouter (last layer: 'moe', not 'hash_moe'): score_fn top-k + bias per token"
+    ),
+    "DiffusionGemmaEncoderTextLayer": not_standalone(
+        "a decoder layer with the MoE inline; forward needs position_embeddings"
+    ),
+    "DiffusionGemmaDecoderTextLayer": not_standalone(
+        "a decoder layer with the MoE inline; forward needs position_embeddings"
+    ),
     "DogeCDMoE": Expect(
-        ("train", "eval"), False, False,
+        ("train", "eval"),
+        False,
+        False,
         "router_gate(x).view(2, bsz * seq_len, -1) splits the [B*T, 2K] logits along the token axis, so token n "
         "scores with the logits of tokens n//2 and (B*T+n)//2 (the code's comment admits it is not causal)",
     ),
     "Dots1MoE": per_token(f"Dots1TopkRouter: {SIGMOID_GROUPS}"),
     "Dots3NoteTextMoE": per_token(f"Dots3NoteTextTopkRouter: {SIGMOID_GROUPS}"),
     "Dots3NoteVisionMoE": per_token("Dots3NoteVisionTopKRouter: sigmoid + bias top-k per token; no capacity"),
-    "Ernie4_5_MoeSparseMoeBlock": per_token("Ernie4_5_MoeTopKRouter: softmax, topk of moe_statics(weights) (a fixed bias) per token"),
-    "Ernie4_5_VLMoeSparseMoeBlock": per_token("Ernie4_5_VLMoeMoeTopKRouter: softmax top-k per token, fixed bias buffer"),
+    "Ernie4_5_MoeSparseMoeBlock": per_token(
+        "Ernie4_5_MoeTopKRouter: softmax, topk of moe_statics(weights) (a fixed bias) per token"
+    ),
+    "Ernie4_5_VLMoeSparseMoeBlock": per_token(
+        "Ernie4_5_VLMoeMoeTopKRouter: softmax top-k per token, fixed bias buffer"
+    ),
     "ExaoneMoeSparseMoEBlock": per_token(f"ExaoneMoeTopkRouter: {SIGMOID_GROUPS}"),
     "FlexOlmoSparseMoeBlock": per_token(f"FlexOlmoTopKRouter: {SOFTMAX_TOPK}"),
     "FlintSparseMoeBlock": per_token("FlintTopKRouter: sigmoid top-k per token; shared expert dense"),
@@ -75,23 +93,31 @@ EXPECTED: dict[str, Expect] = {
     "GraniteMoeMoE": per_token("GraniteMoeTopKRouter: topk of logits, softmax over the k, per token"),
     "GraniteMoeSWAMoE": per_token("GraniteMoeSWATopKRouter: topk of logits, softmax over the k, per token"),
     "GraniteMoeHybridMoE": per_token("GraniteMoeHybridTopKRouter: topk of logits, softmax over the k, per token"),
-    "GraniteMoeSharedMoE": per_token("GraniteMoeSharedTopKRouter: topk of logits, softmax over the k; shared MLP dense"),
+    "GraniteMoeSharedMoE": per_token(
+        "GraniteMoeSharedTopKRouter: topk of logits, softmax over the k; shared MLP dense"
+    ),
     "HunYuanMoEV1Moe": per_token("HunYuanMoEV1Gate: softmax top-k per token; no capacity"),
     "HYV3MoE": per_token("HYV3TopKRouter: sigmoid + bias top-k per token; no capacity"),
     "HYV4MoE": per_token(f"HYV4TopkRouter: {SIGMOID_GROUPS}"),
     "HYV4VLMoE": per_token(f"HYV4VLTopkRouter: {SIGMOID_GROUPS}"),
-    "InklingMoE": per_token("InklingTopkRouter: sigmoid + bias top-k per token; shared experts sum over experts (dim 0), not tokens"),
+    "InklingMoE": per_token(
+        "InklingTopkRouter: sigmoid + bias top-k per token; shared experts sum over experts (dim 0), not tokens"
+    ),
     "Inkling2SparseMoeBlock": per_token("Inkling2TopKRouter: score_fn(logits) + bias, topk(dim=-1) per token"),
     "Inkling2LoopSparseMoeBlock": per_token("Inkling2LoopTopKRouter: score_fn(logits) + bias, topk(dim=-1) per token"),
     "JambaSparseMoeBlock": per_token(f"JambaTopKRouter: {SOFTMAX_TOPK}"),
-    "JetMoeMoE": per_token("JetMoeTopKGating: topk(dim=1) of each token's logits; the sort only groups tokens by expert"),
+    "JetMoeMoE": per_token(
+        "JetMoeTopKGating: topk(dim=1) of each token's logits; the sort only groups tokens by expert"
+    ),
     "JetMoeMoA": not_standalone("mixture of attention heads: forward raises NotImplementedError (use map / reduce)"),
     "KimiLinearMoE": per_token(f"KimiLinearTopkRouter: {SIGMOID_GROUPS}"),
     "Kolibri1SparseMoeBlock": per_token("Kolibri1TopKRouter: sigmoid + bias top-k per token"),
     "LagunaSparseMoeBlock": per_token("LagunaTopKRouter: softcapped sigmoid + bias top-k per token"),
     "LaraMiniSparseMoeBlock": per_token(f"LaraMiniTopKRouter: {SOFTMAX_TOPK}"),
     "Lfm2MoeSparseMoeBlock": per_token("Lfm2MoeTopKRouter: sigmoid + bias top-k per token"),
-    "Llama4TextMoe": per_token("Llama4Router: topk(dim=1) of the token's logits then sigmoid; the sum(dim=0) is over the k copies"),
+    "Llama4TextMoe": per_token(
+        "Llama4Router: topk(dim=1) of the token's logits then sigmoid; the sum(dim=0) is over the k copies"
+    ),
     "LongcatFlashMoE": per_token("LongcatFlashTopkRouter: softmax + bias top-k per token; zero experts are identities"),
     "MellumSparseMoeBlock": per_token(f"MellumTopKRouter: {SOFTMAX_TOPK}"),
     "MiMoV2FlashMoE": per_token(f"MiMoV2FlashTopkRouter: {SIGMOID_GROUPS}"),
@@ -104,20 +130,28 @@ EXPECTED: dict[str, Expect] = {
     "MuseSparkMoE": per_token("MuseSparkTopkRouter: score_fn + bias top-k per token"),
     "NemotronHMoE": per_token(f"NemotronHTopkRouter: {SIGMOID_GROUPS}"),
     "NllbMoeSparseMLP": Expect(
-        ("train", "eval"), False, False,
+        ("train", "eval"),
+        False,
+        False,
         "NllbMoeTop2Router on the flattened B*T tokens: cumsum slots in position order over the whole batch, "
         "second choices queued after every first choice (locations2 += sum(top_1_mask)), eval capacity "
         "ceil(moe_eval_capacity_token_fraction * B*T)",
     ),
     "OlmoeSparseMoeBlock": per_token(f"OlmoeTopKRouter: {SOFTMAX_TOPK}"),
     "OpenAIPrivacyFilterMLP": per_token("OpenAIPrivacyFilterTopKRouter: topk of logits, softmax over the k, per token"),
-    "PhimoeSparseMoeBlock": per_token("sparsemixer: two masked maxes of the token's own scores (Gumbel-sampled per token in training)"),
-    "Qwen2MoeSparseMoeBlock": per_token(f"Qwen2MoeTopKRouter: {SOFTMAX_TOPK}; shared expert gated by sigmoid per token"),
+    "PhimoeSparseMoeBlock": per_token(
+        "sparsemixer: two masked maxes of the token's own scores (Gumbel-sampled per token in training)"
+    ),
+    "Qwen2MoeSparseMoeBlock": per_token(
+        f"Qwen2MoeTopKRouter: {SOFTMAX_TOPK}; shared expert gated by sigmoid per token"
+    ),
     "Qwen3_5MoeSparseMoeBlock": per_token(f"Qwen3_5MoeTopKRouter: {SOFTMAX_TOPK}; sigmoid-gated shared expert"),
     "Qwen3MoeSparseMoeBlock": per_token(f"Qwen3MoeTopKRouter: {SOFTMAX_TOPK}"),
     "Qwen3NextSparseMoeBlock": per_token(f"Qwen3NextTopKRouter: {SOFTMAX_TOPK}; sigmoid-gated shared expert"),
     "Qwen3OmniMoeThinkerTextSparseMoeBlock": per_token(f"Qwen3OmniMoeThinkerTextTopKRouter: {SOFTMAX_TOPK}"),
-    "Qwen3OmniMoeTalkerTextSparseMoeBlock": per_token(f"Qwen3OmniMoeTalkerTextTopKRouter: {SOFTMAX_TOPK}; gated shared expert"),
+    "Qwen3OmniMoeTalkerTextSparseMoeBlock": per_token(
+        f"Qwen3OmniMoeTalkerTextTopKRouter: {SOFTMAX_TOPK}; gated shared expert"
+    ),
     "Qwen3VLMoeTextSparseMoeBlock": per_token(f"Qwen3VLMoeTextTopKRouter: {SOFTMAX_TOPK}"),
     "Qwen4ExpTextSparseMoeBlock": per_token(f"Qwen4ExpTextTopKRouter: {SOFTMAX_TOPK}; gated shared expert"),
     "SolarOpenMoE": per_token(f"SolarOpenTopkRouter: {SIGMOID_GROUPS}"),
@@ -128,7 +162,9 @@ EXPECTED: dict[str, Expect] = {
         "sequence (drops by position, but causal and decode-consistent)"
     ),
     "UnlimitedOcrTextMoe": per_token("UnlimitedOcrTextTopkRouter: softmax, group-limited top-k per token"),
-    "ZayaSparseMoeBlock": per_token("ZayaRouter: router MLP on the token's own down-projection, softmax + balancing bias, topk(dim=-1)"),
+    "ZayaSparseMoeBlock": per_token(
+        "ZayaRouter: router MLP on the token's own down-projection, softmax + balancing bias, topk(dim=-1)"
+    ),
     "MixtralForCausalLM": per_token("causal attention mask + per-token MixtralSparseMoeBlock"),
     "OlmoeForCausalLM": per_token("causal attention mask + per-token OlmoeSparseMoeBlock"),
     "Qwen2MoeForCausalLM": per_token("causal attention mask + per-token Qwen2MoeSparseMoeBlock"),
@@ -167,7 +203,9 @@ def _disagreements(row: ZooRow) -> list[str]:
     modes = [m for m in rep.modes if not (m == "train" and row.built.train_noise and _regime(row, m) == "fixed seed")]
     found = {
         "a leak": {m: m in rep.leaks_in for m in modes},
-        "batch interference": {m: any(p.leaks for p in rep.probes if p.name == BATCH_PROBE and p.mode == m) for m in modes},
+        "batch interference": {
+            m: any(p.leaks for p in rep.probes if p.name == BATCH_PROBE and p.mode == m) for m in modes
+        },
         "decode inconsistency": {m: m in rep.decode_differs_in for m in modes},
     }
     expected = {
@@ -231,7 +269,10 @@ def test_capacity_binds_at_the_audited_shape(fast_rows):
 def test_router_kind_is_read_from_the_code(fast_rows):
     kinds = {name: row.built.router_kind for name, row in fast_rows.items() if row.built is not None}
     assert kinds["MixtralSparseMoeBlock"].startswith("top-k; softmax scores")
-    assert kinds["SwitchTransformersSparseMLP"].startswith("top-1 (argmax)") and "capacity" in kinds["SwitchTransformersSparseMLP"]
+    assert (
+        kinds["SwitchTransformersSparseMLP"].startswith("top-1 (argmax)")
+        and "capacity" in kinds["SwitchTransformersSparseMLP"]
+    )
     assert "second choices queued after all first choices" in kinds["NllbMoeSparseMLP"]
     assert "split across the token axis" in kinds["DogeCDMoE"]
     assert "dropout" in fast_rows["SwitchTransformersSparseMLP"].built.train_noise
@@ -264,7 +305,9 @@ def test_cli_zoo_flag(monkeypatch, tmp_path, capsys):
     out = tmp_path / "zoo.json"
     assert cli.main(["--zoo", "--no-progress", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "`JetMoeMoE`" in printed and "could not run" in printed and "`TokenChoiceTopKRouter softmax top-2`" in printed
+    assert (
+        "`JetMoeMoE`" in printed and "could not run" in printed and "`TokenChoiceTopKRouter softmax top-2`" in printed
+    )
     titan = {fc.name for fc in FRAMEWORKS if fc.library == "torchtitan"}
     assert {t["class"] for t in json.loads(out.read_text())["targets"]} == {"JetMoeMoE", "JetMoeMoA"} | titan
     assert cli.main(["--zoo", "--target", "x.py:y"]) == 2

@@ -41,7 +41,9 @@ EXPECTED: dict[str, Expect] = {
         *CLEAN, "group_limited_topk picks groups from the token's own scores + the fixed expert_bias; no capacity"
     ),
     "TopKRouter.routing top-2 cf=1 drop_policy=probs": Expect(
-        BOTH, False, False,
+        BOTH,
+        False,
+        False,
         "apply_router_token_dropping: torch.topk(routing_probs, k=capacity, dim=0) keeps each expert's C most "
         "probable tokens of the whole micro-batch, so a later token with a higher probability evicts an earlier one",
     ),
@@ -49,21 +51,28 @@ EXPECTED: dict[str, Expect] = {
         BOTH, False, False, "pad_to_capacity only widens the expert input: the same topk over dim 0 decides who is kept"
     ),
     "TopKRouter.routing top-2 cf=1 drop_policy=position": Expect(
-        BOTH, False, False,
+        BOTH,
+        False,
+        False,
         "torch.topk(routing_map.int(), k=capacity, dim=0) picks C of the routed tokens among equal 1s; torch.topk does "
         "not keep the earliest of tied values (on CPU it does not), so which earlier tokens stay depends on later ones",
     ),
     "TopKRouter.routing top-2 cf=2.5 drop_policy=probs": Expect(
-        *CLEAN, "get_capacity gives ceil(16 * 2 / 4 * 2.5) = 20 > 16 tokens: the 'expert_capacity > num_tokens' branch keeps all"
+        *CLEAN,
+        "get_capacity gives ceil(16 * 2 / 4 * 2.5) = 20 > 16 tokens: the 'expert_capacity > num_tokens' branch keeps all",
     ),
     "TopKGate k=1 cf=1 use_rts (default)": Expect(
-        BOTH, False, True,
+        BOTH,
+        False,
+        True,
         "top1gating with use_rts: mask1 * uniform priorities, topk(k=capacity, dim=0) over all B*T tokens keeps the C "
         "highest random priorities, so a later token can take an earlier one's slot (decode: prefixes are compared by "
         "distribution and the random selection hides a difference there)",
     ),
     "TopKGate k=1 cf=1 use_rts=False": Expect(
-        BOTH, False, False,
+        BOTH,
+        False,
+        False,
         "top1gating without RTS: topk over the 0/1 mask picks C of the tokens routed to an expert among tied 1s, "
         "not the first C, over the b-major flattened batch",
     ),
@@ -71,31 +80,42 @@ EXPECTED: dict[str, Expect] = {
         *CLEAN, "capacity = max(exp_counts): every token keeps its argmax expert; the slot count only pads"
     ),
     "TopKGate k=2 cf=1": Expect(
-        BOTH, False, False,
+        BOTH,
+        False,
+        False,
         "top2gating: locations2 += torch.sum(mask1, dim=0) queues every second choice behind all first choices of the "
         "B*T tokens, so a later token's first choice evicts an earlier second choice; C = ceil(S / E * 2) shrinks "
         "with a prefix",
     ),
     "TopKGate k=2 cf=1 train, eval_capacity_factor=4": Expect(
-        ("train",), False, False,
+        ("train",),
+        False,
+        False,
         "TopKGate.forward passes capacity_factor when training, eval_capacity_factor=4 otherwise: C = 32 >= every "
         "expert's count in eval (decode differs in train only)",
     ),
     "TopKGate k=2 drop_tokens=False": Expect(
-        *CLEAN, "top2gating with drop_tokens=False: capacity = max(exp_counts), nothing dropped; the Gumbel second expert "
+        *CLEAN,
+        "top2gating with drop_tokens=False: capacity = max(exp_counts), nothing dropped; the Gumbel second expert "
         "is per token",
     ),
     "TopKGate k=3 cf=1 (topkgating, drop_policy=probs)": Expect(
-        BOTH, False, False,
+        BOTH,
+        False,
+        False,
         "topkgating drop_policy='probs': topk(topk_masked_gates, k=capacity, dim=0) keeps each expert's C highest gates "
         "over the B*T tokens",
     ),
     "Top2Gate": Expect(
-        BOTH, False, True,
+        BOTH,
+        False,
+        True,
         "fairscale top2gating: capacity 2S/E and locations2 += sum(mask1): second choices after all first choices "
         "(decode: by distribution, the Gumbel second expert, sampled in both modes, hides it)",
     ),
-    "TokenChoiceTopKRouter softmax top-2": Expect(*CLEAN, "topk(scores_for_choice_BLE, dim=-1) of the token's own softmax"),
+    "TokenChoiceTopKRouter softmax top-2": Expect(
+        *CLEAN, "topk(scores_for_choice_BLE, dim=-1) of the token's own softmax"
+    ),
     "TokenChoiceTopKRouter sigmoid top-2 + expert_bias, route_norm": Expect(
         *CLEAN, "expert_bias_E is a buffer the optimizer hook updates, fixed within a forward; route_norm is over the k"
     ),
@@ -103,7 +123,9 @@ EXPECTED: dict[str, Expect] = {
         *CLEAN, "_get_node_limited_routing_scores ranks groups by the token's own top-2 scores"
     ),
     "TokenChoiceTopKRouter _debug_force_load_balance": Expect(
-        (), True, False,
+        (),
+        True,
+        False,
         "_debug_force_load_balance_routing: expert = arange(B * L * K) % E, a function of the flat index b * L + t "
         "only: causal, but a prefix of another length L' gives sample b >= 1 other experts",
     ),

@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to audit (default: train,eval)")
     p.add_argument("--trials", type=int, default=2, help="random perturbations per cut position (default: 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed for inputs, perturbations and built-in targets (default: 0)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed for inputs, perturbations and built-in targets (default: 0)"
+    )
     p.add_argument("--json", metavar="PATH", help="also write the reports as JSON to PATH")
     p.add_argument(
         "--threads",
@@ -96,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Megatron-Core, DeepSpeed, fairscale and torchtitan ([zoo-frameworks], installed with --no-deps)",
     )
     p.add_argument(
-        "--verbose", action="store_true", help="also print the per-probe table of every target (and, for --target, of its probes)"
+        "--verbose",
+        action="store_true",
+        help="also print the per-probe table of every target (and, for --target, of its probes)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
@@ -170,7 +174,9 @@ def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float)
             print(r.table(), end="\n\n")
     print(summary_table(reports))
     print(textwrap.fill(SUMMARY_LEGEND, width=100))
-    print(f"\n{len(reports)} targets audited in {elapsed:.1f} s (modes: {args.modes}, trials: {args.trials}, seed: {args.seed})")
+    print(
+        f"\n{len(reports)} targets audited in {elapsed:.1f} s (modes: {args.modes}, trials: {args.trials}, seed: {args.seed})"
+    )
     for r in reports:
         if r.error:
             print(f"NOT AUDITED: {r.name}: {r.error}")
@@ -212,10 +218,19 @@ def _audit_user_target(args: argparse.Namespace, modes: tuple[str, ...]) -> Audi
     try:
         module.to(device=device, dtype=dtype)
     except Exception as e:  # the user's module refused the move: a usage problem here
-        raise AuditUsageError(f"cannot move {name} to {args.device} {args.dtype or ''}: {type(e).__name__}: {e}") from None
+        raise AuditUsageError(
+            f"cannot move {name} to {args.device} {args.dtype or ''}: {type(e).__name__}: {e}"
+        ) from None
     example = example.to(device=device, dtype=dtype if example.is_floating_point() and dtype else None)
     return audit(
-        module, example, modes=modes, trials=args.trials, seed=args.seed, name=name, vocab_size=vocab, output=args.output
+        module,
+        example,
+        modes=modes,
+        trials=args.trials,
+        seed=args.seed,
+        name=name,
+        vocab_size=vocab,
+        output=args.output,
     )
 
 
@@ -236,7 +251,9 @@ def load_target(spec: str) -> tuple[nn.Module, str]:
         raise AuditUsageError(f"--target must be pkg.module:name or path/to/file.py:name, got {spec!r}")
     source = _import_file(where) if where.endswith(".py") or os.sep in where or "/" in where else _import_module(where)
     if not hasattr(source, attr):
-        raise AuditUsageError(f"{where} has no {attr!r}; its modules and factories: {', '.join(_candidates(source)) or 'none'}")
+        raise AuditUsageError(
+            f"{where} has no {attr!r}; its modules and factories: {', '.join(_candidates(source)) or 'none'}"
+        )
     obj = getattr(source, attr)
     if isinstance(obj, nn.Module):
         return obj, attr

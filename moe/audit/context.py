@@ -74,7 +74,15 @@ class ProbeContext:
     ``at`` and ``runner`` for probes that call the target themselves (the Jacobian)."""
 
     def __init__(
-        self, at: AuditTarget, runner: Runner, x: Tensor, sampler: Sampler, trials: int, seed: int, mode: str, base: Outputs
+        self,
+        at: AuditTarget,
+        runner: Runner,
+        x: Tensor,
+        sampler: Sampler,
+        trials: int,
+        seed: int,
+        mode: str,
+        base: Outputs,
     ) -> None:
         self.at, self.runner, self.x, self.sampler, self.trials, self.seed = at, runner, x, sampler, trials, seed
         self.mode, self.base = mode, base

@@ -79,9 +79,7 @@ def audit(
                 break
             report.nonfinite[mode] = cal.nonfinite
             if not cal.comparable:
-                report.error = (
-                    f"nothing to compare in {mode} mode: all {cal.nonfinite} entries of the example's output are NaN or inf"
-                )
+                report.error = f"nothing to compare in {mode} mode: all {cal.nonfinite} entries of the example's output are NaN or inf"
                 break
             ctx = ProbeContext(at, runner, example, sampler, trials, seed, mode, cal.base.out)
             results, cal = _audit_mode(runner, ctx, cal, suite, alpha)
@@ -106,7 +104,9 @@ def _check_arguments(modes: tuple[str, ...], trials: int, example: object, probe
         raise AuditUsageError(f"the example input must be a torch.Tensor, got {type(example).__name__}")
     suite = registered_probes() if probes is None else tuple(probes)
     if not all(isinstance(p, Probe) for p in suite):
-        raise AuditUsageError(f"probes must be moe.audit.registry.Probe objects, got {[type(p).__name__ for p in suite]}")
+        raise AuditUsageError(
+            f"probes must be moe.audit.registry.Probe objects, got {[type(p).__name__ for p in suite]}"
+        )
     names = [p.name for p in suite]
     if len(set(names)) != len(names):
         raise AuditUsageError(f"probe names must be unique, got {names}")

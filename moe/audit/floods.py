@@ -79,10 +79,14 @@ def _floods(ctx: ProbeContext, c: int, gen: torch.Generator) -> Iterator[Variant
         one = past[:, p : p + 1]
         for s in _scales(ctx):
             future = one.expand(b, r, *past.shape[2:])
-            yield ctx.with_future(c, future * s if s != 1.0 else future, f"each sample's future = {_how(s)} copies of its position {p}")
+            yield ctx.with_future(
+                c, future * s if s != 1.0 else future, f"each sample's future = {_how(s)} copies of its position {p}"
+            )
     for sb, q in ctx.sources(MAX_SOURCES):
         for s in _scales(ctx)[:2]:
-            yield ctx.with_future(c, _filled(ctx.x[sb, q], b, r, s), f"every sample's future = {_how(s)} copies of x[{sb}, {q}]")
+            yield ctx.with_future(
+                c, _filled(ctx.x[sb, q], b, r, s), f"every sample's future = {_how(s)} copies of x[{sb}, {q}]"
+            )
     for i in ctx.flood_ids if ctx.sampler.tokens else ():
         yield ctx.with_future(c, torch.full((b, r), i, dtype=past.dtype, device=past.device), f"every future id = {i}")
     for gate_ED in ctx.gates:
@@ -90,7 +94,9 @@ def _floods(ctx: ProbeContext, c: int, gen: torch.Generator) -> Iterator[Variant
             yield ctx.with_future(c, f, label)
 
 
-def gate_floods(ctx: ProbeContext, past: Tensor, r: int, gate_ED: Tensor, gen: torch.Generator) -> list[tuple[str, Tensor]]:
+def gate_floods(
+    ctx: ProbeContext, past: Tensor, r: int, gate_ED: Tensor, gen: torch.Generator
+) -> list[tuple[str, Tensor]]:
     """(label, [B, R, D] future) along one router's gate vectors: every position on the favourite
     expert of each earlier position in turn (mixed), and per expert earlier positions use most,
     all on it (flood) or all away from it (drain)."""
@@ -109,7 +115,9 @@ def gate_floods(ctx: ProbeContext, past: Tensor, r: int, gate_ED: Tensor, gen: t
     counts_E = torch.bincount(logits_BSE.topk(min(2, u_ED.shape[0]), dim=-1).indices.flatten(), minlength=u_ED.shape[0])
     for e in counts_E.topk(k).indices.tolist():
         out.append((f"every position on expert {e}'s gate", mag * u_ED[e].expand(past.shape[0], r, -1) + noise()))
-        out.append((f"every position away from expert {e}'s gate", -mag * u_ED[e].expand(past.shape[0], r, -1) + noise()))
+        out.append(
+            (f"every position away from expert {e}'s gate", -mag * u_ED[e].expand(past.shape[0], r, -1) + noise())
+        )
     return out
 
 
@@ -132,7 +140,9 @@ def _gradient_floods(ctx: ProbeContext, cut: int) -> Iterator[Variant]:
                     value_BTF, wrt = ctx.runner.forward_with_grad(x)
                 except TargetFailure:
                     break
-                objective = sign * (value_BTF[:, cut + 1 :].nan_to_num(0.0, 0.0, 0.0) * d_BF[:, None].to(value_BTF)).sum()
+                objective = (
+                    sign * (value_BTF[:, cut + 1 :].nan_to_num(0.0, 0.0, 0.0) * d_BF[:, None].to(value_BTF)).sum()
+                )
                 try:
                     (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
                 except RuntimeError:  # the target's graph cannot be differentiated after all

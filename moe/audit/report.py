@@ -122,7 +122,7 @@ class AuditReport:
 
     @property
     def regime(self) -> str:
-        """"deterministic" or "distribution"; "train: ..., eval: ..." where the modes differ."""
+        """ "deterministic" or "distribution"; "train: ..., eval: ..." where the modes differ."""
         kinds = set(self.regimes.values())
         if len(kinds) == 1:
             return kinds.pop()
@@ -190,12 +190,7 @@ class AuditReport:
         ran = {p.kind for p in self.probes if p.ran}
         if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant and "batch" in ran:
             out.append("claims batch interference; none found")
-        if (
-            self.claims is not None
-            and not self.claims.decode_consistent
-            and self.decode_consistent
-            and "decode" in ran
-        ):
+        if self.claims is not None and not self.claims.decode_consistent and self.decode_consistent and "decode" in ran:
             out.append("claims decode inconsistency; none found")
         return out
 
@@ -229,7 +224,9 @@ class AuditReport:
         lines = [f"{self.name}: {found}" + ("" if self.claims is None else f" ({self.verdict})")]
         for p in self._first_of_each([q for q in self.probes if q.kind == "future" and q.leaks]):
             how = f" ({p.found_by})" if p.found_by else ""
-            lines.append(f"  found by {p.name} ({p.mode}): outputs at positions {_ranges(p.leaking_positions)} moved{how}")
+            lines.append(
+                f"  found by {p.name} ({p.mode}): outputs at positions {_ranges(p.leaking_positions)} moved{how}"
+            )
         lines.append(f"  batch-invariant: {self._batch_text()}")
         lines.append(f"  decode-consistent: {self._decode_text()}")
         lines += [f"  FALSE CLAIM: {c}" for c in self.false_claims]
@@ -268,9 +265,13 @@ class AuditReport:
         regimes = set(self.regimes.values())
         if "deterministic" in regimes:
             tol = max((p.tolerance for p in self.probes if p.compares_forwards), default=0.0)
-            parts.append(f"same seed for every forward, a change counts above {tol:.1e} or as any flip of a routing decision")
+            parts.append(
+                f"same seed for every forward, a change counts above {tol:.1e} or as any flip of a routing decision"
+            )
         if "distribution" in regimes or any(p.p_value is not None for p in self.probes):
-            parts.append(f"random targets by permutation tests over seeds (level {self.per_comparison_alpha or 0:.0e} each)")
+            parts.append(
+                f"random targets by permutation tests over seeds (level {self.per_comparison_alpha or 0:.0e} each)"
+            )
         nonfinite = sum(self.nonfinite.values())
         if nonfinite:
             parts.append(f"{nonfinite} NaN/inf output entries compared as values")
@@ -350,7 +351,9 @@ class AuditReport:
             summary += "\nFALSE CLAIMS: " + "; ".join(self.false_claims)
         for p in self.probes:
             if p.errors:
-                lengths = f" (skipped lengths {p.skipped_lengths})" if p.name == DECODE_PROBE and p.skipped_lengths else ""
+                lengths = (
+                    f" (skipped lengths {p.skipped_lengths})" if p.name == DECODE_PROBE and p.skipped_lengths else ""
+                )
                 state = "did not run" if not p.ran else f"{p.failed} forward(s) failed"
                 summary += f"\n{p.name}/{p.mode} {state}{lengths}: {p.errors[0]}"
         return summary + "\n" + _format(head, rows)

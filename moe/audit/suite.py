@@ -20,7 +20,10 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("topk", {"top_k": 2}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "sequence"}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "batch"}),
-    ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "sequence", "capacity_scope": "prefix"}),
+    (
+        "capacity",
+        {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "sequence", "capacity_scope": "prefix"},
+    ),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score", "group": "sequence"}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score", "group": "batch"}),
     ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "choice", "group": "sequence"}),

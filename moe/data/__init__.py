@@ -29,9 +29,22 @@ from moe.data.corpus import Corpus, TokenSource, split, split_ranges
 from moe.data.shards import TokenShards, is_prepared, load_prepared
 
 __all__ = [
-    "CANARY_SEED", "Corpus", "TokenShards", "TokenSource", "batch_offsets", "canary_tokens", "eval_offsets",
-    "is_prepared", "load_corpus", "load_prepared", "read_bytes", "split", "split_ranges", "stdlib_files",
-    "user_files", "windows",
+    "CANARY_SEED",
+    "Corpus",
+    "TokenShards",
+    "TokenSource",
+    "batch_offsets",
+    "canary_tokens",
+    "eval_offsets",
+    "is_prepared",
+    "load_corpus",
+    "load_prepared",
+    "read_bytes",
+    "split",
+    "split_ranges",
+    "stdlib_files",
+    "user_files",
+    "windows",
 ]
 
 
@@ -42,7 +55,9 @@ def _load_cached(source: str, val_fraction: float, max_bytes: int, canary_vocab:
     return load_bytes(source, val_fraction, max_bytes, canary_vocab)
 
 
-def load_corpus(source: str = "stdlib", val_fraction: float = 0.1, max_bytes: int = 4_000_000, canary_vocab: int = 8) -> Corpus:
+def load_corpus(
+    source: str = "stdlib", val_fraction: float = 0.1, max_bytes: int = 4_000_000, canary_vocab: int = 8
+) -> Corpus:
     """Load ``"stdlib"``, ``"canary"``, a text path or a prepared directory (see the module
     docstring). ``max_bytes`` caps the tokens of byte corpora (for the canary: the number of
     tokens drawn). Results are cached per process: treat them as read-only."""

@@ -17,8 +17,9 @@ from moe.data.prepare import PrepareConfig, prepare
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moe.data", description="Prepared token directories.")
     sub = p.add_subparsers(dest="command", required=True)
-    prep = sub.add_parser("prepare", help="tokenize INPUT into token shards + manifest.json",
-                          description=PrepareConfig.__doc__)
+    prep = sub.add_parser(
+        "prepare", help="tokenize INPUT into token shards + manifest.json", description=PrepareConfig.__doc__
+    )
     prep.add_argument("input", help="a text file, a folder of files (recursive) or .jsonl / .parquet files")
     prep.add_argument("--out", required=True, help="the prepared directory to create (absent or empty)")
     how = prep.add_mutually_exclusive_group(required=True)
@@ -40,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError, OSError) as e:  # bad input, a missing extra, an unwritable --out
         print(f"python -m moe.data prepare: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args['out']}: {manifest['num_tokens']:,} tokens of {manifest['num_documents']:,} documents in "
-          f"{len(manifest['shards'])} shards ({manifest['dtype']}, vocabulary {manifest['vocab_size']:,})")
+    print(
+        f"wrote {args['out']}: {manifest['num_tokens']:,} tokens of {manifest['num_documents']:,} documents in "
+        f"{len(manifest['shards'])} shards ({manifest['dtype']}, vocabulary {manifest['vocab_size']:,})"
+    )
     return 0
 
 

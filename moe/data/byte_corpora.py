@@ -109,4 +109,3 @@ def load_bytes(source: str, val_fraction: float, max_bytes: int, canary_vocab: i
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     train, val = split(tokens, val_fraction)
     return Corpus(train, val, 256, where)
-

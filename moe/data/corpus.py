@@ -79,8 +79,9 @@ class Corpus:
         return list(text.encode("utf-8"))
 
 
-def split_ranges(num_tokens: int, val_fraction: float,
-                 num_segments: int = 20) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def split_ranges(
+    num_tokens: int, val_fraction: float, num_segments: int = 20
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(train, val) as sorted lists of half-open [start, end) ranges of a stream of
     ``num_tokens``: ``min(num_segments, N_val)`` equal segments, the last tokens of each
     validation, ``N_val = max(1, floor(num_tokens * val_fraction))`` of them in total."""

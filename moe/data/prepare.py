@@ -68,8 +68,10 @@ class PrepareConfig:
         if (self.train_tokenizer is None) == (self.tokenizer is None):
             raise ValueError("give exactly one of --train-tokenizer V and --tokenizer PATH")
         if self.train_tokenizer is not None and self.train_tokenizer < MIN_BPE_VOCAB:
-            raise ValueError(f"--train-tokenizer {self.train_tokenizer}: a byte-level BPE needs at least "
-                             f"{MIN_BPE_VOCAB} tokens (256 bytes + the end-of-document token)")
+            raise ValueError(
+                f"--train-tokenizer {self.train_tokenizer}: a byte-level BPE needs at least "
+                f"{MIN_BPE_VOCAB} tokens (256 bytes + the end-of-document token)"
+            )
         if self.shard_tokens < 1:
             raise ValueError(f"shard_tokens must be >= 1, got {self.shard_tokens}")
         if self.workers < 1:
@@ -85,8 +87,9 @@ class Encoder:
     dtype: str
 
     def __call__(self, batch: list[Piece]) -> np.ndarray:
-        encodings = load_tokenizer_file(self.tokenizer_file).encode_batch([p.text for p in batch],
-                                                                          add_special_tokens=False)
+        encodings = load_tokenizer_file(self.tokenizer_file).encode_batch(
+            [p.text for p in batch], add_special_tokens=False
+        )
         parts = []
         for piece, enc in zip(batch, encodings):
             parts.append(np.asarray(enc.ids, dtype=DTYPES[self.dtype]))
@@ -212,8 +215,13 @@ def prepare(cfg: PrepareConfig) -> dict:
         vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         dtype = token_dtype(vocab_size)
         writer = ShardWriter(tmp, dtype, cfg.shard_tokens)
-        bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="tokenize",
-                   disable=not cfg.progress)
+        bar = tqdm(
+            total=sum(f.stat().st_size for f in files),
+            unit="B",
+            unit_scale=True,
+            desc="tokenize",
+            disable=not cfg.progress,
+        )
         documents = 0
         encoder = Encoder(str(tmp / TOKENIZER_FILE), eot_id, dtype)
         for batch, ids in encoded(encoder, batches(read_pieces(files, cfg.text_field), BATCH_CHARS), cfg.workers):
@@ -226,9 +234,18 @@ def prepare(cfg: PrepareConfig) -> dict:
         if num_tokens <= documents * (eot_id is not None):
             raise ValueError(f"input {cfg.input!r} holds no text")
         manifest = {
-            "format": FORMAT, "version": 1, "vocab_size": vocab_size, "dtype": dtype, "byte_order": "little",
-            "num_tokens": num_tokens, "num_documents": documents, "eot_id": eot_id, "eot_token": eot,
-            "tokenizer": TOKENIZER_FILE, "shards": writer.shards, "input": str(Path(cfg.input).resolve()),
+            "format": FORMAT,
+            "version": 1,
+            "vocab_size": vocab_size,
+            "dtype": dtype,
+            "byte_order": "little",
+            "num_tokens": num_tokens,
+            "num_documents": documents,
+            "eot_id": eot_id,
+            "eot_token": eot,
+            "tokenizer": TOKENIZER_FILE,
+            "shards": writer.shards,
+            "input": str(Path(cfg.input).resolve()),
             "config": {k: v for k, v in asdict(cfg).items() if k not in ("input", "out", "progress")},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

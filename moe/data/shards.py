@@ -49,8 +49,9 @@ def read_manifest(directory: str | Path) -> dict:
         raise ValueError(f"{directory / MANIFEST} does not read as a manifest: {e}") from None
     missing = [k for k in REQUIRED if k not in manifest]
     if missing or manifest["format"] != FORMAT:
-        raise ValueError(f"{directory / MANIFEST} is not a {FORMAT} manifest (missing {missing}, "
-                         f"format {manifest.get('format')!r})")
+        raise ValueError(
+            f"{directory / MANIFEST} is not a {FORMAT} manifest (missing {missing}, format {manifest.get('format')!r})"
+        )
     if manifest["dtype"] not in DTYPES:
         raise ValueError(f"{directory / MANIFEST}: dtype must be one of {list(DTYPES)}, got {manifest['dtype']!r}")
     itemsize = DTYPES[manifest["dtype"]].itemsize
@@ -58,8 +59,10 @@ def read_manifest(directory: str | Path) -> dict:
         f = directory / shard["file"]
         size = f.stat().st_size if f.is_file() else None
         if shard["num_tokens"] <= 0 or size != shard["num_tokens"] * itemsize:
-            raise ValueError(f"shard {str(f)!r} holds {size} bytes, the manifest says {shard['num_tokens']} tokens "
-                             f"of {itemsize} bytes")
+            raise ValueError(
+                f"shard {str(f)!r} holds {size} bytes, the manifest says {shard['num_tokens']} tokens "
+                f"of {itemsize} bytes"
+            )
     if sum(s["num_tokens"] for s in manifest["shards"]) != manifest["num_tokens"]:
         raise ValueError(f"{directory / MANIFEST}: num_tokens={manifest['num_tokens']} is not the sum over its shards")
     return manifest
@@ -123,11 +126,18 @@ def load_prepared(directory: str | Path, val_fraction: float) -> Corpus:
     directory = Path(directory)
     manifest = read_manifest(directory)
     dtype = DTYPES[manifest["dtype"]]
-    maps = [np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(s["num_tokens"],))
-            for s in manifest["shards"]]
+    maps = [
+        np.memmap(directory / s["file"], dtype=dtype, mode="r", shape=(s["num_tokens"],)) for s in manifest["shards"]
+    ]
     train, val = split_ranges(manifest["num_tokens"], val_fraction)
     tokenizer = directory / manifest["tokenizer"]
-    where = (f"{directory} ({manifest['num_tokens']:,} tokens in {len(maps)} shards, "
-             f"vocabulary {manifest['vocab_size']:,})")
-    return Corpus(views(maps, train), views(maps, val), int(manifest["vocab_size"]), where,
-                  str(tokenizer) if tokenizer.is_file() else None)
+    where = (
+        f"{directory} ({manifest['num_tokens']:,} tokens in {len(maps)} shards, vocabulary {manifest['vocab_size']:,})"
+    )
+    return Corpus(
+        views(maps, train),
+        views(maps, val),
+        int(manifest["vocab_size"]),
+        where,
+        str(tokenizer) if tokenizer.is_file() else None,
+    )

@@ -27,8 +27,9 @@ def _tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise ImportError("tokenizers are read with the `tokenizers` library: "
-                          "pip install 'causal-moe-routing[data]'") from None
+        raise ImportError(
+            "tokenizers are read with the `tokenizers` library: pip install 'causal-moe-routing[data]'"
+        ) from None
     return tokenizers
 
 
@@ -37,14 +38,20 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     trained on ``texts`` (streamed), with :data:`EOT` as id 0. A small corpus may yield fewer
     tokens than asked for (no pair left to merge)."""
     if vocab_size < MIN_BPE_VOCAB:
-        raise ValueError(f"a byte-level BPE needs a vocabulary of at least {MIN_BPE_VOCAB} "
-                         f"({BYTE_ALPHABET} bytes + {EOT}), got {vocab_size}")
+        raise ValueError(
+            f"a byte-level BPE needs a vocabulary of at least {MIN_BPE_VOCAB} "
+            f"({BYTE_ALPHABET} bytes + {EOT}), got {vocab_size}"
+        )
     tk = _tokenizers()
     tokenizer = tk.Tokenizer(tk.models.BPE())
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 
@@ -84,8 +91,10 @@ def _converted(folder: Path):
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ValueError(f"tokenizer folder {str(folder)!r} has no tokenizer.json; converting other formats "
-                         "needs transformers (pip install 'causal-moe-routing[hf]')") from None
+        raise ValueError(
+            f"tokenizer folder {str(folder)!r} has no tokenizer.json; converting other formats "
+            "needs transformers (pip install 'causal-moe-routing[hf]')"
+        ) from None
     try:
         hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # transformers raises many kinds for a folder it cannot read

@@ -73,7 +73,8 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
             if entry is not None:
                 optim_view["state"][key] = {
                     k: _global_expert_tensor(v, layer.num_experts, mesh)
-                    if isinstance(v, Tensor) and v.dim() > 0 and v.shape == model_state[key].shape else v
+                    if isinstance(v, Tensor) and v.dim() > 0 and v.shape == model_state[key].shape
+                    else v
                     for k, v in entry.items()
                 }
     return {"model": model_view, "optimizer": optim_view}, optim_state

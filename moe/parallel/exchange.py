@@ -23,8 +23,9 @@ still joins every collective, with zero-length splits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -149,7 +150,9 @@ def expert_parallel_ffn(
         recv_RD = mark(all_to_all_rows(send_AD, recv_splits, send_splits, group), "received")
     with phase("experts"):
         r = recv_RD.shape[0]
-        local_R = torch.arange(stop - start, device=x_ND.device).repeat(size).repeat_interleave(recv_counts_PL.flatten())
+        local_R = (
+            torch.arange(stop - start, device=x_ND.device).repeat(size).repeat_interleave(recv_counts_PL.flatten())
+        )
         ffn = resolve_backend(backend, x_ND.device)
         ones_R = torch.ones(r, dtype=recv_RD.dtype, device=recv_RD.device)
         arange_R = torch.arange(r, device=x_ND.device)
@@ -221,5 +224,11 @@ def _no_mark(x: Tensor, name: str) -> Tensor:
     return x
 
 
-BACKWARD_PHASES = [("combine", "returned"), ("exchange", "computed"), ("experts", "received"), ("exchange", "dispatched"), ("dispatch", "")]
+BACKWARD_PHASES = [
+    ("combine", "returned"),
+    ("exchange", "computed"),
+    ("experts", "received"),
+    ("exchange", "dispatched"),
+    ("dispatch", ""),
+]
 """(phase, mark ending it) in backward order, for :meth:`PhaseTimer.backward_split`."""

@@ -113,7 +113,8 @@ class ParallelMesh:
         self.layout = layout
         self.device_type = device_type
         self.mesh = init_device_mesh(
-            device_type, (layout.pipeline, layout.dp_replicate, layout.dp_shard, layout.expert_parallel),
+            device_type,
+            (layout.pipeline, layout.dp_replicate, layout.dp_shard, layout.expert_parallel),
             mesh_dim_names=MESH_DIMS,
         )
         self.mesh["dp_shard", "ep"]._flatten("fsdp")

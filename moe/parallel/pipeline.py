@@ -132,10 +132,14 @@ class _StagePart(nn.Module):
             if torch.is_grad_enabled() and routing.aux_loss.requires_grad:
                 x = AuxLossInjector.apply(x, routing.aux_loss)
             if self.training and cache is None and x.device.type != "meta":
-                owner.records.append(LayerRecord(
-                    owner.moe_index[layer], routing.aux_loss.detach().float(),
-                    routing.stats["dropped_fraction"].detach().float(), routing.stats["tokens_per_expert"].detach(),
-                ))
+                owner.records.append(
+                    LayerRecord(
+                        owner.moe_index[layer],
+                        routing.aux_loss.detach().float(),
+                        routing.stats["dropped_fraction"].detach().float(),
+                        routing.stats["tokens_per_expert"].detach(),
+                    )
+                )
             return x
 
         if self.first:
@@ -225,17 +229,28 @@ class Pipeline:
     """One training step of a :class:`StageModel` through a pipeline schedule. Every rank of
     the pipeline group calls :meth:`step` with its data-parallel share of the batch."""
 
-    def __init__(self, stage_model: StageModel, schedule: str, microbatches: int, microbatch_shape: tuple[int, int],
-                 group, device: torch.device, logits_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        stage_model: StageModel,
+        schedule: str,
+        microbatches: int,
+        microbatch_shape: tuple[int, int],
+        group,
+        device: torch.device,
+        logits_dtype: torch.dtype = torch.float32,
+    ) -> None:
         positive_int("microbatches", microbatches)
         cls = SCHEDULES[schedule]
         ranks = stage_model.num_stages // len(stage_model.parts)
         if cls is not ScheduleGPipe and microbatches < ranks:
-            raise ValueError(f"{schedule} needs at least as many microbatches as pipeline ranks ({ranks}), "
-                             f"got microbatches={microbatches}")
+            raise ValueError(
+                f"{schedule} needs at least as many microbatches as pipeline ranks ({ranks}), "
+                f"got microbatches={microbatches}"
+            )
         if cls is ScheduleInterleaved1F1B and microbatches % ranks:
-            raise ValueError(f"interleaved1f1b needs microbatches divisible by the pipeline ranks ({ranks}), "
-                             f"got {microbatches}")
+            raise ValueError(
+                f"interleaved1f1b needs microbatches divisible by the pipeline ranks ({ranks}), got {microbatches}"
+            )
         self.model, self.microbatches = stage_model, microbatches
         b, t = microbatch_shape
         cfg, last = stage_model.cfg, stage_model.num_stages - 1
@@ -248,7 +263,11 @@ class Pipeline:
         # tensors that would run the routers once more than the schedule does).
         stages = [
             PipelineStage(
-                part, k, stage_model.num_stages, device, group=group,
+                part,
+                k,
+                stage_model.num_stages,
+                device,
+                group=group,
                 input_args=meta(b, t, dtype=torch.long) if k == 0 else meta(b, t, cfg.d_model),
                 output_args=meta(b, t, cfg.vocab_size, dtype=logits_dtype) if k == last else meta(b, t, cfg.d_model),
             )
@@ -266,8 +285,10 @@ class Pipeline:
         stage's parameters (scaled as the mean over microbatches). Returns the last stage's
         per-microbatch losses (empty on other ranks)."""
         if idx_BT.shape[0] % self.microbatches:
-            raise ValueError(f"a rank's batch of {idx_BT.shape[0]} sequences does not split into "
-                             f"{self.microbatches} equal microbatches")
+            raise ValueError(
+                f"a rank's batch of {idx_BT.shape[0]} sequences does not split into "
+                f"{self.microbatches} equal microbatches"
+            )
         losses: list[Tensor] = []
         args = (idx_BT,) if self.model.has_first else ()
         target = targets_BT if self.model.has_last else None

@@ -53,16 +53,26 @@ class PipelinedLM(nn.Module):
             if k > 0 and self._holder(k - 1) != self.me:
                 x = torch.empty(b, t, self.cfg.d_model, device=device)
                 src = self._holder(k - 1)
-                guarded("pipeline activation recv", self.group, lambda x=x, src=src: dist.recv(x, src=src, group=self.group))
+                guarded(
+                    "pipeline activation recv", self.group, lambda x=x, src=src: dist.recv(x, src=src, group=self.group)
+                )
             x = self.stage.parts[self.stage.stage_ids.index(k)](x, cache)
             if k < last and self._holder(k + 1) != self.me:
                 x = x.float().contiguous()
                 dst = self._holder(k + 1)
-                guarded("pipeline activation send", self.group, lambda x=x, dst=dst: dist.send(x, dst=dst, group=self.group))
-        logits_BTV = x.float().contiguous() if self._holder(last) == self.me else torch.empty(
-            b, t, self.cfg.vocab_size, device=device)
-        guarded("pipeline logits broadcast", self.group,
-                lambda: dist.broadcast(logits_BTV, src=self._holder(last), group=self.group))
+                guarded(
+                    "pipeline activation send", self.group, lambda x=x, dst=dst: dist.send(x, dst=dst, group=self.group)
+                )
+        logits_BTV = (
+            x.float().contiguous()
+            if self._holder(last) == self.me
+            else torch.empty(b, t, self.cfg.vocab_size, device=device)
+        )
+        guarded(
+            "pipeline logits broadcast",
+            self.group,
+            lambda: dist.broadcast(logits_BTV, src=self._holder(last), group=self.group),
+        )
         if cache is not None:
             cache.length += t
         loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT)

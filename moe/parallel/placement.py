@@ -77,11 +77,14 @@ class ParallelConfig:
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
         if self.grad_reduce_dtype not in REDUCE_DTYPES:
-            raise ValueError(f"grad_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}")
+            raise ValueError(
+                f"grad_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}"
+            )
         virtual_stages(self.pipeline_schedule)  # validates the name
         if self.activation_checkpointing not in AC_MODES:
-            raise ValueError(f"activation_checkpointing must be one of {', '.join(AC_MODES)}, "
-                             f"got {self.activation_checkpointing!r}")
+            raise ValueError(
+                f"activation_checkpointing must be one of {', '.join(AC_MODES)}, got {self.activation_checkpointing!r}"
+            )
         if self.compile and self.activation_checkpointing != "none":
             raise ValueError(COMPILED_REFUSAL)
 
@@ -134,8 +137,10 @@ def _blocks(model: nn.Module, par: ParallelConfig) -> list[nn.Module]:
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         if par.compile or par.activation_checkpointing != "none":
-            raise ValueError("--compile and --activation-checkpointing apply to the preset models' blocks, not to "
-                             f"{type(model).__name__}")
+            raise ValueError(
+                "--compile and --activation-checkpointing apply to the preset models' blocks, not to "
+                f"{type(model).__name__}"
+            )
         return []
     return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
@@ -156,13 +161,23 @@ def place_model(cfg, num_experts: int, build: Callable[[object], nn.Module], inf
     strategy_cls.check_world(world)
     pmesh = ParallelMesh(layout, info.device.type) if world > 1 and strategy_cls.uses_mesh else None
     model = build(pmesh.expert_parallel() if pmesh is not None else None)
-    place = Placement(model, model, layout, pmesh, info.device, info.rank, world,
-                      dist.group.WORLD if world > 1 else None, sharded=pmesh is not None and layout.data_parallel > 1)
+    place = Placement(
+        model,
+        model,
+        layout,
+        pmesh,
+        info.device,
+        info.rank,
+        world,
+        dist.group.WORLD if world > 1 else None,
+        sharded=pmesh is not None and layout.data_parallel > 1,
+    )
     strategy = strategy_cls(place, cfg)
     local = cfg.data.batch_size // place.dp_size
     if local % par.microbatches:
-        raise ValueError(f"a rank's batch of {local} sequences does not split into microbatches={par.microbatches} "
-                         "equal parts")
+        raise ValueError(
+            f"a rank's batch of {local} sequences does not split into microbatches={par.microbatches} equal parts"
+        )
     blocks = _blocks(place.model, par)
     apply_activation_checkpointing(blocks, par.activation_checkpointing)
     if par.compile:

@@ -38,8 +38,10 @@ class MeasuredReduceScatter(ReduceScatter or object):
 
     def __init__(self, dtype: torch.dtype) -> None:
         if not measured_reduce_supported():
-            raise RuntimeError("this torch's FSDP2 has no set_custom_reduce_scatter: the low-precision "
-                               "reduction cannot be measured against fp32")
+            raise RuntimeError(
+                "this torch's FSDP2 has no set_custom_reduce_scatter: the low-precision "
+                "reduction cannot be measured against fp32"
+            )
         self.dtype = dtype
         self._sums: Tensor | None = None
         """float64 [3]: sum of squared differences, sum of squared fp32 results, max |difference|."""
@@ -47,14 +49,15 @@ class MeasuredReduceScatter(ReduceScatter or object):
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op,
-                 async_op: bool = False) -> None:
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op, async_op: bool = False
+    ) -> None:
         reference = torch.empty_like(output_tensor)
         dist.reduce_scatter_tensor(reference, input_tensor, op=op, group=group)
         low = torch.empty(output_tensor.shape, dtype=self.dtype, device=output_tensor.device)
         dist.reduce_scatter_tensor(low, input_tensor.to(self.dtype), op=op, group=group)
         output_tensor.copy_(low)
-        diff = (output_tensor.double() - reference.double())
+        diff = output_tensor.double() - reference.double()
         if self._sums is None:
             self._sums = torch.zeros(3, dtype=torch.float64, device=output_tensor.device)
         self._sums[0] += diff.square().sum()
@@ -83,5 +86,7 @@ class MeasuredReduceScatter(ReduceScatter or object):
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
         if totals[1] == 0:
             return {}
-        return {"grad_reduce_rel_diff": float(totals[0].sqrt() / totals[1].sqrt()),
-                "grad_reduce_max_abs_diff": float(worst[0])}
+        return {
+            "grad_reduce_rel_diff": float(totals[0].sqrt() / totals[1].sqrt()),
+            "grad_reduce_max_abs_diff": float(worst[0]),
+        }

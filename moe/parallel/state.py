@@ -239,7 +239,11 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == layer.experts.num_experts:
                 local = value.contiguous()
                 parts = [torch.empty_like(local) for _ in range(size)]
-                guarded("optimizer-state gather", layer.expert_parallel.group, lambda: dist.all_gather(parts, local, group=layer.expert_parallel.group))
+                guarded(
+                    "optimizer-state gather",
+                    layer.expert_parallel.group,
+                    lambda: dist.all_gather(parts, local, group=layer.expert_parallel.group),
+                )
                 state["state"][i] = {**state["state"][i], key: torch.cat(parts)}
     return state
 
@@ -270,8 +274,10 @@ def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None =
         "params": sum(nbytes(p) for p in params),
         "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(
-            nbytes(v) for state in (optimizer.state.values() if optimizer is not None else ())
-            for v in state.values() if isinstance(v, Tensor)
+            nbytes(v)
+            for state in (optimizer.state.values() if optimizer is not None else ())
+            for v in state.values()
+            if isinstance(v, Tensor)
         ),
     }
     out["total"] = out["params"] + out["grads"] + out["optimizer"]

@@ -1,13 +1,12 @@
 """Built-in routers; importing this package registers them by name, and builds any registered
 router by name (``build_router``)."""
 
-from moe.routing import Router, registered_routers
-
 from moe.routers.capacity import CapacityRouter
 from moe.routers.ec_predictor import ExpertChoicePredictorRouter
 from moe.routers.ec_threshold import ExpertChoiceThresholdRouter
 from moe.routers.expert_choice import ExpertChoiceRouter
 from moe.routers.token_choice import TokenChoiceBase, TopKRouter
+from moe.routing import Router, registered_routers
 
 
 def list_routers() -> list[str]:

@@ -41,10 +41,10 @@ kept depends on the data, and a traced graph needs static shapes and no host rea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
-
-from dataclasses import dataclass
 
 from moe.routers.token_choice import TokenChoiceBase
 from moe.routing import (
@@ -66,7 +66,9 @@ class CapacityDecodeState(DecodeState):
     """int64 [G, E]: assignments kept so far per group (sequence b, or the whole batch) and expert."""
 
 
-def kept_under_ceiling(segment_A: Tensor, priority_A: Tensor, ceiling_A: Tensor, start_A: Tensor | None = None) -> Tensor:
+def kept_under_ceiling(
+    segment_A: Tensor, priority_A: Tensor, ceiling_A: Tensor, start_A: Tensor | None = None
+) -> Tensor:
     """bool [A]: walking each segment in priority order, keep an assignment iff the number kept
     so far is below its ceiling (non-decreasing along the walk). ``start_A``: the count already
     kept in the segment of each assignment before this walk (default 0; at most the ceilings).
@@ -122,7 +124,9 @@ class CapacityRouter(TokenChoiceBase):
         if capacity_scope not in ("group", "prefix"):
             raise ValueError(f"capacity_scope must be 'group' or 'prefix', got {capacity_scope!r}")
         if capacity_scope == "prefix" and priority != "position":
-            raise ValueError("capacity_scope='prefix' needs priority='position' (other priorities read the future anyway)")
+            raise ValueError(
+                "capacity_scope='prefix' needs priority='position' (other priorities read the future anyway)"
+            )
         self.capacity_factor = float(capacity_factor)
         self.capacity_scope = capacity_scope
         self.priority = priority
@@ -148,7 +152,9 @@ class CapacityRouter(TokenChoiceBase):
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         return self._route(logits_NE, batch_shape, None)
 
-    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+    def route_decode(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
+    ) -> Routing:
         return self._route(logits_NE, batch_shape, state)
 
     def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], state: CapacityDecodeState | None) -> Routing:

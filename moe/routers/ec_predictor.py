@@ -60,7 +60,9 @@ class ExpertChoicePredictorRouter(ExpertChoiceRouter):
             causal_train=False, causal_eval=True, batch_invariant=self.group == "sequence", decode_consistent=True
         )
 
-    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+    def route_decode(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
+    ) -> Routing:
         return self.route(logits_NE, x_BTD, batch_shape)  # eval mode only: the predictor reads one token
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:

@@ -60,7 +60,9 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         return self._route(logits_NE, batch_shape, record=self.training)
 
-    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+    def route_decode(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
+    ) -> Routing:
         return self._route(logits_NE, batch_shape, record=False)
 
     def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:

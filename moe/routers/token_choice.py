@@ -85,7 +85,9 @@ class TopKRouter(TokenChoiceBase):
     def claims(self) -> Claims:
         return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
 
-    def route_decode(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState) -> Routing:
+    def route_decode(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
+    ) -> Routing:
         return self.route(logits_NE, x_BTD, batch_shape)  # a token's experts depend on that token alone
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:

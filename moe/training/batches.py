@@ -47,13 +47,16 @@ class DataConfig:
         for part in ("train", "val"):
             n = getattr(corpus, part).numel()
             if n <= self.seq_len:
-                raise ValueError(f"the corpus {corpus.source} has {n:,} {part} tokens, fewer than one window of "
-                                 f"seq_len + 1 = {self.seq_len + 1}: use more data or a smaller --seq-len")
+                raise ValueError(
+                    f"the corpus {corpus.source} has {n:,} {part} tokens, fewer than one window of "
+                    f"seq_len + 1 = {self.seq_len + 1}: use more data or a smaller --seq-len"
+                )
         return corpus
 
 
-def local_batch(corpus: Corpus, cfg: DataConfig, seed: int, step: int, device: torch.device,
-                data_parallel: tuple[int, int] = (0, 1)) -> tuple[Tensor, Tensor]:
+def local_batch(
+    corpus: Corpus, cfg: DataConfig, seed: int, step: int, device: torch.device, data_parallel: tuple[int, int] = (0, 1)
+) -> tuple[Tensor, Tensor]:
     """(idx_BT, targets_BT) of this rank: its contiguous slice of the global batch of ``step``
     (a function of (seed, step)); ``data_parallel`` = (rank, size) among the data-parallel ranks."""
     rank, size = data_parallel

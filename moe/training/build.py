@@ -47,8 +47,12 @@ def parse_options(items: list[str]) -> dict:
 
 
 ROUTER_OPTION = tyro.constructors.PrimitiveConstructorSpec(
-    nargs=1, metavar="KEY=VALUE", instance_from_str=parse_options, is_instance=lambda v: isinstance(v, dict),
-    str_from_instance=lambda d: [f"{k}={v}" for k, v in d.items()], _action="append",
+    nargs=1,
+    metavar="KEY=VALUE",
+    instance_from_str=parse_options,
+    is_instance=lambda v: isinstance(v, dict),
+    str_from_instance=lambda d: [f"{k}={v}" for k, v in d.items()],
+    _action="append",
 )
 """``--router-option top_k=2 --router-option capacity_factor=1.0`` on the command line -> a dict."""
 
@@ -63,10 +67,13 @@ def _override_field(f: dataclasses.Field) -> tuple:
 
 
 ModelOverrides = dataclasses.make_dataclass(
-    "ModelOverrides", [_override_field(f) for f in fields(ModelConfig) if f.name not in FIXED],
+    "ModelOverrides",
+    [_override_field(f) for f in fields(ModelConfig) if f.name not in FIXED],
 )
-ModelOverrides.__doc__ = ("Every ModelConfig field but vocab_size and the router, None = the preset's value "
-                          "(generated from ModelConfig: ``--d-model 128``).")
+ModelOverrides.__doc__ = (
+    "Every ModelConfig field but vocab_size and the router, None = the preset's value "
+    "(generated from ModelConfig: ``--d-model 128``)."
+)
 
 
 @dataclass
@@ -78,7 +85,8 @@ class ModelSection:
     router: str = "topk"
     """Router name (``moe.list_routers()``)."""
     router_options: Annotated[dict[str, Any], ROUTER_OPTION, tyro.conf.arg(name="router-option")] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
     """Router options, e.g. ``{"top_k": 2}``; on the command line ``--router-option top_k=2`` (repeatable)."""
     overrides: ModelOverrides = field(default_factory=ModelOverrides)
     """Overrides of the preset's ModelConfig fields."""
@@ -98,13 +106,17 @@ class ModelSection:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; known presets: {', '.join(PRESETS)}")
         if self.router not in registered_routers():
-            raise ValueError(f"unknown router {self.router!r}; known routers: {', '.join(sorted(registered_routers()))}")
+            raise ValueError(
+                f"unknown router {self.router!r}; known routers: {', '.join(sorted(registered_routers()))}"
+            )
         if not self.hf_model:  # the options of a router that does not build fail here, not mid-setup
             with torch.device("meta"):
                 build_router(self.router, d_model=8, num_experts=self.num_experts(), **self.router_options)
         if self.hf_model and set(self.given()) - {"backend"}:
-            raise ValueError("hf_model takes its architecture from its transformers config: no model overrides "
-                             "(except backend) and no expert_parallel")
+            raise ValueError(
+                "hf_model takes its architecture from its transformers config: no model overrides "
+                "(except backend) and no expert_parallel"
+            )
 
     def num_experts(self) -> int:
         """E of the preset, or of its override."""
@@ -124,17 +136,25 @@ def model_config(section: ModelSection, vocab_size: int) -> ModelConfig:
     preset's own router, and the run's are merged on top. A ``d_ff`` override on a model
     without dense blocks is refused: it would change nothing (the expert width is ``moe_d_ff``)."""
     overrides = section.given()
-    mcfg = preset(section.preset, vocab_size=vocab_size, router=section.router,
-                  router_options=dict(section.router_options), **overrides)
+    mcfg = preset(
+        section.preset,
+        vocab_size=vocab_size,
+        router=section.router,
+        router_options=dict(section.router_options),
+        **overrides,
+    )
     if "d_ff" in overrides and not mcfg.uses_d_ff():
-        raise ValueError(f"d_ff={overrides['d_ff']} has no effect: every block is an MoE block (moe_every="
-                         f"{mcfg.moe_every}); the expert width is moe_d_ff (--moe-d-ff), or make some blocks dense "
-                         "with --moe-every N > 1")
+        raise ValueError(
+            f"d_ff={overrides['d_ff']} has no effect: every block is an MoE block (moe_every="
+            f"{mcfg.moe_every}); the expert width is moe_d_ff (--moe-d-ff), or make some blocks dense "
+            "with --moe-every N > 1"
+        )
     return mcfg
 
 
-def build_model(mcfg: ModelConfig, seed: int, device: torch.device, expert_parallel=None,
-                materialized: bool = True) -> MoETransformer:
+def build_model(
+    mcfg: ModelConfig, seed: int, device: torch.device, expert_parallel=None, materialized: bool = True
+) -> MoETransformer:
     """The model, initialised from ``seed`` (``init_seed``: every parameter drawn whole from a
     generator seeded by it and the parameter's name) on ``device``. It is built on the meta
     device and then materialised, so with ``expert_parallel`` (a ``moe.parallel.ExpertParallel``)
@@ -149,8 +169,9 @@ def build_model(mcfg: ModelConfig, seed: int, device: torch.device, expert_paral
     return model
 
 
-def build_run_model(section: ModelSection, mcfg: ModelConfig, seed: int, device: torch.device, world_size: int,
-                    expert_parallel=None) -> nn.Module:
+def build_run_model(
+    section: ModelSection, mcfg: ModelConfig, seed: int, device: torch.device, world_size: int, expert_parallel=None
+) -> nn.Module:
     """The model a run trains: the preset's (:func:`build_model`, its parameters left on the meta
     device for the placement to shard and materialise) or, with ``hf_model``, the swapped
     transformers model (one process only)."""
@@ -160,8 +181,9 @@ def build_run_model(section: ModelSection, mcfg: ModelConfig, seed: int, device:
         raise ValueError("--hf-model runs on one process (sharding a transformers model is not supported yet)")
     from moe.integrations.hf import build_hf_model  # the [hf] extra, imported only when asked for
 
-    return build_hf_model(section.hf_model, section.router, section.router_options, mcfg.vocab_size, seed,
-                          mcfg.backend).to(device)
+    return build_hf_model(
+        section.hf_model, section.router, section.router_options, mcfg.vocab_size, seed, mcfg.backend
+    ).to(device)
 
 
 def total_parameters(mcfg: ModelConfig) -> int:

@@ -132,9 +132,17 @@ def rotation_victims(checkpoints: list[Path], keep: int) -> list[Path]:
     return [p for p in victims if p != spare]
 
 
-def save_checkpoint(checkpoint_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, keep: int,
-                    wandb_run_id: str | None = None) -> Path:
+def save_checkpoint(
+    checkpoint_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    cfg: TrainConfig,
+    mcfg: ModelConfig,
+    info: DistInfo,
+    keep: int,
+    wandb_run_id: str | None = None,
+) -> Path:
     """Write the checkpoint of ``step`` atomically (see the module docstring) and delete all but
     the last ``keep`` complete ones (see :func:`rotation_victims`). Call on every rank."""
     final = checkpoint_path(checkpoint_dir, step)
@@ -164,8 +172,9 @@ def save_checkpoint(checkpoint_dir: Path, model: nn.Module, optimizer: torch.opt
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    mcfg: ModelConfig) -> tuple[int, str | None]:
+def load_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig
+) -> tuple[int, str | None]:
     """Restore model and optimizer from the complete checkpoint ``path`` (any layout), or, if
     it does not verify, from the newest older one in its directory that does (one warning line
     per skipped checkpoint); return (steps already taken, wandb run id). ValueError if none
@@ -173,7 +182,9 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
     chosen = newest_verifying([*older, path])
     if chosen is None:
-        raise ValueError(f"no checkpoint in {path.parent} verifies (see the warnings above); move them away to start fresh")
+        raise ValueError(
+            f"no checkpoint in {path.parent} verifies (see the warnings above); move them away to start fresh"
+        )
     path = chosen
     meta = json.loads((path / META).read_text())
     if meta["model_config"] != dataclasses.asdict(mcfg):
@@ -187,7 +198,9 @@ def export_model(path: Path, model: nn.Module, mcfg: ModelConfig, info: DistInfo
     every rank gathers the whole model; with pipeline parallelism ``model`` is one stage and
     the stages' parts are gathered over ``pipeline_group``). Written atomically by rank 0;
     call on every rank."""
-    state = full_state_dict(model) if info.world_size > 1 else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state = (
+        full_state_dict(model) if info.world_size > 1 else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    )
     if pipeline_group is not None:
         parts: list[dict] = [{} for _ in range(dist.get_world_size(pipeline_group))]
         dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pipeline_group)

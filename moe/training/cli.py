@@ -17,8 +17,10 @@ from moe.training.loop import SetupError, TrainResult, train
 USAGE_EXIT = 2
 """Exit status of a run refused for bad input (as argparse and ``moe-audit`` do)."""
 
-DESCRIPTION = ("Train a small MoE language model with any router (single process or torchrun). "
-               "--config FILE loads a TOML (or a resolved .config.json) first; the other flags override it.")
+DESCRIPTION = (
+    "Train a small MoE language model with any router (single process or torchrun). "
+    "--config FILE loads a TOML (or a resolved .config.json) first; the other flags override it."
+)
 
 
 def split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -45,8 +47,9 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
     path, rest = split_config_flag(list(sys.argv[1:] if argv is None else argv))
     default = TrainConfig.load(path) if path else TrainConfig()
     with tyro._errors.on_parse_error(_value_errors_pass_through):
-        return tyro.cli(TrainConfig, args=rest, default=default, description=DESCRIPTION,
-                        config=(tyro.conf.OmitArgPrefixes,))
+        return tyro.cli(
+            TrainConfig, args=rest, default=default, description=DESCRIPTION, config=(tyro.conf.OmitArgPrefixes,)
+        )
 
 
 def _value_errors_pass_through(event) -> None:

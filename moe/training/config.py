@@ -67,20 +67,28 @@ class TrainConfig:
         nonnegative_int("seed", self.seed)
         m, par, lossy = self.model, self.parallel, self.lossy
         if not m.hf_model and self.data.seq_len > m.max_seq_len():
-            raise ValueError(f"seq_len={self.data.seq_len} exceeds the {m.preset} preset's max_seq_len="
-                             f"{m.max_seq_len()}: use a shorter --seq-len or raise --max-seq-len")
+            raise ValueError(
+                f"seq_len={self.data.seq_len} exceeds the {m.preset} preset's max_seq_len="
+                f"{m.max_seq_len()}: use a shorter --seq-len or raise --max-seq-len"
+            )
         if self.eval.causal_stride > self.data.seq_len:
             raise ValueError(f"causal_stride={self.eval.causal_stride} exceeds seq_len={self.data.seq_len}")
         if lossy.packet_loss > 0 and (par.expert_parallel > 1 or m.hf_model or par.grad_reduce_dtype != "fp32"):
-            raise ValueError("packet_loss replicates every parameter over plain data parallelism: "
-                             "no expert_parallel, hf_model or grad_reduce_dtype with it")
+            raise ValueError(
+                "packet_loss replicates every parameter over plain data parallelism: "
+                "no expert_parallel, hf_model or grad_reduce_dtype with it"
+            )
         if par.pipeline_parallel > 1 and (lossy.packet_loss > 0 or m.hf_model):
-            raise ValueError("pipeline_parallel runs the preset model over a reliable network: no packet_loss or hf_model")
+            raise ValueError(
+                "pipeline_parallel runs the preset model over a reliable network: no packet_loss or hf_model"
+            )
         if self.data.batch_size % par.microbatches:
             raise ValueError(f"batch_size={self.data.batch_size} is not divisible by microbatches={par.microbatches}")
         if m.hf_model and par.expert_parallel > 1:
-            raise ValueError("hf_model takes its architecture from its transformers config: no model overrides "
-                             "(except backend) and no expert_parallel")
+            raise ValueError(
+                "hf_model takes its architecture from its transformers config: no model overrides "
+                "(except backend) and no expert_parallel"
+            )
 
     @classmethod
     def flat(cls, **values) -> TrainConfig:

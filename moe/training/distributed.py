@@ -49,8 +49,13 @@ def setup_distributed(device: str = "auto", timeout_s: float = 600.0) -> DistInf
         # torchrun --max-restarts keeps the store of the first attempt: without a fresh prefix a
         # restarted rank reads the dead attempt's addresses and fails to connect (measured).
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", timeout=timeout,
-                                store=dist.PrefixStore(f"moe/attempt{attempt}", store), rank=rank, world_size=world)
+        dist.init_process_group(
+            backend="nccl" if dev.type == "cuda" else "gloo",
+            timeout=timeout,
+            store=dist.PrefixStore(f"moe/attempt{attempt}", store),
+            rank=rank,
+            world_size=world,
+        )
         owns = True
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -135,16 +135,30 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     place.strategy.attach(optimizer)
     start, run_id, resumed = resume(cfg, place.model, optimizer, mcfg)
     report = RunReport(cfg, mcfg, info, start, run_id)
-    report.banner(corpus, total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters(),
-                  place.layout if info.world_size > 1 else None)
+    report.banner(
+        corpus,
+        total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters(),
+        place.layout if info.world_size > 1 else None,
+    )
     report.say(resumed)
     routers = [m for m in place.model.modules() if isinstance(m, Router)]
-    return Session(cfg, info, corpus, mcfg, place, optimizer, start, report, RouterEntropy(place.model),
-                   routers[0].num_experts if routers else mcfg.num_experts)
+    return Session(
+        cfg,
+        info,
+        corpus,
+        mcfg,
+        place,
+        optimizer,
+        start,
+        report,
+        RouterEntropy(place.model),
+        routers[0].num_experts if routers else mcfg.num_experts,
+    )
 
 
-def resume(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
-           mcfg: ModelConfig) -> tuple[int, str | None, str]:
+def resume(
+    cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig
+) -> tuple[int, str | None, str]:
     """(steps already taken, wandb run id, what happened in words): the last complete checkpoint
     loaded with ``--resume``, else a fresh start. A checkpoint past ``steps`` is refused."""
     if not cfg.checkpoint.resume:
@@ -155,8 +169,10 @@ def resume(cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
     start, run_id = load_checkpoint(found[-1], model, optimizer, mcfg)  # or the newest older one that verifies
     loaded, steps = checkpoint_path(cfg.checkpoint.directory, start).name, cfg.optimizer.steps
     if start > steps:
-        raise ValueError(f"--resume: the last checkpoint, {loaded}, is past --steps {steps}: raise --steps "
-                         "or use another --checkpoint-dir")
+        raise ValueError(
+            f"--resume: the last checkpoint, {loaded}, is past --steps {steps}: raise --steps "
+            "or use another --checkpoint-dir"
+        )
     left = f"{steps - start} steps to go" if start < steps else "no steps left: only the final evaluation"
     return start, run_id, f"resumed from {loaded} ({left})"
 
@@ -186,8 +202,15 @@ def train_step(s: Session, step: int) -> tuple[dict, float]:
 
 def run_eval(s: Session) -> dict:
     e = s.cfg.eval
-    return evaluate(s.place.eval_model, s.corpus.val, s.cfg.data.seq_len, e.eval_windows, e.causal_stride,
-                    e.eval_batch_size, s.info.device)
+    return evaluate(
+        s.place.eval_model,
+        s.corpus.val,
+        s.cfg.data.seq_len,
+        e.eval_windows,
+        e.causal_stride,
+        e.eval_batch_size,
+        s.info.device,
+    )
 
 
 def run(s: Session) -> TrainResult:
@@ -206,8 +229,17 @@ def run(s: Session) -> TrainResult:
             final_eval = ev if step == last else final_eval
         s.report.step(record)
         if cfg.checkpoint.due(step, last):
-            save_checkpoint(cfg.checkpoint.directory, place.model, s.optimizer, step, cfg, s.mcfg, s.info,
-                            cfg.checkpoint.keep_checkpoints, s.report.run_id)
+            save_checkpoint(
+                cfg.checkpoint.directory,
+                place.model,
+                s.optimizer,
+                step,
+                cfg,
+                s.mcfg,
+                s.info,
+                cfg.checkpoint.keep_checkpoints,
+                s.report.run_id,
+            )
     if cfg.checkpoint.export_model:
         export_model(cfg.checkpoint.directory / EXPORT_NAME, place.model, s.mcfg, s.info, place.pp_group)
     s.entropy.close()

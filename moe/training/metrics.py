@@ -112,8 +112,17 @@ class StepTally:
         averaged likewise), dropped fraction and router entropy (means over layers, microbatches
         and ranks), per-layer expert loads (summed over ranks). A collective over all ranks."""
         entropy_sum, entropy_n = entropy
-        sums = torch.cat([self.sums, torch.stack([entropy_sum.double().to(self.device),
-                                                  torch.tensor(float(entropy_n), dtype=torch.float64, device=self.device)])])
+        sums = torch.cat(
+            [
+                self.sums,
+                torch.stack(
+                    [
+                        entropy_sum.double().to(self.device),
+                        torch.tensor(float(entropy_n), dtype=torch.float64, device=self.device),
+                    ]
+                ),
+            ]
+        )
         tokens_LE = self.tokens_LE.clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
@@ -164,6 +173,12 @@ def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str 
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
     return wandb.init(
-        project=log.wandb_project, name=log.wandb_run_name, config=config, dir=str(run_dir), mode=mode,
-        id=run_id, resume="allow" if run_id else None, settings=wandb.Settings(silent=True),
+        project=log.wandb_project,
+        name=log.wandb_run_name,
+        config=config,
+        dir=str(run_dir),
+        mode=mode,
+        id=run_id,
+        resume="allow" if run_id else None,
+        settings=wandb.Settings(silent=True),
     )

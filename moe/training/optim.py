@@ -39,7 +39,9 @@ class OptimizerConfig:
         if self.warmup_steps is not None:
             nonnegative_int("warmup_steps", self.warmup_steps)
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}")
+            raise ValueError(
+                f"need lr > 0 and 0 <= min_lr_ratio <= 1, got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}"
+            )
         if self.weight_decay < 0 or self.grad_clip < 0 or not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError("need weight_decay >= 0, grad_clip >= 0 and betas in [0, 1)")
 

@@ -34,9 +34,14 @@ class RunReport:
             cfg.save(config_path(self.jsonl))
         self.run = init_wandb(cfg, mcfg, info, run_id)
         self.history: list[dict] = []
-        self.bar = tqdm(range(start + 1, cfg.optimizer.steps + 1), initial=start, total=cfg.optimizer.steps,
-                        desc=f"train {cfg.model.router}", disable=not (self.main and self.log.progress),
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            range(start + 1, cfg.optimizer.steps + 1),
+            initial=start,
+            total=cfg.optimizer.steps,
+            desc=f"train {cfg.model.router}",
+            disable=not (self.main and self.log.progress),
+            dynamic_ncols=True,
+        )
 
     @property
     def run_id(self) -> str | None:
@@ -51,9 +56,11 @@ class RunReport:
         """What is trained on what: the whole model's parameter count (not a rank's shard) and,
         on more than one process, the mesh layout."""
         where = f"; mesh {layout}" if layout is not None else ""
-        self.say(f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
-                 f"model: {num_params:,} parameters, router {self.cfg.model.router} {self.cfg.model.router_options}"
-                 f"{where}")
+        self.say(
+            f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
+            f"model: {num_params:,} parameters, router {self.cfg.model.router} {self.cfg.model.router_options}"
+            f"{where}"
+        )
 
     def step(self, record: dict) -> None:
         """The record of one finished step: history, JSONL, wandb, progress bar, log line."""
@@ -82,9 +89,13 @@ class RunReport:
 
 def log_line(record: dict) -> str:
     """The dense one-line summary of a step's record."""
-    line = (f"step {record['step']:5d} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
-            f"lr {record['lr']:.2e} | dropped {record['dropped_fraction']:.3f} | {record['tokens_per_s']:,.0f} tok/s")
+    line = (
+        f"step {record['step']:5d} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
+        f"lr {record['lr']:.2e} | dropped {record['dropped_fraction']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
+    )
     if "eval/causal_loss" in record:
-        line += (f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
-                 f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}")
+        line += (
+            f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
+            f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}"
+        )
     return line

@@ -41,9 +41,18 @@ TINY: dict[str, int] = {
     **dict.fromkeys(("hidden_size", "d_model"), D_MODEL),
     **dict.fromkeys(
         (
-            "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "shared_intermediate_size",
-            "moe_shared_expert_intermediate_size", "shared_experts_intermediate_size", "expert_ffn_hidden_size",
-            "ffn_hidden_size", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "dense_intermediate_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "shared_intermediate_size",
+            "moe_shared_expert_intermediate_size",
+            "shared_experts_intermediate_size",
+            "expert_ffn_hidden_size",
+            "ffn_hidden_size",
+            "d_ff",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "dense_intermediate_size",
         ),
         D_FF,
     ),
@@ -182,7 +191,9 @@ def build(entry: ZooEntry) -> Built:
     transformers_module()
     cls = getattr(importlib.import_module(entry.module), entry.cls_name)
     if entry.kind == "causal LM":
-        config = _tiny_config(cls.config_class, {**TINY, **TINY_LM}, _counts_per_sequence(importlib.import_module(cls.__module__)))
+        config = _tiny_config(
+            cls.config_class, {**TINY, **TINY_LM}, _counts_per_sequence(importlib.import_module(cls.__module__))
+        )
         config._attn_implementation = "eager"
         probe = cls(config)
 
@@ -205,7 +216,8 @@ def build(entry: ZooEntry) -> Built:
     prioritized = [c.batch_prioritized_routing for c in _configs_in(config) if hasattr(c, "batch_prioritized_routing")]
     if prioritized:
         kind = kind.replace(
-            _PRIORITY, f"priority: {'score' if prioritized[0] else 'position'} (batch_prioritized_routing={prioritized[0]})"
+            _PRIORITY,
+            f"priority: {'score' if prioritized[0] else 'position'} (batch_prioritized_routing={prioritized[0]})",
         )
     return Built(make, kind, _capacity_text(config), _train_noise(probe, config))
 
@@ -217,7 +229,9 @@ def _config_classes(module: Any, family: str) -> list[type]:
     found = {
         v
         for v in vars(module).values()
-        if isinstance(v, type) and issubclass(v, PreTrainedConfig) and v.__module__.startswith(f"transformers.models.{family}.")
+        if isinstance(v, type)
+        and issubclass(v, PreTrainedConfig)
+        and v.__module__.startswith(f"transformers.models.{family}.")
     }
     if not found:
         raise AuditUsageError(f"no config class in transformers.models.{family}")
@@ -288,7 +302,9 @@ def _capacity_text(cfg: Any) -> str | None:
 
 def _train_noise(module: nn.Module, cfg: Any) -> str | None:
     drop = sorted({m.p for m in module.modules() if isinstance(m, nn.Dropout) and m.p > 0})
-    knobs = [f"{k}={getattr(sub, k)}" for sub in _configs_in(cfg) for k in TRAIN_NOISE_KEYS if (getattr(sub, k, 0) or 0) > 0]
+    knobs = [
+        f"{k}={getattr(sub, k)}" for sub in _configs_in(cfg) for k in TRAIN_NOISE_KEYS if (getattr(sub, k, 0) or 0) > 0
+    ]
     parts = ([f"dropout {','.join(str(p) for p in drop)}"] if drop else []) + knobs
     return ", ".join(parts) or None
 
@@ -331,16 +347,22 @@ def router_kind(module: nn.Module) -> str:
     from its router submodules (children named gate / router / gating), else from the MoE block
     itself; the other :data:`ROUTER_MARKS` from both. Experts and shared-expert MLPs are not read."""
     blocks = [m for m in module.modules() if type(m).__name__ in moe_block_names(_source(type(m)))] or [module]
-    routers = [c for b in blocks for n, c in b.named_children() if re.search(r"gate|router|gating", n) and "shared" not in n]
+    routers = [
+        c for b in blocks for n, c in b.named_children() if re.search(r"gate|router|gating", n) and "shared" not in n
+    ]
     block_src = _sources(type(b) for b in blocks)
     router_src = _sources(type(r) for r in routers)
     select_src = router_src if re.search(r"topk\(|argmax\(", router_src) else block_src
     score_src = router_src if re.search(r"softmax\(|sigmoid\(", router_src) else block_src
     select = (
-        "top-k" if "topk(" in select_src
-        else "top-2 (two argmaxes)" if select_src.count("argmax(") >= 2
-        else "top-1 (argmax)" if "argmax(" in select_src
-        else "top-2 by repeated max (sparsemixer)" if "sparsemixer(" in block_src + router_src
+        "top-k"
+        if "topk(" in select_src
+        else "top-2 (two argmaxes)"
+        if select_src.count("argmax(") >= 2
+        else "top-1 (argmax)"
+        if "argmax(" in select_src
+        else "top-2 by repeated max (sparsemixer)"
+        if "sparsemixer(" in block_src + router_src
         else "selection not recognised"
     )
     scores = [label for pattern, label in ROUTER_MARKS[:2] if re.search(pattern, score_src)]

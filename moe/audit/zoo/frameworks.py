@@ -55,7 +55,12 @@ class FrameworkConfig:
         return _IMPORT_NAME[self.library]
 
 
-_IMPORT_NAME = {"megatron-core": "megatron.core", "deepspeed": "deepspeed", "fairscale": "fairscale", "torchtitan": "torchtitan"}
+_IMPORT_NAME = {
+    "megatron-core": "megatron.core",
+    "deepspeed": "deepspeed",
+    "fairscale": "fairscale",
+    "torchtitan": "torchtitan",
+}
 """The package each distribution installs."""
 
 
@@ -191,49 +196,69 @@ DEEPSPEED = [
         "top1gating: argmax; each expert keeps C tokens of highest uniform random priority (random token selection)",
         f"cf=1.0: {DS_CAPACITY}",
         "uniform priorities for RTS (both modes)",
-        k=1, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=1,
+        k=1,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=1,
     ),
     _deepspeed(
         "k=1 cf=1 use_rts=False",
         "top1gating: argmax; each expert keeps C tokens chosen by torch.topk over the 0/1 mask (ties)",
         f"cf=1.0: {DS_CAPACITY}",
         None,
-        k=1, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=1, use_rts=False,
+        k=1,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=1,
+        use_rts=False,
     ),
     _deepspeed(
         "k=1 drop_tokens=False",
         "top1gating: argmax; capacity = the largest expert count, nothing dropped",
         None,
         None,
-        k=1, drop_tokens=False, min_capacity=1,
+        k=1,
+        drop_tokens=False,
+        min_capacity=1,
     ),
     _deepspeed(
         "k=2 cf=1",
         "top2gating: second choices queued after every first choice (locations2 += sum(mask1)), cumsum over B * T",
         f"cf=1.0: {DS_CAPACITY}",
         "Gumbel-sampled second expert (top2_2nd_expert_sampling, both modes)",
-        k=2, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=1,
+        k=2,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=1,
     ),
     _deepspeed(
         "k=2 cf=1 train, eval_capacity_factor=4",
         "top2gating; in eval the capacity covers every token",
         f"train cf=1.0, eval cf=4.0: {DS_CAPACITY}",
         "Gumbel-sampled second expert (both modes)",
-        k=2, capacity_factor=1.0, eval_capacity_factor=4.0, min_capacity=1,
+        k=2,
+        capacity_factor=1.0,
+        eval_capacity_factor=4.0,
+        min_capacity=1,
     ),
     _deepspeed(
         "k=2 drop_tokens=False",
         "top2gating: capacity = the largest expert count, nothing dropped",
         None,
         "Gumbel-sampled second expert (both modes)",
-        k=2, drop_tokens=False, min_capacity=1,
+        k=2,
+        drop_tokens=False,
+        min_capacity=1,
     ),
     _deepspeed(
         "k=3 cf=1 (topkgating, drop_policy=probs)",
         "topkgating: each expert keeps its C highest gates over the B * T tokens (topk over dim 0)",
         f"cf=1.0: {DS_CAPACITY}",
         None,
-        k=3, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=1,
+        k=3,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=1,
     ),
 ]
 

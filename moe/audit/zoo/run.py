@@ -168,8 +168,18 @@ def zoo_json(rows: list[ZooRow]) -> str:
 
 
 ZOO_COLUMNS = (
-    "library", "class", "kind", "router kind (from its code)", "capacity", "random in train", "dropped (train/eval)",
-    "leaks in", "batch-invariant", "decode-consistent", "regime", "time",
+    "library",
+    "class",
+    "kind",
+    "router kind (from its code)",
+    "capacity",
+    "random in train",
+    "dropped (train/eval)",
+    "leaks in",
+    "batch-invariant",
+    "decode-consistent",
+    "regime",
+    "time",
 )
 
 

@@ -72,8 +72,9 @@ class HFMoEBlock(nn.Module):
     sequences being generated (transformers' ``generate`` with its KV cache passes only those).
     """
 
-    def __init__(self, moe: MoELayer, shared_expert: nn.Module | None = None,
-                 shared_expert_gate: nn.Module | None = None) -> None:
+    def __init__(
+        self, moe: MoELayer, shared_expert: nn.Module | None = None, shared_expert_gate: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.moe = moe
         self.shared_expert = shared_expert
@@ -114,7 +115,9 @@ def swap_block(block: nn.Module, family: Family, router: str, backend: str, rout
         )
     act = type(getattr(experts, "act_fn", None)).__name__
     if act not in SILU_ACTIVATIONS:
-        raise ValueError(f"{type(block).__name__}: expert activation {act} is not SiLU; only SwiGLU experts are supported")
+        raise ValueError(
+            f"{type(block).__name__}: expert activation {act} is not SiLU; only SwiGLU experts are supported"
+        )
     if getattr(block, "jitter_noise", 0.0):
         raise ValueError(
             f"{type(block).__name__}: router_jitter_noise={block.jitter_noise} is not reproduced by the swapped "
@@ -124,7 +127,9 @@ def swap_block(block: nn.Module, family: Family, router: str, backend: str, rout
     fused = FusedSwiGLUExperts(experts.gate_up_proj, experts.down_proj)
     e, d = gate.weight.shape
     if (fused.num_experts, fused.d_model) != (e, d):
-        raise ValueError(f"{type(block).__name__}: gate is [{e}, {d}] but experts hold {fused.num_experts} x {fused.d_model}")
+        raise ValueError(
+            f"{type(block).__name__}: gate is [{e}, {d}] but experts hold {fused.num_experts} x {fused.d_model}"
+        )
     options = {**family_router_options(router, gate.top_k, bool(normalize)), **router_options}
     moe_router = build_router(router, d_model=d, num_experts=e, **options)
     moe_router.gate.weight = gate.weight
@@ -134,8 +139,9 @@ def swap_block(block: nn.Module, family: Family, router: str, backend: str, rout
     return HFMoEBlock(layer)
 
 
-def swap_moe_blocks(model: nn.Module, router: str = "ec_threshold", *, backend: str = "torch",
-                    **router_options) -> nn.Module:
+def swap_moe_blocks(
+    model: nn.Module, router: str = "ec_threshold", *, backend: str = "torch", **router_options
+) -> nn.Module:
     """Replace, in place, every sparse MoE block of a transformers model (a class in
     :data:`FAMILIES`: Mixtral, MiniMax, GraniteMoE, OLMoE, FlexOlmo, Qwen2-MoE, Qwen3-MoE,
     Qwen3-Next) by an :class:`HFMoEBlock` routing with ``router``; return the model.
@@ -150,9 +156,12 @@ def swap_moe_blocks(model: nn.Module, router: str = "ec_threshold", *, backend: 
     router modules this replaces, so ``config.output_router_logits`` is set to False. Call
     ``moe.update_routers(model)`` after each optimiser step, as with any model of this package.
     """
-    swaps = [(parent, name, child, FAMILIES[type(child).__name__])
-             for parent in model.modules() for name, child in parent.named_children()
-             if type(child).__name__ in FAMILIES]
+    swaps = [
+        (parent, name, child, FAMILIES[type(child).__name__])
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child).__name__ in FAMILIES
+    ]
     if not swaps:
         raise ValueError(
             f"{type(model).__name__} has no sparse MoE block of a supported family ({', '.join(sorted(FAMILIES))})"

@@ -21,21 +21,47 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "granitemoe-tiny": ("granitemoe", {"num_local_experts": 4, "intermediate_size": 64}),
     "olmoe-tiny": ("olmoe", {"num_experts": 4, "intermediate_size": 64}),
     "flexolmo-tiny": ("flex_olmo", {"num_experts": 4, "intermediate_size": 64}),
-    "qwen2-moe-tiny": ("qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 64, "intermediate_size": 64,
-                                     "shared_expert_intermediate_size": 96}),
-    "qwen3-moe-tiny": ("qwen3_moe", {"num_experts": 4, "moe_intermediate_size": 64, "intermediate_size": 64,
-                                     "head_dim": 16}),
-    "qwen3-next-tiny": ("qwen3_next", {"num_experts": 4, "moe_intermediate_size": 64, "intermediate_size": 64,
-                                       "shared_expert_intermediate_size": 96, "head_dim": 16}),
+    "qwen2-moe-tiny": (
+        "qwen2_moe",
+        {"num_experts": 4, "moe_intermediate_size": 64, "intermediate_size": 64, "shared_expert_intermediate_size": 96},
+    ),
+    "qwen3-moe-tiny": (
+        "qwen3_moe",
+        {"num_experts": 4, "moe_intermediate_size": 64, "intermediate_size": 64, "head_dim": 16},
+    ),
+    "qwen3-next-tiny": (
+        "qwen3_next",
+        {
+            "num_experts": 4,
+            "moe_intermediate_size": 64,
+            "intermediate_size": 64,
+            "shared_expert_intermediate_size": 96,
+            "head_dim": 16,
+        },
+    ),
 }
 """Name -> (transformers model_type, family-specific fields) of the built-in tiny random configs."""
 
-TINY_COMMON = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "num_experts_per_tok": 2, "max_position_embeddings": 1024, "pad_token_id": None,
-               "bos_token_id": None, "eos_token_id": None, "tie_word_embeddings": False}
+TINY_COMMON = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 1024,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "tie_word_embeddings": False,
+}
 """Fields every tiny config shares: d=64, 2 layers, 4 heads (2 KV), E=4 experts, K=2."""
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 """A directory holding one of these is loaded with its weights; one with only config.json is random-initialised."""
 
 
@@ -63,8 +89,9 @@ def load_hf_model(spec: str, vocab_size: int, seed: int = 0) -> nn.Module:
     elif path.is_dir() and any((path / f).exists() for f in WEIGHT_FILES):
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     elif (path / "config.json").exists():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True),
-                                                 dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(path, local_files_only=True), dtype=torch.float32
+        )
     else:
         raise ValueError(
             f"hf model {spec!r} is neither a built-in tiny config ({', '.join(sorted(TINY_CONFIGS))}) "
@@ -107,8 +134,9 @@ class HFCausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_hf_model(spec: str, router: str, router_options: dict, vocab_size: int, seed: int = 0,
-                   backend: str = "torch") -> HFCausalLM:
+def build_hf_model(
+    spec: str, router: str, router_options: dict, vocab_size: int, seed: int = 0, backend: str = "torch"
+) -> HFCausalLM:
     """What ``experiments/train.py --hf-model SPEC --router R`` trains: :func:`load_hf_model`,
     every MoE block swapped to ``router`` (``topk`` with no options keeps the family's routing),
     wrapped in :class:`HFCausalLM`."""

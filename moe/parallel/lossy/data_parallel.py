@@ -99,8 +99,10 @@ def aggregate_gradient(flats_Ln: Tensor, policy: str, transport: LossyTransport,
     collective over ``workers``."""
     if policy == "reliable":
         total_n = workers.sum(flats_Ln)
-        return [total_n[lo:hi] / workers.size for lo, hi in (shard_bounds(total_n.numel(), workers.size)[r]
-                                                             for r in workers.local)]
+        return [
+            total_n[lo:hi] / workers.size
+            for lo, hi in (shard_bounds(total_n.numel(), workers.size)[r] for r in workers.local)
+        ]
     if policy == "unbiased":
         return [total_S / arrivals_S for total_S, arrivals_S in transport.reduce_scatter_sum(flats_Ln, workers)]
     if policy == "naive":
@@ -141,12 +143,17 @@ class LossyReplicas:
     ``models[i]`` with ``optimizers[i]`` (holding all its trainable parameters) is the replica of
     worker ``workers.local[i]``. Every parameter is replicated (no expert-parallel layers)."""
 
-    def __init__(self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], cfg: LossyDPConfig,
-                 workers: Workers):
+    def __init__(
+        self, models: list[nn.Module], optimizers: list[torch.optim.Optimizer], cfg: LossyDPConfig, workers: Workers
+    ):
         if len(models) != len(workers.local) or len(optimizers) != len(models):
-            raise ValueError(f"{len(models)} models and {len(optimizers)} optimizers for {len(workers.local)} local workers")
+            raise ValueError(
+                f"{len(models)} models and {len(optimizers)} optimizers for {len(workers.local)} local workers"
+            )
         if any(expert_parallel_layers(m) for m in models):
-            raise ValueError("lossy data parallelism replicates every parameter: build the model without expert parallelism")
+            raise ValueError(
+                "lossy data parallelism replicates every parameter: build the model without expert parallelism"
+            )
         self.models, self.optimizers, self.cfg, self.workers = models, optimizers, cfg, workers
         self.params = [[p for p in m.parameters() if p.requires_grad] for m in models]
         self.names = [name for name, p in models[0].named_parameters() if p.requires_grad]
@@ -169,14 +176,18 @@ class LossyReplicas:
         for (lo, hi), est_S in zip(self.bounds, ests_S):
             mean_S = mean_n[lo:hi].double()
             err_S = est_S.double() - mean_S
-            for i, v in enumerate([err_S.square().sum(), mean_S.square().sum(), (err_S * mean_S).sum(),
-                                   est_S.double().square().sum()]):
+            for i, v in enumerate(
+                [err_S.square().sum(), mean_S.square().sum(), (err_S * mean_S).sum(), est_S.double().square().sum()]
+            ):
                 sums[i] += float(v)
         sq_err, sq_mean, dot, sq_est = self._sum(sums)
         grad_norm = math.sqrt(sq_est)
         coef = min(1.0, self.cfg.grad_clip / (grad_norm + 1e-6)) if self.cfg.grad_clip > 0 else 1.0
-        figures = {"grad_rel_error": math.sqrt(sq_err / max(sq_mean, 1e-300)), "grad_bias": dot / max(sq_mean, 1e-300),
-                   "grad_norm": grad_norm}
+        figures = {
+            "grad_rel_error": math.sqrt(sq_err / max(sq_mean, 1e-300)),
+            "grad_bias": dot / max(sq_mean, 1e-300),
+            "grad_norm": grad_norm,
+        }
         return [est_S * coef if coef < 1.0 else est_S for est_S in ests_S], figures
 
     def _drift(self, news_Ln: Tensor) -> dict:
@@ -211,8 +222,12 @@ class LossyReplicas:
         for params, new_n in zip(self.params, news_Ln):
             _write(params, new_n)
         received, expected = self._sum([float(self.transport.received), float(self.transport.expected)])
-        return {**figures, "received_fraction": received / expected if expected else 1.0, **self._drift(news_Ln),
-                "resync": resync}
+        return {
+            **figures,
+            "received_fraction": received / expected if expected else 1.0,
+            **self._drift(news_Ln),
+            "resync": resync,
+        }
 
 
 class LossyDataParallel(LossyReplicas):

@@ -91,7 +91,8 @@ def lost_assignments(expert_A: Tensor, num_experts: int, row_width: int, transpo
     order_A, counts_P = _rows_per_rank(expert_A, num_experts, size)
     dispatch, back = transport.next_stream(), transport.next_stream()
     lost_sorted_A = _lost_rows(counts_P, row_width, transport, dispatch, True) | _lost_rows(
-        counts_P, row_width, transport, back, False)
+        counts_P, row_width, transport, back, False
+    )
     lost_A = torch.empty_like(lost_sorted_A)
     lost_A[order_A.cpu()] = lost_sorted_A
     return lost_A.to(expert_A.device)
@@ -142,8 +143,17 @@ class LossyExpertParallel(ExpertParallel):
         super().__init__(inner.group, inner.mesh)
         self.transport, self.enabled = transport, True
 
-    def __call__(self, x_ND: Tensor, token_A: Tensor, expert_A: Tensor, weight_A: Tensor, experts, num_experts: int,
-                 backend: str = "torch", timer=None) -> Tensor:
+    def __call__(
+        self,
+        x_ND: Tensor,
+        token_A: Tensor,
+        expert_A: Tensor,
+        weight_A: Tensor,
+        experts,
+        num_experts: int,
+        backend: str = "torch",
+        timer=None,
+    ) -> Tensor:
         if timer is not None:
             raise ValueError("LossyExpertParallel uses the exchange's boundary hooks itself: no timer")
         if not (self.enabled and torch.is_grad_enabled()):
@@ -152,8 +162,10 @@ class LossyExpertParallel(ExpertParallel):
         _, counts_P = _rows_per_rank(expert_A, num_experts, size)
         returned, dispatched = self.transport.next_stream(), self.transport.next_stream()
         d = x_ND.shape[-1]
-        hooks = LostGradientRows(_lost_rows(counts_P, d, self.transport, returned, True),
-                                 _lost_rows(counts_P, d, self.transport, dispatched, False))
+        hooks = LostGradientRows(
+            _lost_rows(counts_P, d, self.transport, returned, True),
+            _lost_rows(counts_P, d, self.transport, dispatched, False),
+        )
         return expert_parallel_ffn(x_ND, token_A, expert_A, weight_A, experts, num_experts, self.group, backend, hooks)
 
     def __repr__(self) -> str:
@@ -192,8 +204,9 @@ class LossyRouter(nn.Module):
     ``dropped_fraction`` and ``tokens_per_expert``, as capacity drops are. ``enabled=False``
     passes the inner routing through (e.g. for evaluation)."""
 
-    def __init__(self, router: nn.Module, num_experts: int, row_width: int, transport: LossyTransport,
-                 renormalise: bool = False):
+    def __init__(
+        self, router: nn.Module, num_experts: int, row_width: int, transport: LossyTransport, renormalise: bool = False
+    ):
         super().__init__()
         self.inner, self.num_experts, self.row_width = router, num_experts, row_width
         self.transport, self.renormalise, self.enabled = transport, renormalise, True
@@ -202,17 +215,30 @@ class LossyRouter(nn.Module):
         routing = self.inner(x_BTD, decode_state=decode_state)
         if not self.enabled:
             return routing
-        kept = drop_lost_assignments(routing.token, routing.expert, routing.weight, routing.num_tokens,
-                                     self.num_experts, self.row_width, self.transport, self.renormalise)
+        kept = drop_lost_assignments(
+            routing.token,
+            routing.expert,
+            routing.weight,
+            routing.num_tokens,
+            self.num_experts,
+            self.row_width,
+            self.transport,
+            self.renormalise,
+        )
         before = max(routing.token.numel(), 1)
         served = (1.0 - routing.stats["dropped_fraction"].float()) * (kept.token_A.numel() / before)
-        stats = {**routing.stats, "tokens_per_expert": count_indices(kept.expert_A, self.num_experts),
-                 "dropped_fraction": 1.0 - served, "ep_lost_fraction": torch.tensor(kept.lost_fraction)}
+        stats = {
+            **routing.stats,
+            "tokens_per_expert": count_indices(kept.expert_A, self.num_experts),
+            "dropped_fraction": 1.0 - served,
+            "ep_lost_fraction": torch.tensor(kept.lost_fraction),
+        }
         return replace(routing, token=kept.token_A, expert=kept.expert_A, weight=kept.weight_A, stats=stats)
 
 
-def wrap_expert_parallel_routers(model: nn.Module, transport: LossyTransport, renormalise: bool = False,
-                                 gradients: bool = True) -> list[LossyRouter | LossyExpertParallel]:
+def wrap_expert_parallel_routers(
+    model: nn.Module, transport: LossyTransport, renormalise: bool = False, gradients: bool = True
+) -> list[LossyRouter | LossyExpertParallel]:
     """Wrap the router of every expert-parallel ``MoELayer`` of ``model`` in a :class:`LossyRouter`
     (parameter names gain ``.inner``) and, with ``gradients``, its expert-parallel path in a
     :class:`LossyExpertParallel` (the backward exchanges lose rows too). Returns the wrappers

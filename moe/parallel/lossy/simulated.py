@@ -43,8 +43,13 @@ class SimulatedDataParallel(LossyReplicas):
     so all start equal), each with ``make_optimizer(replica)``, trained by lossy data-parallel
     steps in this process (module docstring)."""
 
-    def __init__(self, model: nn.Module, make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-                 cfg: LossyDPConfig, workers: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+        cfg: LossyDPConfig,
+        workers: int,
+    ):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 2:
             raise ValueError(f"workers must be an integer >= 2 (data parallelism needs two), got {workers!r}")
         replicas = [model] + [copy.deepcopy(model) for _ in range(workers - 1)]

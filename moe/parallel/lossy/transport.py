@@ -104,8 +104,10 @@ def message_keys(seed: int, step: int, stream: int, src_M: np.ndarray, dst_M: np
     hashed into the running key in turn."""
     src_M, dst_M = np.asarray(src_M, dtype=np.int64), np.asarray(dst_M, dtype=np.int64)
     if min(seed, step, stream) < 0 or (src_M.size and min(src_M.min(), dst_M.min()) < 0):
-        raise ValueError(f"message fields must be >= 0, got seed {seed}, step {step}, stream {stream}, "
-                         f"sources {src_M.tolist()}, destinations {dst_M.tolist()}")
+        raise ValueError(
+            f"message fields must be >= 0, got seed {seed}, step {step}, stream {stream}, "
+            f"sources {src_M.tolist()}, destinations {dst_M.tolist()}"
+        )
     key_M = np.zeros(src_M.shape, dtype=np.uint64)
     for field in (seed, step, stream, src_M, dst_M):
         key_M = _splitmix64(key_M ^ (np.asarray(field, dtype=np.uint64) & np.uint64(_MASK64)))
@@ -121,8 +123,10 @@ def packet_uniforms(key_M: np.ndarray, num_packets: int) -> np.ndarray:
     """float64 [M, K] in [0, 1): packet k of message m draws splitmix64(key_M[m] + k * golden), a
     function of (key, k) only, so a message's first packets do not depend on its length."""
     with np.errstate(over="ignore"):
-        words = _splitmix64(np.asarray(key_M, dtype=np.uint64)[:, None]
-                            + np.arange(num_packets, dtype=np.uint64)[None, :] * np.uint64(_GOLDEN))
+        words = _splitmix64(
+            np.asarray(key_M, dtype=np.uint64)[:, None]
+            + np.arange(num_packets, dtype=np.uint64)[None, :] * np.uint64(_GOLDEN)
+        )
     return (words >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
@@ -187,7 +191,9 @@ class Workers:
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or self.size < 1 or not self.local:
-            raise ValueError(f"Workers needs size >= 1 and at least one local worker, got {self.size!r}, {self.local!r}")
+            raise ValueError(
+                f"Workers needs size >= 1 and at least one local worker, got {self.size!r}, {self.local!r}"
+            )
         if any(not 0 <= r < self.size for r in self.local):
             raise ValueError(f"local workers {self.local} are not all in [0, {self.size})")
 
@@ -267,7 +273,9 @@ class LossyTransport:
         packets_P = (lengths + self.cfg.packet_size - 1) // self.cfg.packet_size
         width = int(packets_P.max())
         src_M, dst_M = np.divmod(np.arange(size * size), size)
-        lost_PPK = torch.from_numpy(lost_packet_table(self.cfg, self.step, stream, src_M, dst_M, width)).view(size, size, width)
+        lost_PPK = torch.from_numpy(lost_packet_table(self.cfg, self.step, stream, src_M, dst_M, width)).view(
+            size, size, width
+        )
         owner_n = torch.repeat_interleave(torch.arange(size), lengths)
         packet_n = torch.cat([torch.arange(int(length)) // self.cfg.packet_size for length in lengths])
         return _ShardTable(bounds, lost_PPK, packets_P, owner_n, owner_n * width + packet_n, packet_n)
@@ -279,7 +287,9 @@ class LossyTransport:
         self.expected += int(valid.sum())
         self.received += int((valid & ~lost_PPK[:, receivers]).sum())
 
-    def reduce_scatter_sum(self, flats_Ln: Tensor, workers: Workers, sender_scale: float = 1.0) -> list[tuple[Tensor, Tensor]]:
+    def reduce_scatter_sum(
+        self, flats_Ln: Tensor, workers: Workers, sender_scale: float = 1.0
+    ) -> list[tuple[Tensor, Tensor]]:
         """Per local worker (as the owner of its shard, ``shard_bounds``): (sum, arrivals): ``sum``
         adds the shard of every worker whose packet arrived (the owner's own always does), each
         other worker's contribution multiplied by ``sender_scale``; ``arrivals`` (same dtype)
@@ -308,8 +318,9 @@ class LossyTransport:
             out.append((total_n[lo:hi], arrivals_LK[i, tab.packet_n[lo:hi]]))
         return out
 
-    def all_gather_stale(self, shards: list[Tensor], stales_Ln: Tensor, workers: Workers,
-                         reliable: bool = False) -> Tensor:
+    def all_gather_stale(
+        self, shards: list[Tensor], stales_Ln: Tensor, workers: Workers, reliable: bool = False
+    ) -> Tensor:
         """[L, n]: per local worker, every worker's shard (``shard_bounds`` of n) gathered into one
         vector, where an element of another worker's shard whose packet is lost keeps its value
         from that local worker's row of ``stales_Ln``; ``shards``: the local workers' own shards.

@@ -41,17 +41,21 @@ class LossyConfig:
         if not 0.0 <= self.packet_loss < 1.0:
             raise ValueError(f"packet_loss must be in [0, 1), got {self.packet_loss!r}")
         if self.loss_burst != 0.0 and self.loss_burst < 1.0:
-            raise ValueError(f"loss_burst must be 0 (independent losses) or a mean burst length >= 1, got {self.loss_burst!r}")
+            raise ValueError(
+                f"loss_burst must be 0 (independent losses) or a mean burst length >= 1, got {self.loss_burst!r}"
+            )
         positive_int("loss_packet_size", self.loss_packet_size)
         nonnegative_int("loss_resync_every", self.loss_resync_every)
         self.transport(seed=0, grad_clip=0.0)  # validates the policy
 
     def transport(self, seed: int, grad_clip: float) -> LossyDPConfig:
         """The ``moe.parallel.lossy`` configuration (the loss pattern seeded by ``seed``)."""
-        loss = LossConfig(rate=self.packet_loss, packet_size=self.loss_packet_size,
-                          burst_length=self.loss_burst or None, seed=seed)
-        return LossyDPConfig(policy=self.loss_policy, loss=loss, resync_every=self.loss_resync_every,
-                             grad_clip=grad_clip)
+        loss = LossConfig(
+            rate=self.packet_loss, packet_size=self.loss_packet_size, burst_length=self.loss_burst or None, seed=seed
+        )
+        return LossyDPConfig(
+            policy=self.loss_policy, loss=loss, resync_every=self.loss_resync_every, grad_clip=grad_clip
+        )
 
 
 @register_strategy
@@ -69,8 +73,10 @@ class LossyDataParallelStep(Plain):
     @staticmethod
     def check_world(world_size: int) -> None:
         if world_size == 1:
-            raise ValueError("--packet-loss simulates data parallelism over a lossy network: launch at least 2 "
-                             "processes (torchrun --nproc-per-node N)")
+            raise ValueError(
+                "--packet-loss simulates data parallelism over a lossy network: launch at least 2 "
+                "processes (torchrun --nproc-per-node N)"
+            )
 
     def attach(self, optimizer) -> None:
         super().attach(optimizer)

@@ -29,8 +29,10 @@ class Pipelined(StepStrategy):
         layout, pmesh = place.layout, place.mesh
         virtual = virtual_stages(cfg.parallel.pipeline_schedule)
         if virtual > 1 and layout.data_parallel > 1:
-            raise ValueError("interleaved1f1b runs without data parallelism inside a stage here: use "
-                             "--pipeline-schedule gpipe or 1f1b, or as many processes as pipeline stages")
+            raise ValueError(
+                "interleaved1f1b runs without data parallelism inside a stage here: use "
+                "--pipeline-schedule gpipe or 1f1b, or as many processes as pipeline stages"
+            )
         pp_rank, place.dp_rank = pmesh.coordinate()
         place.dp_size, place.dp_group, place.pp_group = layout.data_parallel, pmesh.dp_group, pmesh.pp_group
         place.stage = place.model = StageModel(place.model, pp_rank, layout.pipeline, virtual)
@@ -41,9 +43,15 @@ class Pipelined(StepStrategy):
         place, par = self.place, self.cfg.parallel
         local = self.cfg.data.batch_size // place.dp_size
         logits_dtype = torch.bfloat16 if place.device.type == "cuda" else torch.float32  # autocast's
-        place.pipe = Pipeline(place.stage, par.pipeline_schedule, par.microbatches,
-                              (local // par.microbatches, self.cfg.data.seq_len), place.pp_group, place.device,
-                              logits_dtype)
+        place.pipe = Pipeline(
+            place.stage,
+            par.pipeline_schedule,
+            par.microbatches,
+            (local // par.microbatches, self.cfg.data.seq_len),
+            place.pp_group,
+            place.device,
+            logits_dtype,
+        )
         place.eval_model = PipelinedLM(place.stage, place.pp_group)
 
     def gradients(self, idx_BT: Tensor, targets_BT: Tensor, tally) -> None:
