@@ -1,4 +1,5 @@
-"""Shared test helpers: routers with hand-set logits and a naive per-assignment reference."""
+"""Shared test helpers: routers with hand-set logits, a naive per-assignment reference, and the
+settings of the short training runs the trainer tests compare."""
 
 from __future__ import annotations
 
@@ -41,3 +42,28 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("ec_threshold", {}),
     ("ec_predictor", {}),
 ]
+
+
+def tiny_run_flags(steps: int = 12) -> list[str]:
+    """Command-line flags of the short tiny-preset run that the multi-process trainer tests
+    compare with one process (12 steps of 8 x 64 tokens, 2 evaluation windows, no logging)."""
+    return [
+        *("--preset", "tiny", "--steps", str(steps), "--batch-size", "8", "--seq-len", "64"),
+        *("--max-bytes", "200000", "--eval-windows", "2", "--causal-stride", "64", "--log-every", "0"),
+        *("--no-progress", "--wandb-mode", "disabled"),
+    ]
+
+
+SMALL_RUN = dict(
+    seq_len=32,
+    batch_size=8,
+    max_bytes=200_000,
+    eval_windows=4,
+    eval_batch_size=4,
+    causal_stride=8,
+    warmup_steps=2,
+    log_every=0,
+    progress=False,
+    model={"d_model": 32, "moe_d_ff": 64},
+)
+"""TrainConfig.flat keywords of the small in-process runs (a d=32 tiny model, 8 x 32 tokens)."""

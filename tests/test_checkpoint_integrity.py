@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import SMALL_RUN
 
 from moe.training import TrainConfig, train
 from moe.training.checkpoint import (
@@ -19,19 +20,7 @@ from moe.training.checkpoint import (
     verify_checkpoint,
 )
 
-SMALL = dict(
-    seq_len=32,
-    batch_size=8,
-    max_bytes=200_000,
-    eval_windows=4,
-    eval_batch_size=4,
-    causal_stride=8,
-    warmup_steps=2,
-    log_every=0,
-    progress=False,
-    eval_every=0,
-    model={"d_model": 32, "moe_d_ff": 64},
-)
+SMALL = {**SMALL_RUN, "eval_every": 0}
 
 
 def shard(ckpt: Path) -> Path:

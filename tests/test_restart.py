@@ -12,31 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tiny_run_flags
 
 from moe.training import config_from_args, train
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = [
-    "--preset",
-    "tiny",
-    "--steps",
-    "12",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "64",
-    "--max-bytes",
-    "200000",
-    "--eval-windows",
-    "2",
-    "--causal-stride",
-    "64",
-    "--log-every",
-    "0",
-    "--no-progress",
-    "--wandb-mode",
-    "disabled",
-]
+COMMON = tiny_run_flags()
 REL_TOL = 1e-4
 
 

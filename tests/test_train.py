@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SMALL_RUN
 
 import moe.training.loop as mt
 from moe.data import eval_offsets, load_corpus, windows
@@ -20,18 +21,7 @@ from moe.training import TrainConfig, build_model, config_from_args, lr_at, mode
 from moe.training.metrics import resolve_wandb_mode
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = dict(
-    seq_len=32,
-    batch_size=8,
-    max_bytes=200_000,
-    eval_windows=4,
-    eval_batch_size=4,
-    causal_stride=8,
-    warmup_steps=2,
-    log_every=0,
-    progress=False,
-    model={"d_model": 32, "moe_d_ff": 64},
-)
+SMALL = SMALL_RUN
 
 
 @pytest.fixture(autouse=True)
