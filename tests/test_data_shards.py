@@ -24,9 +24,7 @@ from moe.data import (
     windows,
 )
 from moe.data.shards import FORMAT
-from moe.training.config import TrainConfig
-from moe.training.distributed import DistInfo
-from moe.training.loop import local_batch
+from moe.training.batches import DataConfig, local_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,13 +105,12 @@ class CountingShards(TokenShards):
 def test_each_data_parallel_rank_reads_only_its_own_rows(tmp_path):
     write_shards(tmp_path / "d", np.random.default_rng(2).integers(0, 300, 20_000), [7_000, 13_000], 300, "uint16")
     base = load_prepared(tmp_path / "d", 0.1)
-    cfg = TrainConfig(seq_len=16, batch_size=8, seed=3)
-    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    full_BT, _ = local_batch(base, cfg, 5, info, (0, 1))
+    cfg, cpu = DataConfig(seq_len=16, batch_size=8), torch.device("cpu")
+    full_BT, _ = local_batch(base, cfg, 3, 5, cpu, (0, 1))
     offsets_B = batch_offsets(base.train.numel(), 16, 8, seed=3, step=5)
     for rank in range(4):
         counted = CountingShards(base.train)
-        idx_bT, _ = local_batch(Corpus(counted, base.val, 300, "counted"), cfg, 5, info, (rank, 4))
+        idx_bT, _ = local_batch(Corpus(counted, base.val, 300, "counted"), cfg, 3, 5, cpu, (rank, 4))
         mine = offsets_B[rank * 2 : rank * 2 + 2]
         assert sorted(counted.read) == sorted((mine[:, None] + torch.arange(17)).reshape(-1).tolist()), rank
         assert torch.equal(idx_bT, full_BT[rank * 2 : rank * 2 + 2]), rank
