@@ -124,6 +124,7 @@ def test_expert_parallel_must_divide_world_size():
         train(config_from_args([*COMMON, "--expert-parallel", "2"]))
 
 
+@pytest.mark.slow  # the lossy path of train() is also run by test_lossy_simulated (4 gloo processes)
 def test_packet_loss_flags_train_over_the_lossy_transport(tmp_path):
     # --packet-loss replaces FSDP2 by replicated data parallelism over moe.parallel.lossy. The
     # reliable policy bypasses the loss: the single-process run. At p = 0.3 the metrics show 70%
