@@ -8,13 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe.checks import nonnegative_int, positive_int
-from moe.parallel.lossy import LossConfig, LossyDataParallel, LossyDPConfig
+from moe.parallel.lossy import METRICS, LossConfig, LossyDataParallel, LossyDPConfig
 from moe.parallel.steps.base import register_strategy
 from moe.parallel.steps.plain import Plain
-
-LOSSY_METRICS = ("received_fraction", "grad_rel_error", "grad_bias", "max_drift", "rms_drift")
-"""Per-step figures of ``--packet-loss`` runs written to the metrics (see ``LossyDataParallel.step``)."""
-
 
 @dataclass
 class LossyConfig:
@@ -85,4 +81,4 @@ class LossyDataParallelStep(Plain):
 
     def update(self, step: int) -> tuple[float, dict]:
         info = self.transport.step(step)
-        return float(info["grad_norm"]), {k: info[k] for k in LOSSY_METRICS}
+        return float(info["grad_norm"]), {k: info[k] for k in METRICS}
