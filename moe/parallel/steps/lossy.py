@@ -12,6 +12,7 @@ from moe.parallel.lossy import METRICS, LossConfig, LossyDataParallel, LossyDPCo
 from moe.parallel.steps.base import register_strategy
 from moe.parallel.steps.plain import Plain
 
+
 @dataclass
 class LossyConfig:
     """The lossy transport of a data-parallel run (off unless ``packet_loss`` > 0)."""
