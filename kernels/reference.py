@@ -105,25 +105,10 @@ def moe_ffn_reference(
         return x_ND.new_zeros(x_ND.shape[0], w_down_EFD.shape[-1])
     if torch.compiler.is_compiling():
         return torch.ops.moe_kernels.moe_ffn(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD)[0]
-    return _sorted_moe_ffn(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD)
-
-
-def _sorted_moe_ffn(
-    x_ND: Tensor,
-    token_A: Tensor,
-    expert_A: Tensor,
-    weight_A: Tensor,
-    w_gate_EDF: Tensor,
-    w_up_EDF: Tensor,
-    w_down_EFD: Tensor,
-) -> Tensor:
-    """The eager sorted path of :func:`moe_ffn_reference` (at least one assignment)."""
-    n, e = x_ND.shape[0], w_gate_EDF.shape[0]
-    order_A, counts_E = sort_by_expert(expert_A, e)
-    token_sorted_A = token_A[order_A]
-    slot_A, num_slots = token_slots(token_sorted_A, n)
+    n = x_ND.shape[0]
+    order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, w_gate_EDF.shape[0])
     x_AD = gather_rows(x_ND, token_sorted_A, slot_A, num_slots)
-    y_AD = grouped_swiglu(x_AD, counts_E.tolist(), w_gate_EDF, w_up_EDF, w_down_EFD)
+    y_AD = grouped_swiglu(x_AD, counts, w_gate_EDF, w_up_EDF, w_down_EFD)
     weighted_AD = y_AD * weight_A[order_A].unsqueeze(-1).to(y_AD.dtype)
     return scatter_sum(weighted_AD, token_sorted_A, slot_A, num_slots, n)
 
