@@ -54,6 +54,21 @@ def tiny_run_flags(steps: int = 12) -> list[str]:
     ]
 
 
+TINY_RUN = dict(
+    preset="tiny",
+    steps=12,
+    batch_size=8,
+    seq_len=64,
+    max_bytes=200_000,
+    eval_windows=2,
+    causal_stride=64,
+    log_every=0,
+    progress=False,
+    wandb_mode="disabled",
+)
+"""TrainConfig.flat keywords of the same short tiny-preset run as :func:`tiny_run_flags`."""
+
+
 SMALL_RUN = dict(
     seq_len=32,
     batch_size=8,

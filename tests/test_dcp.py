@@ -11,25 +11,14 @@ import shutil
 
 import pytest
 import torch
+from helpers import TINY_RUN
 
 import moe.training.checkpoint as ckpt_mod
 from moe.parallel.launch import ok_values, run_local
 from moe.training import TrainConfig, train
 from moe.training.checkpoint import complete_checkpoints
 
-COMMON = dict(
-    preset="tiny",
-    router="ec_threshold",
-    steps=12,
-    batch_size=8,
-    seq_len=64,
-    max_bytes=200_000,
-    eval_windows=2,
-    causal_stride=64,
-    log_every=0,
-    progress=False,
-    wandb_mode="disabled",
-)
+COMMON = {**TINY_RUN, "router": "ec_threshold"}
 REL_TOL = 1e-4
 
 

@@ -14,24 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TINY_RUN
 
 from moe.parallel import rank_state_bytes
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.mesh import Layout
 from moe.training import TrainConfig, train
 
-COMMON = dict(
-    preset="tiny",
-    steps=12,
-    batch_size=8,
-    seq_len=64,
-    max_bytes=200_000,
-    eval_windows=2,
-    causal_stride=64,
-    log_every=0,
-    progress=False,
-    wandb_mode="disabled",
-)
+COMMON = TINY_RUN
 LAYOUTS = {"dp_shard4": (1, 1), "dp_shard2_ep2": (1, 2), "ep4": (1, 4), "dp_replicate2_ep2": (2, 2)}
 ROUTERS = ("topk", "ec_threshold")
 REL_TOL = 1e-4
