@@ -174,7 +174,7 @@ def _moe_ffn_backward_op(
     order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, e)
     x_AD = x_ND.index_select(0, token_sorted_A)
     grad_rows_AD = grad_ND.index_select(0, token_sorted_A)
-    grad_weight_A = torch.empty_like(weight_A)
+    grad_weight_A = weight_A.new_empty(weight_A.shape)
     grad_weight_A[order_A] = (grad_rows_AD * rows_AD).sum(-1).to(weight_A.dtype)
     grad_rows_AD = grad_rows_AD * weight_A[order_A].unsqueeze(-1).to(grad_rows_AD.dtype)
     sig_AF = torch.sigmoid(gate_AF)
@@ -206,7 +206,9 @@ def _moe_ffn_backward_op(
 def _moe_ffn_backward_fake(
     grad_ND, x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF, up_AF, rows_AD
 ):
-    return tuple(torch.empty_like(t) for t in (x_ND, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD))
+    # Contiguous, as the real op returns them, whatever the strides of the inputs (the
+    # experts of a transformers model are transposed views of its fused tensors).
+    return tuple(t.new_empty(t.shape) for t in (x_ND, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD))
 
 
 def _save_for_backward(ctx, inputs, output):

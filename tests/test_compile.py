@@ -20,6 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import moe
 from kernels.reference import moe_ffn_reference
+from moe.experts import FusedSwiGLUExperts
 from moe.model import MoETransformer, preset
 from moe.parallel.compile import compile_blocks
 
@@ -130,6 +131,34 @@ def test_traced_operator_equals_the_eager_sorted_path():
     for i, (a, b) in enumerate(zip(*outs)):
         diff = (a - b).abs()
         assert diff.max() <= 1e-12 * b.abs().max(), f"tensor {i}: max {diff.max():.3e} mean {diff.mean():.3e}"
+
+
+def test_operators_fake_kernels_match_real_ones_on_strided_experts():
+    """The fake (meta) kernels the compiler plans with give the real outputs' shapes and strides,
+    also for the experts of a transformers model: transposed views of its fused [E, 2F, D] and
+    [E, D, F] tensors (``FusedSwiGLUExperts``). An ``empty_like`` fake keeps those inputs'
+    transposed strides while the real operator returns contiguous gradients: inductor then
+    fails its stride assertion (seen with --compile on --hf-model)."""
+    e, d, f, n = 3, 8, 5, 6
+    fused = FusedSwiGLUExperts(torch.nn.Parameter(torch.randn(e, 2 * f, d)), torch.nn.Parameter(torch.randn(e, d, f)))
+    ws = (fused.w_gate, fused.w_up, fused.w_down)
+    assert not any(w.is_contiguous() for w in ws)
+    token_A = torch.tensor([0, 0, 1, 4, 5, 5])
+    expert_A = torch.tensor([0, 2, 1, 0, 1, 2])
+    x = torch.randn(n, d)
+    weight = torch.rand(6)
+    forward = (x, token_A, expert_A, weight, *ws)
+    torch.library.opcheck(torch.ops.moe_kernels.moe_ffn.default, forward, test_utils=("test_schema", "test_faketensor"))
+    _, gate_AF, up_AF, rows_AD = torch.ops.moe_kernels.moe_ffn(*forward)
+    backward = (torch.randn(n, d), *forward, gate_AF, up_AF, rows_AD)
+    torch.library.opcheck(
+        torch.ops.moe_kernels.moe_ffn_backward.default, backward, test_utils=("test_schema", "test_faketensor")
+    )
+    real = torch.ops.moe_kernels.moe_ffn_backward(*backward)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.moe_kernels.moe_ffn_backward(*(mode.from_tensor(t) for t in backward))
+    for i, (r, k) in enumerate(zip(real, fake, strict=True)):
+        assert (r.shape, r.stride()) == (k.shape, k.stride()), f"gradient {i}: real {r.stride()}, fake {k.stride()}"
 
 
 def test_traced_graph_calls_the_sorted_operator_once_per_layer():
