@@ -5,6 +5,8 @@ backward runs no more of them than without checkpointing)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,10 +28,16 @@ class CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step(mode: str, router: str, options: dict):
+def step(mode: str, router: str, options: dict, compiled: bool = False):
     """Loss, every gradient and every buffer after one forward + backward, the bytes the
-    autograd graph kept for the backward and the matrix products the backward ran."""
+    autograd graph kept for the backward and the matrix products the backward ran
+    (``compiled``: each block's forward compiled first, traced by AOTAutograd and run eagerly;
+    nothing counted then: a forward under saved-tensor hooks, or a recomputation under a
+    dispatch mode, is compiled differently from the other, which the checkpoint rejects)."""
     model = MoETransformer(preset("tiny", n_layers=3, router=router, router_options=options), init_seed=7)
+    if compiled:
+        torch._dynamo.reset()
+        compile_blocks(model.blocks, backend="aot_eager")
     apply_activation_checkpointing(model.blocks, mode)
     idx = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(3))
     kept = []
@@ -38,10 +46,12 @@ def step(mode: str, router: str, options: dict):
         kept.append(t.numel() * t.element_size())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with contextlib.nullcontext() if compiled else hooks:
         out = model(idx[:, :-1], idx[:, 1:])
         loss = out.loss + out.aux_loss
-    with CountMatmuls() as matmuls:
+    matmuls = CountMatmuls()
+    with contextlib.nullcontext() if compiled else matmuls:
         loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     return loss.detach(), grads, dict(model.named_buffers()), (sum(kept), matmuls.count)
@@ -71,5 +81,28 @@ def test_unknown_mode_is_refused():
 def test_compiling_a_checkpointed_block_is_refused():
     model = MoETransformer(preset("tiny"), init_seed=0)
     apply_activation_checkpointing(model.blocks, "full")
-    with pytest.raises(ValueError, match="activation checkpointing of a compiled block is not supported"):
+    with pytest.raises(ValueError, match="compile a block before checkpointing it"):
         compile_blocks(model.blocks)
+
+
+@pytest.mark.parametrize("router,options", ROUTERS[:2], ids=[r for r, _ in ROUTERS[:2]])
+def test_full_checkpointing_of_compiled_blocks_counts_router_state_once(router, options):
+    """Compiled, then checkpointed: the eager checkpoint reruns the compiled forward and
+    restores the buffers, so the routers' load statistics count the forward once (traced
+    inside the graph they counted it twice) and loss and gradients equal the eager
+    unchecked run (1e-5: the traced graph may reorder fp32 arithmetic)."""
+    ref_loss, ref_grads, ref_buffers, _ = step("none", router, options)
+    loss, grads, buffers, _ = step("full", router, options, compiled=True)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), f"loss {loss} vs {ref_loss}"
+    for name, g in ref_grads.items():
+        d = (grads[name] - g).abs()
+        assert d.max() <= 1e-5 * g.abs().max(), f"grad {name}: max {d.max():.3e} mean {d.mean():.3e}"
+    for name, b in ref_buffers.items():
+        assert torch.allclose(buffers[name], b, rtol=1e-5, atol=1e-7), f"buffer {name}: {buffers[name]} vs {b}"
+
+
+def test_selective_checkpointing_of_compiled_blocks_is_refused():
+    model = MoETransformer(preset("tiny"), init_seed=0)
+    compile_blocks(model.blocks)
+    with pytest.raises(ValueError, match="use activation_checkpointing full with compile"):
+        apply_activation_checkpointing(model.blocks, "selective")

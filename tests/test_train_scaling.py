@@ -1,6 +1,7 @@
 """The trainer's scale-out switches, through ``train()``: activation checkpointing gives the
-losses and gradient norms of the run without it, ``--compile`` those of eager (slow: inductor
-compiles on CPU), the two together and unknown modes are refused in one line, and the model
+losses and gradient norms of the run without it, ``--compile`` those of eager, alone and with
+full checkpointing (slow: inductor compiles on CPU), selective checkpointing of compiled blocks
+and unknown modes are refused in one line, and the model
 the trainer places is the single-process initialisation for the seed (built on the meta
 device, materialised after placement)."""
 
@@ -51,6 +52,13 @@ def test_compiled_blocks_give_the_losses_of_eager():
     assert_curves_close(curves(compile=True), curves(), 1e-5, "compiled")
 
 
+@pytest.mark.slow
+def test_compiled_and_checkpointed_blocks_give_the_losses_of_eager():
+    options = dict(router_options={"balance_rate": 0.01})  # router state updated in the forward
+    got = curves(compile=True, activation_checkpointing="full", **options)
+    assert_curves_close(got, curves(**options), 1e-5, "compiled + full checkpointing")
+
+
 def test_the_placed_model_is_the_single_process_initialisation():
     res = train(TrainConfig.flat(**{**SMALL, "steps": 1}, lr=1e-12, weight_decay=0.0, grad_clip=0.0))
     want = MoETransformer(model_config(TrainConfig.flat(**SMALL).model, 256), init_seed=0)
@@ -63,8 +71,8 @@ def test_the_placed_model_is_the_single_process_initialisation():
     "args, message",
     [
         (
-            ["--compile", "--activation-checkpointing", "full"],
-            "activation checkpointing of a compiled block is not supported",
+            ["--compile", "--activation-checkpointing", "selective"],
+            "use activation_checkpointing full with compile",
         ),
         (
             ["--activation-checkpointing", "some"],

@@ -14,10 +14,16 @@ same deterministic ops on the same inputs. Blocks may update buffers during thei
 buffer of the block afterwards, so that state counts each forward once.
 
 The block's ``forward`` is replaced on the instance: parameter names do not change, so
-FSDP2, checkpoints and name-seeded initialisation see the same model. Not together with
-``torch.compile`` of the same block (refused): traced by dynamo, the recomputation replays
-the buffer updates (measured: load statistics counted twice), and the restoring context
-manager above cannot run inside a graph.
+FSDP2, checkpoints and name-seeded initialisation see the same model.
+
+With ``torch.compile``: compile each block's forward first (``moe.parallel.compile``), then
+checkpoint it. The checkpoint then stays eager around the compiled forward: the
+recomputation reruns the compiled code and the buffers are restored as above. A checkpointed
+block traced from outside is refused: dynamo would put the recomputation inside the graph,
+where it replays the buffer updates (measured: load statistics counted twice) and the
+restoring context manager cannot run. ``"selective"`` is refused over a compiled forward:
+it chooses what to keep op by op as the ops run, and a compiled block runs the compiler's
+fused kernels and out= variants instead (``"full"`` is exact there).
 """
 
 from __future__ import annotations
@@ -31,9 +37,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("none", "full", "selective")
-COMPILED_REFUSAL = (
-    "activation checkpointing of a compiled block is not supported: traced, the recomputation replays the routers' "
-    "buffer updates (load statistics counted twice, measured); use one of the two"
+TRACED_REFUSAL = (
+    "a checkpointed block must not be traced by torch.compile (the recomputation would replay the routers' buffer "
+    "updates): compile the block's forward first, then checkpoint it (moe.parallel.compile.compile_blocks)"
+)
+SELECTIVE_COMPILED_REFUSAL = (
+    "selective activation checkpointing chooses ops as they run eagerly, and a compiled block runs fused kernels: "
+    "use activation_checkpointing full with compile"
 )
 
 _aten = torch.ops.aten
@@ -45,7 +55,7 @@ SAVED_OPS = frozenset(
         _aten.addmm.default,
         _aten._scaled_dot_product_flash_attention.default,
         _aten._scaled_dot_product_efficient_attention.default,
-        getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+        getattr(getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None),
     )
     if op is not None
 )
@@ -86,7 +96,7 @@ def _checkpointed(forward, module: nn.Module, selective: bool, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if torch.compiler.is_compiling():
-        raise ValueError(COMPILED_REFUSAL)
+        raise ValueError(TRACED_REFUSAL)
     context_fn = functools.partial(_contexts, module, selective)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
@@ -98,11 +108,15 @@ def checkpoint_mode(block: nn.Module) -> str:
 
 def apply_activation_checkpointing(blocks: Iterable[nn.Module], mode: str) -> None:
     """Checkpoint each of ``blocks`` (e.g. a model's transformer blocks) as ``mode`` says (see
-    the module docstring); call before FSDP2 sharding, as torchtitan does."""
+    the module docstring); call before FSDP2 sharding, as torchtitan does, and after compiling
+    the blocks, if they are compiled (``"full"`` only)."""
     if mode not in MODES:
         raise ValueError(f"activation checkpointing mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "none":
         return
+    blocks = list(blocks)
+    if mode == "selective" and any(getattr(b, "compiled", False) for b in blocks):
+        raise ValueError(SELECTIVE_COMPILED_REFUSAL)
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward, block, mode == "selective")
         block.activation_checkpointing = mode

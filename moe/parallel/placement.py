@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.checks import positive_int
-from moe.parallel.activation_checkpointing import COMPILED_REFUSAL, apply_activation_checkpointing
 from moe.parallel.activation_checkpointing import MODES as AC_MODES
+from moe.parallel.activation_checkpointing import SELECTIVE_COMPILED_REFUSAL, apply_activation_checkpointing
 from moe.parallel.compile import compile_blocks
 from moe.parallel.materialize import materialize
 from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model
@@ -64,8 +64,8 @@ class ParallelConfig:
     keeps only its input and reruns its forward in the backward); selective (a block keeps its
     matmul and attention outputs and recomputes the rest). Same losses and gradients."""
     compile: bool = False
-    """Compile each transformer block with torch.compile (in place; ``moe.parallel.compile``);
-    not together with activation_checkpointing."""
+    """Compile each transformer block's forward with torch.compile (in place; ``moe.parallel.compile``);
+    with activation_checkpointing full, the checkpoint stays eager around it (not selective)."""
     grad_reduce_dtype: str = "fp32"
     """Precision of the data-parallel gradient reduce-scatter: fp32, or bf16 to measure the bias
     low precision adds (bf16 is applied; its difference from an fp32 reduction of the same
@@ -85,8 +85,8 @@ class ParallelConfig:
             raise ValueError(
                 f"activation_checkpointing must be one of {', '.join(AC_MODES)}, got {self.activation_checkpointing!r}"
             )
-        if self.compile and self.activation_checkpointing != "none":
-            raise ValueError(COMPILED_REFUSAL)
+        if self.compile and self.activation_checkpointing == "selective":
+            raise ValueError(SELECTIVE_COMPILED_REFUSAL)
 
 
 @dataclass
@@ -138,8 +138,8 @@ def _blocks(model: nn.Module, par: ParallelConfig) -> list[nn.Module]:
     if blocks is None:
         if par.compile or par.activation_checkpointing != "none":
             raise ValueError(
-                "--compile and --activation-checkpointing apply to the preset models' blocks, not to "
-                f"{type(model).__name__}"
+                "--compile and --activation-checkpointing apply to a model's transformer blocks (its `blocks`), "
+                f"and {type(model).__name__} has none"
             )
         return []
     return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
@@ -149,7 +149,7 @@ def place_model(cfg, num_experts: int, build: Callable[[object], nn.Module], inf
     """Choose the step strategy of ``cfg`` (the run's config), build the mesh, build the model
     with ``build(expert_parallel)`` (a ``moe.parallel.ExpertParallel`` or None; parameters may be
     on the meta device, then the model provides ``init_parameter(name, full)``), let the strategy
-    cut it (a pipeline stage), checkpoint or compile its blocks, shard it with FSDP2 over the
+    cut it (a pipeline stage), compile and checkpoint its blocks (in that order), shard it with FSDP2 over the
     stage's data-parallel ranks, materialise this rank's shards (``moe.parallel.materialize``:
     no rank ever holds the whole model), make its routers count load-balancing fractions over
     them and let the strategy finish (the pipeline schedule). ``info``: the process's rank,
@@ -179,9 +179,9 @@ def place_model(cfg, num_experts: int, build: Callable[[object], nn.Module], inf
             f"a rank's batch of {local} sequences does not split into microbatches={par.microbatches} equal parts"
         )
     blocks = _blocks(place.model, par)
-    apply_activation_checkpointing(blocks, par.activation_checkpointing)
     if par.compile:
         compile_blocks(blocks)
+    apply_activation_checkpointing(blocks, par.activation_checkpointing)
     if place.sharded:
         # Blocks return views (reshapes); nothing here modifies a block's output in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
