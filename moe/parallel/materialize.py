@@ -18,6 +18,12 @@ to the meta device. The single-process shape of a parameter is its global shape,
 the experts of an expert-parallel layer (found by its injected ``ExpertParallel``): this rank
 holds experts [start, stop) of E, so the full tensor has E on dim 0 and the rank keeps that
 slice, which FSDP2 may shard further (a DTensor: its local piece of the slice).
+
+A model whose initialisation is not a function of a parameter's name (a transformers model:
+its own initialiser, or weights loaded from disk) is built once on one rank and handed out
+with :class:`FromSource`: that rank copies each whole parameter, in turn, into ``full`` and
+broadcasts it; every rank keeps its piece. Only the source rank ever holds the whole model,
+and it lets go of each parameter once it has been sent.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -100,3 +107,37 @@ def materialize(model: nn.Module, device: torch.device | str, fill: Callable[[st
             p.to_local().copy_(piece)
         else:
             p.copy_(piece)
+
+
+class FromSource:
+    """``fill(name, full)`` for :func:`materialize` from a model built whole on rank
+    ``src`` (``source``: that model on that rank, None on every other): the source rank copies
+    its parameter ``name`` into ``full`` and, when a process group is initialised, broadcasts
+    it over the world (``device``: where the group's backend takes tensors, e.g. cuda for NCCL).
+    Every rank must call it for the same names in the same order (``materialize`` does). Each
+    source parameter is released once copied, so after materialisation nothing of the source
+    is left."""
+
+    def __init__(self, source: nn.Module | None, device: torch.device | str = "cpu", src: int = 0) -> None:
+        self.device, self.src = torch.device(device), src
+        self.distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank() if self.distributed else 0
+        if (source is not None) != (rank == src):
+            raise ValueError(f"FromSource: rank {rank} must {'' if rank == src else 'not '}hold the source model")
+        self.params = dict(source.named_parameters()) if source is not None else None
+
+    @torch.no_grad()
+    def __call__(self, name: str, full: Tensor) -> None:
+        if self.params is not None:
+            if name not in self.params:
+                raise ValueError(f"FromSource: the source model has no parameter {name!r}")
+            value = self.params.pop(name)
+            if value.shape != full.shape:
+                raise ValueError(
+                    f"FromSource: {name!r} is {tuple(value.shape)} in the source, {tuple(full.shape)} here"
+                )
+            full.copy_(value)
+        if self.distributed:
+            sent = full.to(self.device)
+            dist.broadcast(sent, self.src)
+            full.copy_(sent)

@@ -145,7 +145,7 @@ def _blocks(model: nn.Module, par: ParallelConfig) -> list[nn.Module]:
     return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 
 
-def place_model(cfg, num_experts: int, build: Callable[[object], nn.Module], info) -> Placement:
+def place_model(cfg, num_experts: int | None, build: Callable[[object], nn.Module], info) -> Placement:
     """Choose the step strategy of ``cfg`` (the run's config), build the mesh, build the model
     with ``build(expert_parallel)`` (a ``moe.parallel.ExpertParallel`` or None; parameters may be
     on the meta device, then the model provides ``init_parameter(name, full)``), let the strategy
@@ -153,11 +153,13 @@ def place_model(cfg, num_experts: int, build: Callable[[object], nn.Module], inf
     stage's data-parallel ranks, materialise this rank's shards (``moe.parallel.materialize``:
     no rank ever holds the whole model), make its routers count load-balancing fractions over
     them and let the strategy finish (the pipeline schedule). ``info``: the process's rank,
-    world size and device. A collective: every rank calls it."""
+    world size and device; ``num_experts`` (None: the builder checks it) must split over the
+    expert-parallel ranks. A collective: every rank calls it."""
     strategy_cls = choose_strategy(cfg)
     par, world = cfg.parallel, info.world_size
     layout = Layout.from_world(world, par.dp_replicate, par.expert_parallel, par.pipeline_parallel)
-    layout.check_experts(num_experts)
+    if num_experts is not None:
+        layout.check_experts(num_experts)
     strategy_cls.check_world(world)
     pmesh = ParallelMesh(layout, info.device.type) if world > 1 and strategy_cls.uses_mesh else None
     model = build(pmesh.expert_parallel() if pmesh is not None else None)

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field, fields
 from typing import Annotated, Any
 
 import torch
+import torch.distributed as dist
 import tyro
 import tyro._docstrings
 from torch import nn
 
 from moe.model import PRESETS, ModelConfig, MoETransformer, preset
-from moe.parallel.materialize import materialize, parameters_on_meta
+from moe.parallel.materialize import FromSource, materialize, parameters_on_meta
 from moe.routers import build_router
 from moe.routing import registered_routers
 
@@ -114,8 +115,7 @@ class ModelSection:
                 build_router(self.router, d_model=8, num_experts=self.num_experts(), **self.router_options)
         if self.hf_model and set(self.given()) - {"backend"}:
             raise ValueError(
-                "hf_model takes its architecture from its transformers config: no model overrides "
-                "(except backend) and no expert_parallel"
+                "hf_model takes its architecture from its transformers config: no model overrides (except backend)"
             )
 
     def num_experts(self) -> int:
@@ -172,18 +172,25 @@ def build_model(
 def build_run_model(
     section: ModelSection, mcfg: ModelConfig, seed: int, device: torch.device, world_size: int, expert_parallel=None
 ) -> nn.Module:
-    """The model a run trains: the preset's (:func:`build_model`, its parameters left on the meta
-    device for the placement to shard and materialise) or, with ``hf_model``, the swapped
-    transformers model (one process only)."""
+    """The model a run trains, its parameters left on the meta device for the placement to
+    shard and materialise with ``model.init_parameter``: the preset's (:func:`build_model`), or,
+    with ``hf_model``, the swapped transformers model. That one is built whole on rank 0 only,
+    exactly as one process builds it (its own initialiser, or its weights from disk), and
+    ``init_parameter`` broadcasts it one parameter at a time (``moe.parallel.materialize.FromSource``)."""
     if not section.hf_model:
         return build_model(mcfg, seed, device, expert_parallel, materialized=False)
-    if world_size > 1:
-        raise ValueError("--hf-model runs on one process (sharding a transformers model is not supported yet)")
     from moe.integrations.hf import build_hf_model  # the [hf] extra, imported only when asked for
 
-    return build_hf_model(
-        section.hf_model, section.router, section.router_options, mcfg.vocab_size, seed, mcfg.backend
-    ).to(device)
+    def swapped(ep=None) -> nn.Module:
+        return build_hf_model(
+            section.hf_model, section.router, section.router_options, mcfg.vocab_size, seed, mcfg.backend, ep
+        )
+
+    source = swapped() if world_size == 1 or dist.get_rank() == 0 else None
+    with parameters_on_meta():
+        model = swapped(expert_parallel)
+    model.init_parameter = FromSource(source, device if device.type == "cuda" else "cpu")
+    return model
 
 
 def total_parameters(mcfg: ModelConfig) -> int:

@@ -84,11 +84,6 @@ class TrainConfig:
             )
         if self.data.batch_size % par.microbatches:
             raise ValueError(f"batch_size={self.data.batch_size} is not divisible by microbatches={par.microbatches}")
-        if m.hf_model and par.expert_parallel > 1:
-            raise ValueError(
-                "hf_model takes its architecture from its transformers config: no model overrides "
-                "(except backend) and no expert_parallel"
-            )
 
     @classmethod
     def flat(cls, **values) -> TrainConfig:

@@ -130,7 +130,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     def build(expert_parallel) -> nn.Module:
         return build_run_model(cfg.model, mcfg, cfg.seed, info.device, info.world_size, expert_parallel)
 
-    place = place_model(cfg, mcfg.num_experts, build, info)
+    place = place_model(cfg, None if cfg.model.hf_model else mcfg.num_experts, build, info)
     optimizer = make_optimizer(place.model, cfg.optimizer)
     place.strategy.attach(optimizer)
     start, run_id, resumed = resume(cfg, place.model, optimizer, mcfg)
@@ -151,7 +151,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
         optimizer,
         start,
         report,
-        RouterEntropy(place.model),
+        RouterEntropy(place.model, info.device),
         routers[0].num_experts if routers else mcfg.num_experts,
     )
 

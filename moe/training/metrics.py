@@ -52,19 +52,23 @@ class LoggingConfig:
 class RouterEntropy:
     """Per-token entropy (nats) of each router's softmax over experts, caught by forward hooks
     on the router gates; :meth:`pop` returns the sum and the count of the per-call means since
-    the last call."""
+    the last call. Both are tensors on ``device`` updated in place, so a compiled block traces
+    the hook once (a growing list would be a new guard, and a recompilation, at every call)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.values: list[Tensor] = []
+    def __init__(self, model: nn.Module, device: torch.device | str = "cpu") -> None:
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.float64, device=device)
         self.handles = [m.gate.register_forward_hook(self._hook) for m in model.modules() if isinstance(m, Router)]
 
     def _hook(self, module: nn.Module, inputs: tuple, logits_NE: Tensor) -> None:
         logp_NE = logits_NE.detach().float().log_softmax(-1)
-        self.values.append(-(logp_NE.exp() * logp_NE).sum(-1).mean())
+        self.total += -(logp_NE.exp() * logp_NE).sum(-1).mean().double().to(self.total.device)
+        self.count += 1
 
-    def pop(self) -> tuple[Tensor, int]:
-        out = (torch.stack(self.values).sum() if self.values else torch.zeros(()), len(self.values))
-        self.values.clear()
+    def pop(self) -> tuple[Tensor, Tensor]:
+        out = (self.total.clone(), self.count.clone())
+        self.total.zero_()
+        self.count.zero_()
         return out
 
     def close(self) -> None:
@@ -107,22 +111,12 @@ class StepTally:
         for layer, r in enumerate(out.routings):
             self.add_routing(layer, r.aux_loss, r.stats["dropped_fraction"], r.stats["tokens_per_expert"])
 
-    def finish(self, entropy: tuple[Tensor, int], pipeline_stages: int = 1) -> dict:
+    def finish(self, entropy: tuple[Tensor, Tensor], pipeline_stages: int = 1) -> dict:
         """Loss (mean over microbatches and data-parallel ranks), aux loss (summed over layers,
         averaged likewise), dropped fraction and router entropy (means over layers, microbatches
         and ranks), per-layer expert loads (summed over ranks). A collective over all ranks."""
         entropy_sum, entropy_n = entropy
-        sums = torch.cat(
-            [
-                self.sums,
-                torch.stack(
-                    [
-                        entropy_sum.double().to(self.device),
-                        torch.tensor(float(entropy_n), dtype=torch.float64, device=self.device),
-                    ]
-                ),
-            ]
-        )
+        sums = torch.cat([self.sums, torch.stack([entropy_sum, entropy_n]).double().to(self.device)])
         tokens_LE = self.tokens_LE.clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)

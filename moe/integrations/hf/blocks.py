@@ -105,8 +105,22 @@ def family_router_options(router: str, top_k: int, normalize: bool) -> dict:
     return {}
 
 
-def swap_block(block: nn.Module, family: Family, router: str, backend: str, router_options: dict) -> HFMoEBlock:
-    """One :class:`HFMoEBlock` sharing ``block``'s gate, experts and shared expert."""
+def _local_experts(gate_up_proj: nn.Parameter, down_proj: nn.Parameter, expert_parallel) -> FusedSwiGLUExperts:
+    """The experts this rank runs: all of them, or with ``expert_parallel`` its block of
+    ``local_range(E)`` (new parameters holding a copy of that slice; on the meta device, none)."""
+    if expert_parallel is None:
+        return FusedSwiGLUExperts(gate_up_proj, down_proj)
+    start, stop = expert_parallel.local_range(gate_up_proj.shape[0])
+    return FusedSwiGLUExperts(
+        nn.Parameter(gate_up_proj.detach()[start:stop].clone()), nn.Parameter(down_proj.detach()[start:stop].clone())
+    )
+
+
+def swap_block(
+    block: nn.Module, family: Family, router: str, backend: str, router_options: dict, expert_parallel=None
+) -> HFMoEBlock:
+    """One :class:`HFMoEBlock` sharing ``block``'s gate, experts (this rank's, with
+    ``expert_parallel``) and shared expert."""
     gate, experts = getattr(block, family.gate_attr), block.experts
     if not isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter):
         raise ValueError(
@@ -124,23 +138,26 @@ def swap_block(block: nn.Module, family: Family, router: str, backend: str, rout
             "block; set config.router_jitter_noise = 0 before building the model"
         )
     normalize = gate.norm_topk_prob if family.normalize is None else family.normalize
-    fused = FusedSwiGLUExperts(experts.gate_up_proj, experts.down_proj)
     e, d = gate.weight.shape
-    if (fused.num_experts, fused.d_model) != (e, d):
+    if (experts.gate_up_proj.shape[0], experts.gate_up_proj.shape[2]) != (e, d):
         raise ValueError(
-            f"{type(block).__name__}: gate is [{e}, {d}] but experts hold {fused.num_experts} x {fused.d_model}"
+            f"{type(block).__name__}: gate is [{e}, {d}] but experts hold "
+            f"{experts.gate_up_proj.shape[0]} x {experts.gate_up_proj.shape[2]}"
         )
+    fused = _local_experts(experts.gate_up_proj, experts.down_proj, expert_parallel)
     options = {**family_router_options(router, gate.top_k, bool(normalize)), **router_options}
     moe_router = build_router(router, d_model=d, num_experts=e, **options)
     moe_router.gate.weight = gate.weight
-    layer = MoELayer(d, fused.d_ff, e, router=moe_router, backend=backend, experts=fused)
+    layer = MoELayer(
+        d, fused.d_ff, e, router=moe_router, backend=backend, expert_parallel=expert_parallel, experts=fused
+    )
     if family.shared_expert:
         return HFMoEBlock(layer, block.shared_expert, block.shared_expert_gate)
     return HFMoEBlock(layer)
 
 
 def swap_moe_blocks(
-    model: nn.Module, router: str = "ec_threshold", *, backend: str = "torch", **router_options
+    model: nn.Module, router: str = "ec_threshold", *, backend: str = "torch", expert_parallel=None, **router_options
 ) -> nn.Module:
     """Replace, in place, every sparse MoE block of a transformers model (a class in
     :data:`FAMILIES`: Mixtral, MiniMax, GraniteMoE, OLMoE, FlexOlmo, Qwen2-MoE, Qwen3-MoE,
@@ -149,7 +166,9 @@ def swap_moe_blocks(
     The new blocks share the original parameters (no copy). ``router_options`` go to
     ``moe.build_router`` on top of the family's own (see :func:`family_router_options`):
     ``swap_moe_blocks(model, "topk")`` computes what the original model computes.
-    ``backend`` is ``MoELayer``'s ("torch", "triton", "auto").
+    ``backend`` is ``MoELayer``'s ("torch", "triton", "auto"). With ``expert_parallel`` (a
+    ``moe.parallel.ExpertParallel``) each block keeps only this rank's experts (copies of
+    their slice) and exchanges tokens with the other ranks, as ``MoELayer`` does.
 
     Training: the swapped blocks' aux losses (and stats) are on their routings, collected by
     :func:`swapped_routings` after a forward; transformers' own load-balancing loss reads the
@@ -167,7 +186,7 @@ def swap_moe_blocks(
             f"{type(model).__name__} has no sparse MoE block of a supported family ({', '.join(sorted(FAMILIES))})"
         )
     for parent, name, child, family in swaps:
-        setattr(parent, name, swap_block(child, family, router, backend, router_options))
+        setattr(parent, name, swap_block(child, family, router, backend, router_options, expert_parallel))
     config = getattr(model, "config", None)
     if getattr(config, "output_router_logits", False):
         config.output_router_logits = False

@@ -129,16 +129,30 @@ class HFCausalLM(nn.Module):
         loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT)
         return ModelOutput(logits=logits_BTV, aux_loss=aux, routings=routings, loss=loss)
 
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The decoder layers (what FSDP2 shards as units, and activation checkpointing and
+        ``torch.compile`` take one at a time, as the preset model's blocks)."""
+        return self.hf.get_decoder().layers
+
     def num_parameters(self) -> int:
         """All parameters (shared ones once)."""
         return sum(p.numel() for p in self.parameters())
 
 
 def build_hf_model(
-    spec: str, router: str, router_options: dict, vocab_size: int, seed: int = 0, backend: str = "torch"
+    spec: str,
+    router: str,
+    router_options: dict,
+    vocab_size: int,
+    seed: int = 0,
+    backend: str = "torch",
+    expert_parallel=None,
 ) -> HFCausalLM:
     """What ``experiments/train.py --hf-model SPEC --router R`` trains: :func:`load_hf_model`,
-    every MoE block swapped to ``router`` (``topk`` with no options keeps the family's routing),
-    wrapped in :class:`HFCausalLM`."""
+    every MoE block swapped to ``router`` (``topk`` with no options keeps the family's routing;
+    ``expert_parallel``: a ``moe.parallel.ExpertParallel``, each block then keeps only this
+    rank's experts), wrapped in :class:`HFCausalLM`."""
     model = load_hf_model(spec, vocab_size, seed)
-    return HFCausalLM(swap_moe_blocks(model, router, backend=backend, **router_options))
+    swapped = swap_moe_blocks(model, router, backend=backend, expert_parallel=expert_parallel, **router_options)
+    return HFCausalLM(swapped)

@@ -1,0 +1,97 @@
+"""A swapped transformers model (``--hf-model``) on more than one process equals one process.
+
+Rank 0 alone builds the model as one process builds it (the family's own initialiser, drawn
+from the seed); every rank builds it on the meta device, places it (FSDP2, or expert parallel
+with each swapped block keeping its experts' slice) and receives its shards from rank 0
+(``moe.parallel.materialize.FromSource``). So the placed weights, gathered, are the
+single-process weights bitwise; the per-step loss, aux loss and gradient norm then equal the
+single-process run's to 1e-5 relative (measured: ~4e-7, fp32 sums over shards in another
+order), and a run resumed from a sharded checkpoint continues the uninterrupted one exactly.
+Qwen2-MoE (a shared expert beside the routed ones) with ``ec_threshold`` (router state synced
+over the data-parallel ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_materialize import assert_same_state
+
+from moe.data import load_corpus
+from moe.integrations.hf import build_hf_model
+from moe.parallel import full_state_dict
+from moe.parallel.launch import ok_values, run_local
+from moe.parallel.materialize import FromSource
+from moe.training import TrainConfig, train
+from moe.training.distributed import setup_distributed
+from moe.training.loop import prepare, run
+
+pytest.importorskip("transformers")
+
+MODEL, ROUTER, SEED = "qwen2-moe-tiny", "ec_threshold", 5
+COMMON = dict(
+    hf_model=MODEL,
+    router=ROUTER,
+    seed=SEED,
+    steps=6,
+    lr=1e-2,
+    seq_len=32,
+    batch_size=8,
+    eval_windows=2,
+    eval_batch_size=2,
+    causal_stride=16,
+    warmup_steps=2,
+    log_every=0,
+    progress=False,
+    wandb_mode="disabled",
+)
+LAYOUTS = {"fsdp2": dict(expert_parallel=1), "ep2": dict(expert_parallel=2)}
+KEYS = ("loss", "aux_loss", "grad_norm")
+REL_TOL = 1e-5
+
+
+def corpus():
+    return load_corpus("stdlib", 0.1, 100_000)
+
+
+def curves(history: list[dict]) -> list[tuple[float, ...]]:
+    return [tuple(r[k] for k in KEYS) for r in history]
+
+
+def _worker(rank: int, world: int, checkpoint_dir: str) -> dict:
+    out = {}
+    for name, layout in LAYOUTS.items():
+        cfg = TrainConfig.flat(**COMMON, **layout)
+        session = prepare(cfg, corpus(), setup_distributed("cpu"))
+        placed = full_state_dict(session.place.model)
+        out[name] = {"placed": placed if rank == 0 else None, "curves": curves(run(session).history)}
+    # a sharded checkpoint at step 3 of the FSDP2 run, resumed to step 6
+    ckpt = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=3)
+    train(TrainConfig.flat(**{**COMMON, "steps": 3}, **ckpt), corpus())
+    out["resumed"] = curves(train(TrainConfig.flat(**COMMON, **ckpt, resume=True), corpus()).history)
+    return out
+
+
+def test_hf_model_on_two_processes_is_the_single_process_model(tmp_path):
+    want = build_hf_model(MODEL, ROUTER, {}, corpus().vocab_size, SEED).state_dict()
+    ref = curves(train(TrainConfig.flat(**COMMON), corpus()).history)
+    per_rank = ok_values(run_local(_worker, 2, str(tmp_path), timeout_s=600))
+    for name in LAYOUTS:
+        assert_same_state(per_rank[0][name]["placed"], want, f"{name} placed")
+        got = per_rank[0][name]["curves"]  # rank 0 keeps the history
+        assert len(got) == len(ref) == COMMON["steps"]
+        for step, (g, w) in enumerate(zip(got, ref), 1):
+            for key, a, b in zip(KEYS, g, w):
+                assert abs(a - b) <= REL_TOL * abs(b), f"{name} step {step} {key}: {a!r} vs {b!r}"
+    assert per_rank[0]["resumed"] == per_rank[0]["fsdp2"]["curves"][3:], "resumed run differs from uninterrupted"
+
+
+def test_from_source_refuses_a_source_on_the_wrong_rank_and_a_wrong_shape():
+    model = torch.nn.Linear(3, 2, bias=False)
+    with pytest.raises(ValueError, match="rank 0 must hold the source model"):
+        FromSource(None)
+    fill = FromSource(model)
+    with pytest.raises(ValueError, match=r"'weight' is \(2, 3\) in the source, \(3, 2\) here"):
+        fill("weight", torch.empty(3, 2))
+    with pytest.raises(ValueError, match="no parameter 'bias'"):
+        fill("bias", torch.empty(2))
