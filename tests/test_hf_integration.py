@@ -260,6 +260,8 @@ def test_local_directory_loads_weights_or_config(tmp_path):
     assert_rel_close(loaded(ids).logits.detach(), logits(original, ids), 1e-5, "loaded")
     fresh = load_hf_model(str(tmp_path / "config_only"), V, seed=3)
     assert type(fresh) is type(original) and not torch.equal(fresh.lm_head.weight, original.lm_head.weight)
+    unread = load_hf_model(str(tmp_path / "weights"), V, seed=3, weights=False)  # what a meta build asks for
+    assert torch.equal(unread.lm_head.weight, fresh.lm_head.weight)
     with pytest.raises(ValueError, match="vocab_size"):
         load_hf_model(str(tmp_path / "weights"), V + 1)
 

@@ -181,14 +181,14 @@ def build_run_model(
         return build_model(mcfg, seed, device, expert_parallel, materialized=False)
     from moe.integrations.hf import build_hf_model  # the [hf] extra, imported only when asked for
 
-    def swapped(ep=None) -> nn.Module:
+    def swapped(ep=None, weights=True) -> nn.Module:
         return build_hf_model(
-            section.hf_model, section.router, section.router_options, mcfg.vocab_size, seed, mcfg.backend, ep
+            section.hf_model, section.router, section.router_options, mcfg.vocab_size, seed, mcfg.backend, ep, weights
         )
 
     source = swapped() if world_size == 1 or dist.get_rank() == 0 else None
     with parameters_on_meta():
-        model = swapped(expert_parallel)
+        model = swapped(expert_parallel, weights=False)
     model.init_parameter = FromSource(source, device if device.type == "cuda" else "cpu")
     return model
 

@@ -75,18 +75,19 @@ def tiny_config(name: str, vocab_size: int, **overrides):
     return AutoConfig.for_model(model_type, **{**TINY_COMMON, **fields, "vocab_size": vocab_size, **overrides})
 
 
-def load_hf_model(spec: str, vocab_size: int, seed: int = 0) -> nn.Module:
+def load_hf_model(spec: str, vocab_size: int, seed: int = 0, weights: bool = True) -> nn.Module:
     """A transformers causal LM in fp32 from ``spec``: a built-in tiny config name (random
-    weights for ``vocab_size`` tokens), or a local directory (with weights: loaded; with only
-    ``config.json``: random weights). Random weights are drawn from ``seed``. Nothing is
-    downloaded; a model with fewer than ``vocab_size`` tokens is refused."""
+    weights for ``vocab_size`` tokens), or a local directory (with weights: loaded, unless
+    ``weights=False``, e.g. for a model built on the meta device; with only ``config.json``:
+    random weights). Random weights are drawn from ``seed``. Nothing is downloaded; a model
+    with fewer than ``vocab_size`` tokens is refused."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     path = Path(spec)
     if spec in TINY_CONFIGS:
         model = AutoModelForCausalLM.from_config(tiny_config(spec, vocab_size), dtype=torch.float32)
-    elif path.is_dir() and any((path / f).exists() for f in WEIGHT_FILES):
+    elif weights and path.is_dir() and any((path / f).exists() for f in WEIGHT_FILES):
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     elif (path / "config.json").exists():
         model = AutoModelForCausalLM.from_config(
@@ -148,11 +149,13 @@ def build_hf_model(
     seed: int = 0,
     backend: str = "torch",
     expert_parallel=None,
+    weights: bool = True,
 ) -> HFCausalLM:
     """What ``experiments/train.py --hf-model SPEC --router R`` trains: :func:`load_hf_model`,
     every MoE block swapped to ``router`` (``topk`` with no options keeps the family's routing;
     ``expert_parallel``: a ``moe.parallel.ExpertParallel``, each block then keeps only this
-    rank's experts), wrapped in :class:`HFCausalLM`."""
-    model = load_hf_model(spec, vocab_size, seed)
+    rank's experts; ``weights=False``: a directory's weights are not read), wrapped in
+    :class:`HFCausalLM`."""
+    model = load_hf_model(spec, vocab_size, seed, weights)
     swapped = swap_moe_blocks(model, router, backend=backend, expert_parallel=expert_parallel, **router_options)
     return HFCausalLM(swapped)
