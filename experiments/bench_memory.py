@@ -100,9 +100,9 @@ def build(model_kw: dict, world: int, whole_first: bool, ac: str, compiled: bool
     else:
         with parameters_on_meta():
             model = MoETransformer(cfg, init_seed=0)
-    apply_activation_checkpointing(model.blocks, ac)
     if compiled:
         compile_blocks(model.blocks)
+    apply_activation_checkpointing(model.blocks, ac)  # after compiling: see moe.parallel.activation_checkpointing
     if pmesh is not None:
         shard_model(model, pmesh, fsdp_units(list(model.blocks)), mixed_precision(device))
     if not whole_first:
