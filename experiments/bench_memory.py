@@ -39,10 +39,8 @@ freed after building the whole model stays counted.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -60,34 +58,11 @@ from moe.parallel.activation_checkpointing import apply_activation_checkpointing
 from moe.parallel.compile import compile_blocks  # noqa: E402
 from moe.parallel.launch import ok_values, run_local  # noqa: E402
 from moe.parallel.materialize import materialize, parameters_on_meta  # noqa: E402
+from moe.parallel.memory import current_bytes, peak_bytes, reset_peak  # noqa: E402
 from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model  # noqa: E402
 
 MODEL_268M = dict(d_model=1024, n_layers=16, n_heads=16, moe_d_ff=512, num_experts=8)
 MIB = 2**20
-
-
-def peak_bytes(device: torch.device) -> int:
-    """The peak since the process started or since :func:`reset_peak`."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what glibc keeps of freed memory
-        with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak resident set size
-            f.write("5")
-
-
-def current_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def build(model_kw: dict, world: int, whole_first: bool, ac: str, compiled: bool, device: torch.device):

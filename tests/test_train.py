@@ -50,6 +50,9 @@ def test_short_run_loss_falls(tmp_path):
         assert key in last, key
     assert len(last["expert_load"]) == 2 and abs(sum(last["expert_load"][0]) - 1) < 1e-9
     assert sum(last["tokens_per_expert"][0]) == 8 * 32 * 2  # top-2, dropless
+    # the resident peak: at least the interpreter, torch and the model's AdamW state; not the machine
+    state_mib = 4 * res.model.num_parameters() * 4 / 2**20
+    assert state_mib < records[0]["peak_memory_mib"] <= last["peak_memory_mib"] < 8192, last["peak_memory_mib"]
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):

@@ -48,6 +48,7 @@ from moe.eval import evaluate
 from moe.layer import update_routers
 from moe.model import ModelConfig
 from moe.parallel import share_router_statistics
+from moe.parallel.memory import largest_peak_mib
 from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
 from moe.training.batches import local_batch
@@ -196,7 +197,9 @@ def train_step(s: Session, step: int) -> tuple[dict, float]:
     if info.device.type == "cuda":
         torch.cuda.synchronize(info.device)
     dt = time.perf_counter() - t0
-    record.update(lr=lr, grad_norm=grad_norm, tokens_per_s=cfg.data.batch_size * cfg.data.seq_len / dt, **extra)
+    tokens_per_s = cfg.data.batch_size * cfg.data.seq_len / dt
+    record.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s, peak_memory_mib=largest_peak_mib(info.device))
+    record.update(extra)
     return record, dt
 
 

@@ -91,7 +91,8 @@ def log_line(record: dict) -> str:
     """The dense one-line summary of a step's record."""
     line = (
         f"step {record['step']:5d} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
-        f"lr {record['lr']:.2e} | dropped {record['dropped_fraction']:.3f} | {record['tokens_per_s']:,.0f} tok/s"
+        f"lr {record['lr']:.2e} | dropped {record['dropped_fraction']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+        f"peak {record['peak_memory_mib']:,.0f} MiB"
     )
     if "eval/causal_loss" in record:
         line += (
