@@ -82,3 +82,17 @@ SMALL_RUN = dict(
     model={"d_model": 32, "moe_d_ff": 64},
 )
 """TrainConfig.flat keywords of the small in-process runs (a d=32 tiny model, 8 x 32 tokens)."""
+
+
+HF_RUN = dict(
+    lr=1e-2,
+    seq_len=32,
+    batch_size=8,
+    eval_windows=2,
+    eval_batch_size=2,
+    causal_stride=16,
+    warmup_steps=2,
+    log_every=0,
+    progress=False,
+)
+"""TrainConfig.flat keywords of the short runs of a tiny ``--hf-model`` (8 x 32 tokens, lr 1e-2)."""

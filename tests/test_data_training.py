@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import HF_RUN
 
 pytest.importorskip("tokenizers")
 
@@ -175,23 +176,7 @@ def test_one_process_and_two_processes_give_the_same_losses(data, tmp_path):
 def test_hf_model_trains_from_a_prepared_directory(data):
     pytest.importorskip("transformers")
     vocab = read_manifest(data)["vocab_size"]
-    res = train(
-        TrainConfig.flat(
-            data=data,
-            hf_model="olmoe-tiny",
-            router="ec_threshold",
-            steps=20,
-            lr=1e-2,
-            seq_len=32,
-            batch_size=8,
-            eval_windows=2,
-            eval_batch_size=2,
-            causal_stride=16,
-            warmup_steps=2,
-            log_every=0,
-            progress=False,
-        )
-    )
+    res = train(TrainConfig.flat(data=data, hf_model="olmoe-tiny", router="ec_threshold", steps=20, **HF_RUN))
     assert res.model.hf.config.vocab_size == vocab
     losses = [r["loss"] for r in res.history]
     assert abs(losses[0] - math.log(vocab)) < 0.3, losses[0]

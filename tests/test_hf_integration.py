@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HF_RUN
 
 pytest.importorskip("transformers")
 
@@ -269,21 +270,7 @@ def test_local_directory_loads_weights_or_config(tmp_path):
 @pytest.mark.parametrize("router,options", [("ec_threshold", {}), ("capacity", {"capacity_scope": "prefix"})])
 def test_swapped_olmoe_trains_with_the_loop(router, options):
     corpus = load_corpus("stdlib", 0.1, 100_000)
-    cfg = TrainConfig.flat(
-        hf_model="olmoe-tiny",
-        router=router,
-        router_options=options,
-        steps=25,
-        lr=1e-2,
-        seq_len=32,
-        batch_size=8,
-        eval_windows=2,
-        eval_batch_size=2,
-        causal_stride=16,
-        warmup_steps=2,
-        log_every=0,
-        progress=False,
-    )
+    cfg = TrainConfig.flat(hf_model="olmoe-tiny", router=router, router_options=options, steps=25, **HF_RUN)
     res = train(cfg, corpus)
     losses = [r["loss"] for r in res.history]
     assert abs(losses[0] - math.log(256)) < 0.3, losses[0]  # random init: uniform over the bytes

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import HF_RUN
 from test_materialize import assert_same_state
 
 from moe.data import load_corpus
@@ -29,22 +30,7 @@ from moe.training.loop import prepare, run
 pytest.importorskip("transformers")
 
 MODEL, ROUTER, SEED = "qwen2-moe-tiny", "ec_threshold", 5
-COMMON = dict(
-    hf_model=MODEL,
-    router=ROUTER,
-    seed=SEED,
-    steps=6,
-    lr=1e-2,
-    seq_len=32,
-    batch_size=8,
-    eval_windows=2,
-    eval_batch_size=2,
-    causal_stride=16,
-    warmup_steps=2,
-    log_every=0,
-    progress=False,
-    wandb_mode="disabled",
-)
+COMMON = dict(hf_model=MODEL, router=ROUTER, seed=SEED, steps=6, wandb_mode="disabled", **HF_RUN)
 LAYOUTS = {"fsdp2": dict(expert_parallel=1), "ep2": dict(expert_parallel=2)}
 KEYS = ("loss", "aux_loss", "grad_norm")
 REL_TOL = 1e-5
