@@ -194,7 +194,7 @@ def test_target_that_rejects_lengths(leaky):
             assert "not divisible" in decode.errors[0], report.table()
 
 
-@pytest.mark.parametrize("gshard", [False, True])
+@pytest.mark.parametrize("gshard", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_stochastic_second_expert(gshard):
     """Its noise is one uniform per position: same seed and shape, same noise, so it is audited
     deterministically and the GShard queue's leak shows in both modes."""

@@ -115,6 +115,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_one_process_and_two_processes_give_the_same_losses(data, tmp_path):
     args = [
         "--data",
@@ -227,6 +228,7 @@ def test_generate_prints_text_decoded_by_the_tokenizer(data, tmp_path):
     assert wrong.returncode == 2 and "pass the --data it was trained on" in wrong.stderr
 
 
+@pytest.mark.slow
 def test_leakage_study_on_a_prepared_directory_prints_decoded_samples(data, tmp_path):
     out = tmp_path / "gap.json"
     proc = subprocess.run(

@@ -261,6 +261,7 @@ def test_expert_parallel_equals_single_process_2_ranks():
     _check_equivalence(2)
 
 
+@pytest.mark.slow
 def test_expert_parallel_equals_single_process_4_ranks():
     _check_equivalence(4)
 

@@ -49,7 +49,7 @@ def _assert_same_state(exported, reference_model, router_tol: float = 1e-6) -> N
         assert diff <= tol * max(1.0, ref.double().abs().max().item()), f"{key}: max |diff| {diff:.2e}"
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_two_stages_match_single_process_ec_threshold(tmp_path, schedule):
     single = train(config_from_args([*COMMON, *EC]))
     jsonl, ckpt = tmp_path / "pp.jsonl", tmp_path / "ckpt"
@@ -100,6 +100,7 @@ def test_two_stages_times_expert_parallel_match_single_process(tmp_path):
     _assert_same_state(ckpt / "model.pt", single.model)
 
 
+@pytest.mark.slow
 def test_topk_pipeline_matches_microbatch_accumulation(tmp_path):
     # the Switch load-balancing loss plus the aux-loss-free balancing bias (router state)
     topk = ["--router-option", "balance_rate=0.01"]
