@@ -3,10 +3,56 @@ settings of the short training runs the trainer tests compare."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 import moe
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_SCRIPT = str(ROOT / "experiments" / "train.py")
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+"""The environment of a script run as a user would: this checkout importable, no wandb, one thread."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_on_two_processes(args: list[str], timeout_s: float) -> list[str]:
+    """``experiments/train.py ARGS`` on two gloo processes (RANK / WORLD_SIZE set as torchrun
+    sets them); each rank's stdout, after asserting that both exited 0."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, TRAIN_SCRIPT, *args],
+            env={
+                **SUBPROCESS_ENV,
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout_s)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out)
+    return outs
 
 
 def identity_router(name: str, num_experts: int, **options) -> moe.Router:

@@ -4,8 +4,6 @@ resume in the middle of the shards, one process = two processes, the Hugging Fac
 
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import HF_RUN
+from helpers import HF_RUN, ROOT, SUBPROCESS_ENV, train_on_two_processes
 
 pytest.importorskip("tokenizers")
 
@@ -24,8 +22,6 @@ from moe.data import batch_offsets, load_corpus  # noqa: E402
 from moe.data.shards import read_manifest  # noqa: E402
 from moe.training import TrainConfig, config_from_args, train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 SMALL = dict(
     seq_len=32,
     batch_size=8,
@@ -109,12 +105,6 @@ def test_resume_continues_at_exactly_the_next_batch_mid_shard(data, tmp_path, mo
     assert len(shards) >= 2 and min(in_shard) > 0, (shards, in_shard)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_one_process_and_two_processes_give_the_same_losses(data, tmp_path):
     args = [
@@ -139,33 +129,7 @@ def test_one_process_and_two_processes_give_the_same_losses(data, tmp_path):
         "64",
     ]
     train(config_from_args([*args, "--metrics-jsonl", str(tmp_path / "s.jsonl")]))
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "experiments" / "train.py"),
-                *args,
-                "--metrics-jsonl",
-                str(tmp_path / "d.jsonl"),
-            ],
-            env={
-                **ENV,
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err[-3000:]
+    train_on_two_processes([*args, "--metrics-jsonl", str(tmp_path / "d.jsonl")], timeout_s=180)
     s, d = read_jsonl(tmp_path / "s.jsonl"), read_jsonl(tmp_path / "d.jsonl")
     assert len(s) == len(d) == 4
     for rs, rd in zip(s, d):
@@ -207,7 +171,7 @@ def test_generate_prints_text_decoded_by_the_tokenizer(data, tmp_path):
             "--temperature",
             "0",
         ],
-        env=ENV,
+        env=SUBPROCESS_ENV,
         capture_output=True,
         text=True,
         timeout=120,
@@ -220,7 +184,7 @@ def test_generate_prints_text_decoded_by_the_tokenizer(data, tmp_path):
     assert proc.stdout == want + "\n" and want.startswith(prompt) and len(corpus.encode(want)) > ids.shape[1]
     wrong = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "generate.py"), str(tmp_path / "model.pt")],
-        env=ENV,
+        env=SUBPROCESS_ENV,
         capture_output=True,
         text=True,
         timeout=120,
@@ -249,7 +213,7 @@ def test_leakage_study_on_a_prepared_directory_prints_decoded_samples(data, tmp_
             "--json",
             str(out),
         ],
-        env=ENV,
+        env=SUBPROCESS_ENV,
         capture_output=True,
         text=True,
         timeout=300,

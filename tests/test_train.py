@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SMALL_RUN
+from helpers import ROOT, SMALL_RUN, train_on_two_processes
 
 import moe.training.loop as mt
 from moe.data import eval_offsets, load_corpus, windows
@@ -20,7 +19,6 @@ from moe.model import MoETransformer, preset
 from moe.training import TrainConfig, build_model, config_from_args, lr_at, model_config, train
 from moe.training.metrics import resolve_wandb_mode
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = SMALL_RUN
 
 
@@ -135,12 +133,6 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, monkeypatch):
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb")), list(tmp_path.rglob("*"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_data_parallel_two_processes_equals_single_process(tmp_path):
     # the Switch loss counts expert fractions over both ranks (share_router_statistics), so it matches too
     args = [
@@ -166,32 +158,8 @@ def test_data_parallel_two_processes_equals_single_process(tmp_path):
         "--router",
         "topk",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    script = str(ROOT / "experiments" / "train.py")
     train(config_from_args([*args, "--metrics-jsonl", str(tmp_path / "s.jsonl")]))
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, *args, "--metrics-jsonl", str(tmp_path / "d.jsonl")],
-            env={
-                **env,
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": port,
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        outs.append(out)
+    outs = train_on_two_processes([*args, "--metrics-jsonl", str(tmp_path / "d.jsonl")], timeout_s=120)
     # the banner (rank 0 only) counts the whole model, not rank 0's shard, and names the mesh
     whole = MoETransformer(preset("tiny", d_model=32, moe_d_ff=64)).num_parameters()
     assert f"model: {whole:,} parameters" in outs[0] and "mesh dp_replicate=1 x dp_shard=2 x ep=1" in outs[0], outs[0]

@@ -10,33 +10,22 @@ The commands are those of docs/scaling.md.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import tiny_run_flags
+from helpers import ROOT, SUBPROCESS_ENV, TRAIN_SCRIPT, free_port, tiny_run_flags
 
 from moe.training import config_from_args, train
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMON = tiny_run_flags(8)
 REL_TOL = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_two_torchrun_nodes_ep_inside_hsdp_across_equal_one_process(tmp_path):
     single = train(config_from_args(COMMON)).history
     port, jsonl = free_port(), tmp_path / "metrics.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(
             [
@@ -55,7 +44,7 @@ def test_two_torchrun_nodes_ep_inside_hsdp_across_equal_one_process(tmp_path):
                 f"127.0.0.1:{port}",
                 "--rdzv-id",
                 "two-nodes",
-                str(ROOT / "experiments" / "train.py"),
+                TRAIN_SCRIPT,
                 *COMMON,
                 "--expert-parallel",
                 "2",
@@ -64,7 +53,7 @@ def test_two_torchrun_nodes_ep_inside_hsdp_across_equal_one_process(tmp_path):
                 "--metrics-jsonl",
                 str(jsonl),
             ],
-            env=env,
+            env=SUBPROCESS_ENV,
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
