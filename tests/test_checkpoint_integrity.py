@@ -42,20 +42,24 @@ def losses(path: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
+def six_steps(ckpt: Path, jsonl: Path, resume: bool = False) -> TrainConfig:
+    """6 steps with checkpoints at steps 2, 4 and 6 in ``ckpt`` (all kept), losses to ``jsonl``."""
+    return TrainConfig.flat(
+        steps=6,
+        checkpoint_dir=str(ckpt),
+        checkpoint_every=2,
+        keep_checkpoints=3,
+        resume=resume,
+        metrics_jsonl=str(jsonl),
+        **SMALL,
+    )
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A 6-step run with checkpoints at steps 2, 4 and 6 (kept) and its per-step losses."""
     d = tmp_path_factory.mktemp("run")
-    train(
-        TrainConfig.flat(
-            steps=6,
-            checkpoint_dir=str(d / "ckpt"),
-            checkpoint_every=2,
-            keep_checkpoints=3,
-            metrics_jsonl=str(d / "full.jsonl"),
-            **SMALL,
-        )
-    )
+    train(six_steps(d / "ckpt", d / "full.jsonl"))
     return d
 
 
@@ -79,17 +83,7 @@ def test_damaged_newest_checkpoint_falls_back_with_one_warning(run, tmp_path, ca
     assert verify_checkpoint(checkpoint_path(ckpt, 6)) is not None
     jsonl = tmp_path / "resumed.jsonl"
     capsys.readouterr()
-    train(
-        TrainConfig.flat(
-            steps=6,
-            checkpoint_dir=str(ckpt),
-            checkpoint_every=2,
-            keep_checkpoints=3,
-            resume=True,
-            metrics_jsonl=str(jsonl),
-            **SMALL,
-        )
-    )
+    train(six_steps(ckpt, jsonl, resume=True))
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "step-00000006" in warnings[0], warnings
     want, got = losses(run / "full.jsonl"), losses(jsonl)
@@ -104,17 +98,7 @@ def test_two_damaged_checkpoints_fall_back_two_and_none_left_is_an_error(run, tm
     truncate(shard(checkpoint_path(ckpt, 6)))
     flip_bytes(shard(checkpoint_path(ckpt, 4)), at=2000)
     jsonl = tmp_path / "resumed.jsonl"
-    train(
-        TrainConfig.flat(
-            steps=6,
-            checkpoint_dir=str(ckpt),
-            checkpoint_every=2,
-            keep_checkpoints=3,
-            resume=True,
-            metrics_jsonl=str(jsonl),
-            **SMALL,
-        )
-    )
+    train(six_steps(ckpt, jsonl, resume=True))
     assert sorted(losses(jsonl)) == [3, 4, 5, 6]
     for step in (2, 4, 6):
         truncate(shard(checkpoint_path(ckpt, step)))
