@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from moe.balance import active_experts_summary, balance_summary
 from moe.checks import nonnegative_int, positive_int
 from moe.data import eval_offsets, windows
 from moe.lm import lm_loss
@@ -78,7 +79,10 @@ def evaluate(
     Both give the same numbers (to rounding) where both apply. Returns
     ``teacher_forced_loss``, ``causal_loss``, ``leakage_gap`` (causal minus
     teacher-forced) with its standard error ``leakage_gap_se`` (over positions),
-    ``teacher_forced_loss_all`` (every position) and ``eval_positions``.
+    ``teacher_forced_loss_all`` (every position) and ``eval_positions``, and, for a model
+    whose output lists its routings, the balance of the eval-mode teacher-forced forwards over
+    all W windows (:mod:`moe.balance` with prefix ``global_``: ``global_max_vio`` is
+    MaxVio_global, ``global_active_experts_mean`` the experts per token).
 
     ``causal=False`` skips the prefix forwards (only the teacher-forced keys are returned).
     ``with_train_mode`` adds ``train_mode_loss``: the teacher-forced loss with training-mode
@@ -101,11 +105,12 @@ def evaluate(
             raise
 
     tf_WT, causal_WP, train_WT = [], [], []
+    balance = BalanceCounts()
     for start in range(0, num_windows, batch_size):
         idx_BT = idx_WT[start : start + batch_size].to(device)
         targets_BT = targets_WT[start : start + batch_size].to(device)
         model.eval()
-        tf_WT.append(_nll(model, idx_BT, targets_BT, device))
+        tf_WT.append(_nll(model, idx_BT, targets_BT, device, balance))
         if causal and causal_method == "cache":
             causal_WP.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, causal_stride, seq_len, device))
         elif causal:
@@ -118,7 +123,28 @@ def evaluate(
             model.train()
             train_WT.append(_nll(model, idx_BT, targets_BT, device))
     model.train(was_training)
-    return _summary(torch.cat(tf_WT), causal_WP, train_WT, pos_P, num_windows)
+    return {**_summary(torch.cat(tf_WT), causal_WP, train_WT, pos_P, num_windows), **balance.summary()}
+
+
+class BalanceCounts:
+    """Tokens per expert and experts per token of each MoE layer, summed over forwards."""
+
+    def __init__(self) -> None:
+        self.tokens_LE: Tensor | None = None
+        self.active_LJ: Tensor | None = None
+
+    def add(self, routings: list) -> None:
+        if not routings:
+            return
+        tokens_LE = torch.stack([r.stats["tokens_per_expert"].detach().cpu() for r in routings])
+        active_LJ = torch.stack([r.experts_per_token_histogram().cpu() for r in routings])
+        self.tokens_LE = tokens_LE if self.tokens_LE is None else self.tokens_LE + tokens_LE
+        self.active_LJ = active_LJ if self.active_LJ is None else self.active_LJ + active_LJ
+
+    def summary(self) -> dict:
+        if self.tokens_LE is None:
+            return {}
+        return {**balance_summary(self.tokens_LE, "global_"), **active_experts_summary(self.active_LJ, "global_")}
 
 
 def _summary(tf_WT: Tensor, causal_WP: list[Tensor], train_WT: list[Tensor], pos_P: Tensor, num_windows: int) -> dict:
@@ -139,11 +165,16 @@ def _summary(tf_WT: Tensor, causal_WP: list[Tensor], train_WT: list[Tensor], pos
     return out
 
 
-def _nll(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, device: torch.device) -> Tensor:
-    """float64 [B, T] on the CPU: the loss at every position of one full forward."""
+def _nll(
+    model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, device: torch.device, balance: BalanceCounts | None = None
+) -> Tensor:
+    """float64 [B, T] on the CPU: the loss at every position of one full forward (its routings
+    counted into ``balance`` if given)."""
     with autocast(device):
-        logits_BTV = model(idx_BT).logits
-    return lm_loss(logits_BTV, targets_BT, reduction="none").double().cpu()
+        out = model(idx_BT)
+    if balance is not None:
+        balance.add(getattr(out, "routings", None))
+    return lm_loss(out.logits, targets_BT, reduction="none").double().cpu()
 
 
 def _decoded_nll(

@@ -114,6 +114,10 @@ class Routing:
         """int64 [N]: how many experts each token was routed to (0 = dropped)."""
         return count_indices(self.token, self.num_tokens, self.valid)
 
+    def experts_per_token_histogram(self) -> Tensor:
+        """int64 [E + 1]: how many tokens were routed to 0, 1, ..., E experts (no host read)."""
+        return count_indices(self.experts_per_token(), self.num_experts + 1)
+
 
 @dataclass(frozen=True)
 class Claims:
@@ -278,16 +282,29 @@ class Router(nn.Module):
         """Apply state learned from past batches (balancing bias, thresholds). Call after each
         optimiser step; see :func:`moe.layer.update_routers`. Default: nothing to do."""
 
+    def nominal_experts_per_token(self) -> float | None:
+        """The mean number of experts per token that this router's options set (top-k: k;
+        expert choice and thresholds: the capacity factor; routers that hold a target: the
+        target), by which a study equates active compute; None where the options set no such
+        number (a fixed top-p threshold). The measured number is in the training metrics."""
+        return None
+
     # -- shared pieces ------------------------------------------------------------------
     def _aux_loss(self, logits_NE: Tensor, probs_NE: Tensor, expert_A: Tensor) -> Tensor:
+        """Switch loss over the columns of ``probs_NE`` (the E experts, or E plus null experts)
+        plus the z-loss of ``logits_NE``."""
         loss = logits_NE.new_zeros(())
         if self.aux_loss_coef > 0:
-            count_E = count_indices(expert_A, self.num_experts).to(probs_NE.dtype)
-            if self.stats_group is not None:
-                torch.distributed.all_reduce(count_E, group=self.stats_group)
-            frac_E = count_E / count_E.sum().clamp_min(1.0)
-            loss = loss + self.aux_loss_coef * self.num_experts * (frac_E * probs_NE.mean(0)).sum()
+            frac_E = self._assignment_fractions(expert_A, probs_NE.shape[1], probs_NE.dtype)
+            loss = loss + self.aux_loss_coef * probs_NE.shape[1] * (frac_E * probs_NE.mean(0)).sum()
         return loss + self._z_loss(logits_NE)
+
+    def _assignment_fractions(self, expert_A: Tensor, size: int, dtype: torch.dtype) -> Tensor:
+        """float [size]: the fraction of assignments to each expert, counted over ``stats_group``."""
+        count_E = count_indices(expert_A, size).to(dtype)
+        if self.stats_group is not None:
+            torch.distributed.all_reduce(count_E, group=self.stats_group)
+        return count_E / count_E.sum().clamp_min(1.0)
 
     def _z_loss(self, logits_NE: Tensor) -> Tensor:
         if self.z_loss_coef == 0:
@@ -324,6 +341,16 @@ def check_input(x_BTD: Tensor, d_model: int) -> None:
         raise ValueError(f"expected input of shape [B, T, D={d_model}], got {tuple(x_BTD.shape)}")
     if x_BTD.shape[-1] != d_model:
         raise ValueError(f"expected last dimension D={d_model}, got input of shape {tuple(x_BTD.shape)}")
+
+
+def served_stats(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_experts: int) -> dict[str, Tensor]:
+    """The stats of a router whose tokens get a varying number of experts: ``tokens_per_expert``
+    and, as ``dropped_fraction``, the fraction of the N tokens that got no expert at all."""
+    served = count_indices(token_A, num_tokens) > 0
+    return {
+        "tokens_per_expert": count_indices(expert_A, num_experts),
+        "dropped_fraction": dropped_fraction(served.sum(), num_tokens, served.device),
+    }
 
 
 def dropped_fraction(kept: int | Tensor, num_slots: int, device: torch.device) -> Tensor:
@@ -407,8 +434,12 @@ def registered_routers() -> dict[str, type[Router]]:
 
 
 def softmax_or_sigmoid(logits_NE: Tensor, gate: str) -> Tensor:
+    """Router scores. The sigmoid is computed as softmax([x, 0])[0], row by row, so that a
+    token's score does not depend on how many tokens share the call: ``torch.sigmoid``'s
+    vectorised CPU loop rounds the elements of its tail differently (by 1 ulp), which would
+    make decoding a chunk differ from the full-sequence forward in the last bit."""
     if gate == "softmax":
         return F.softmax(logits_NE, dim=-1)
     if gate == "sigmoid":
-        return torch.sigmoid(logits_NE)
+        return F.softmax(torch.stack([logits_NE, torch.zeros_like(logits_NE)], -1), dim=-1)[..., 0]
     raise ValueError(f"gate must be 'softmax' or 'sigmoid', got {gate!r}")

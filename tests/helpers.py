@@ -86,7 +86,11 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("expert_choice", {"capacity_factor": 1.0}),
     ("expert_choice", {"capacity_factor": 1.0, "group": "batch"}),
     ("ec_threshold", {}),
+    ("ec_threshold", {"statistic": "population", "score": "sigmoid", "aux_loss_coef": 0.0}),
     ("ec_predictor", {}),
+    ("remoe", {}),
+    ("top_p", {"target_experts": 2}),
+    ("topk", {"top_k": 2, "null_experts": 2}),
 ]
 
 

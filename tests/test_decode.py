@@ -21,6 +21,10 @@ DECODE_CONFIGS: list[tuple[str, dict]] = [
     ("capacity", {"top_k": 2, "capacity_factor": 0.5, "capacity_scope": "prefix", "group": "batch"}),
     ("ec_threshold", {}),
     ("ec_predictor", {}),
+    ("ec_threshold", {"statistic": "population", "score": "sigmoid", "aux_loss_coef": 0.0}),
+    ("remoe", {}),
+    ("top_p", {"target_experts": 2}),
+    ("topk", {"top_k": 2, "null_experts": 2}),
 ]
 NOT_DECODABLE: list[tuple[str, dict]] = [
     ("expert_choice", {"capacity_factor": 0.5}),

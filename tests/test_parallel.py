@@ -50,6 +50,10 @@ CASES = {
     "expert_choice": ("expert_choice", {"capacity_factor": 1.0}, False),
     "ec_threshold": ("ec_threshold", {"capacity_factor": 1.0}, False),
     "ec_predictor": ("ec_predictor", {"capacity_factor": 1.0}, False),
+    "ec_threshold_population": ("ec_threshold", {"statistic": "population", "score": "sigmoid"}, False),
+    "remoe": ("remoe", {"top_k": 2}, False),
+    "top_p": ("top_p", {"target_experts": 2}, False),
+    "topk_null": ("topk", {"top_k": 2, "null_experts": 2}, False),
     # Every token prefers experts 0 and 1: ranks holding only experts >= 2 receive no row.
     "topk_skewed": ("topk", {"top_k": 2}, True),
     "capacity_skewed": ("capacity", {"top_k": 2, "capacity_factor": 1.0}, True),

@@ -19,7 +19,15 @@ def logits(*rows, batch: int = 1) -> torch.Tensor:
 
 
 def test_registry_lists_builtins():
-    assert moe.list_routers() == ["capacity", "ec_predictor", "ec_threshold", "expert_choice", "topk"]
+    assert moe.list_routers() == [
+        "capacity",
+        "ec_predictor",
+        "ec_threshold",
+        "expert_choice",
+        "remoe",
+        "top_p",
+        "topk",
+    ]
 
 
 def test_topk_hand_case_with_idle_expert():
@@ -269,6 +277,10 @@ def test_claims():
     assert c("expert_choice", group="batch") == moe.Claims(False, False, False)
     assert c("ec_threshold") == moe.Claims(True, True, True, decode_consistent=True)
     assert c("ec_predictor") == moe.Claims(False, True, True, decode_consistent=True)
+    assert c("ec_threshold", statistic="population", score="sigmoid") == moe.Claims(True, True, True, True)
+    assert c("remoe") == moe.Claims(True, True, True, decode_consistent=True)
+    assert c("top_p", target_experts=1.5) == moe.Claims(True, True, True, decode_consistent=True)
+    assert c("topk", null_experts=2) == moe.Claims(True, True, True, decode_consistent=True)
     r = moe.build_router("ec_predictor", d_model=4, num_experts=2)
     assert r.causal is False and r.eval().causal is True
 

@@ -30,7 +30,11 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("expert_choice", {"capacity_factor": 1.0, "group": "sequence"}),
     ("expert_choice", {"capacity_factor": 1.0, "group": "batch"}),
     ("ec_threshold", {"capacity_factor": 1.0}),
+    ("ec_threshold", {"capacity_factor": 1.0, "statistic": "population", "score": "sigmoid", "aux_loss_coef": 0.0}),
     ("ec_predictor", {"capacity_factor": 1.0}),
+    ("remoe", {"top_k": 2}),
+    ("top_p", {"target_experts": 2}),
+    ("topk", {"top_k": 2, "null_experts": 4}),
 ]
 """(router name, options): each option set that changes causality or batch invariance.
 Capacity factor 1.0 makes capacity bind at these small shapes."""
@@ -45,8 +49,9 @@ class BuiltinTarget:
 
 
 def config_label(router: str, options: dict) -> str:
-    keys = [k for k in ("priority", "group", "capacity_scope") if k in options]
-    return f"{router}({','.join(str(options[k]) for k in keys)})" if keys else router
+    keys = [k for k in ("priority", "group", "capacity_scope", "statistic") if k in options]
+    words = [str(options[k]) for k in keys] + ([f"null={options['null_experts']}"] if "null_experts" in options else [])
+    return f"{router}({','.join(words)})" if words else router
 
 
 def builtin_targets(seed: int = 0) -> list[BuiltinTarget]:

@@ -103,6 +103,8 @@ class LayerRecord:
     dropped_fraction: Tensor
     tokens_per_expert: Tensor
     """int [E]."""
+    experts_per_token_histogram: Tensor
+    """int [E + 1]: tokens routed to 0, 1, ..., E experts."""
 
 
 class _StagePart(nn.Module):
@@ -138,6 +140,7 @@ class _StagePart(nn.Module):
                         routing.aux_loss.detach().float(),
                         routing.stats["dropped_fraction"].detach().float(),
                         routing.stats["tokens_per_expert"].detach(),
+                        routing.experts_per_token_histogram(),
                     )
                 )
             return x

@@ -5,7 +5,9 @@ from moe.routers.capacity import CapacityRouter
 from moe.routers.ec_predictor import ExpertChoicePredictorRouter
 from moe.routers.ec_threshold import ExpertChoiceThresholdRouter
 from moe.routers.expert_choice import ExpertChoiceRouter
+from moe.routers.remoe import ReLURouter
 from moe.routers.token_choice import TokenChoiceBase, TopKRouter
+from moe.routers.top_p import TopPRouter
 from moe.routing import Router, registered_routers
 
 
@@ -32,6 +34,8 @@ __all__ = [
     "ExpertChoicePredictorRouter",
     "ExpertChoiceRouter",
     "ExpertChoiceThresholdRouter",
+    "ReLURouter",
     "TokenChoiceBase",
     "TopKRouter",
+    "TopPRouter",
 ]

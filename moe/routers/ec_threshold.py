@@ -13,6 +13,18 @@ The statistics of each training forward are accumulated and folded into the aver
 ``moe.update_routers(model)``), so the thresholds used by a forward come from earlier
 batches only. Before the first update the thresholds are 1/E.
 
+``statistic`` says which cut-off is averaged. ``"group"`` (default): the mean over the
+step's groups (sequences, or the batch) of each group's C-th best score, C = ceil(cf * S / E).
+``"population"`` (the protocol of Expert Threshold routing, arXiv 2603.11535): the score that
+the best fraction cf / E of the step's *whole* token population reaches, read from a
+per-expert histogram of the scores (``population_bins`` bins over [0, 1], linear within a
+bin, so the cut-off is exact to well under one bin width, 1/4096 by default). The histogram
+is summed over the microbatches of a step and, by the trainer's router-state averaging
+(``moe.training.distributed.sync_router_state``), over the data-parallel ranks: the
+threshold is that of the global batch, however the step is cut, and the forward needs no
+collective. With ``aux_loss_coef=0`` (no auxiliary loss) and ``score`` "softmax" or
+"sigmoid" this is Expert Threshold routing.
+
 Decoding needs only the thresholds, which do not change while decoding (no state beyond the
 position). A forward with a decode state routes like any other but records no statistics,
 even in training mode: a chunk of new tokens is not an expert-choice group.
@@ -21,11 +33,19 @@ even in training mode: a chunk of new tokens is not an expert-choice group.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from moe.checks import positive_int
 from moe.routers.expert_choice import ExpertChoiceRouter
-from moe.routing import Claims, DecodeState, Routing, capacity_per_group, register_router
+from moe.routing import (
+    Claims,
+    DecodeState,
+    Routing,
+    capacity_per_group,
+    count_indices,
+    register_router,
+    softmax_or_sigmoid,
+)
 
 
 @register_router("ec_threshold")
@@ -33,19 +53,41 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
     """Threshold routing learned from expert-choice statistics. Causal in train and eval.
 
     Options: ``capacity_factor`` and ``group`` (define the expert-choice statistic being
-    tracked), ``momentum`` (EMA decay, default 0.99), ``aux_loss_coef`` (Switch loss on the
-    thresholded assignments, default 0.01), ``z_loss_coef``.
+    tracked), ``statistic`` ("group" | "population", see the module docstring),
+    ``population_bins`` (histogram resolution of "population", default 4096), ``score``
+    ("softmax" | "sigmoid": the per-expert score compared with the threshold and used as the
+    combine weight), ``momentum`` (EMA decay, default 0.99), ``aux_loss_coef`` (Switch loss on
+    the thresholded assignments, default 0.01; 0 for Expert Threshold routing), ``z_loss_coef``.
     """
 
-    def __init__(self, d_model: int, num_experts: int, *, momentum: float = 0.99, **options) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        *,
+        momentum: float = 0.99,
+        statistic: str = "group",
+        population_bins: int = 4096,
+        score: str = "softmax",
+        **options,
+    ) -> None:
         super().__init__(d_model, num_experts, **options)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if statistic not in ("group", "population"):
+            raise ValueError(f"statistic must be 'group' or 'population', got {statistic!r}")
+        if score not in ("softmax", "sigmoid"):
+            raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+        positive_int("population_bins", population_bins)
         self.momentum = momentum
+        self.statistic = statistic
+        self.score = score
         self.register_buffer("ema_sum", torch.zeros(num_experts, dtype=torch.float64))
         self.register_buffer("ema_weight", torch.zeros((), dtype=torch.float64))
         self.register_buffer("pending_sum", torch.zeros(num_experts, dtype=torch.float64))
         self.register_buffer("pending_count", torch.zeros((), dtype=torch.float64))
+        if statistic == "population":
+            self.register_buffer("pending_hist", torch.zeros(num_experts, population_bins, dtype=torch.float64))
 
     @property
     def claims(self) -> Claims:
@@ -66,7 +108,7 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
         return self._route(logits_NE, batch_shape, record=False)
 
     def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
-        probs_NE = F.softmax(logits_NE, dim=-1)
+        probs_NE = softmax_or_sigmoid(logits_NE, self.score)
         mask_NE = probs_NE.detach() >= self.threshold.to(probs_NE.dtype)
         token_A, expert_A = mask_NE.nonzero(as_tuple=True)
         if record:
@@ -81,6 +123,13 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
     def _record_cutoffs(self, probs_NE: Tensor, batch_shape: tuple[int, int]) -> None:
         b, t = batch_shape
         n, e = probs_NE.shape
+        if self.statistic == "population":
+            bins = self.pending_hist.shape[1]
+            bin_NE = (probs_NE.double() * bins).long().clamp_(0, bins - 1)
+            flat = (torch.arange(e, device=probs_NE.device) * bins + bin_NE).reshape(-1)
+            self.pending_hist += count_indices(flat, e * bins).view(e, bins)  # integer counts: exact, any order
+            self.pending_count += n
+            return
         g, s = (b, t) if self.group == "sequence" else (1, n)
         c = capacity_per_group(self.capacity_factor, s, 1, e)
         cutoff_GE = torch.topk(probs_NE.view(g, s, e), c, dim=1).values[:, -1, :]
@@ -91,8 +140,26 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
     def update_after_step(self) -> None:
         # without pending statistics the average stays as it is; chosen on the device (no sync)
         seen = self.pending_count > 0
-        mean_E = self.pending_sum / self.pending_count.clamp_min(1.0)
+        if self.statistic == "population":
+            mean_E = population_cutoff(self.pending_hist, min(self.capacity_factor / self.num_experts, 1.0))
+            self.pending_hist.zero_()
+        else:
+            mean_E = self.pending_sum / self.pending_count.clamp_min(1.0)
         self.ema_sum.copy_(torch.where(seen, self.momentum * self.ema_sum + (1 - self.momentum) * mean_E, self.ema_sum))
         self.ema_weight.copy_(torch.where(seen, self.momentum * self.ema_weight + (1 - self.momentum), self.ema_weight))
         self.pending_sum.zero_()
         self.pending_count.zero_()
+
+
+def population_cutoff(hist_EB: Tensor, fraction: float) -> Tensor:
+    """float64 [E]: per expert, the score reached by the best ``fraction`` of the population
+    whose scores in [0, 1] are counted in ``hist_EB`` (B equal bins; scores spread evenly within
+    a bin). Computed on the device, no host read."""
+    b = hist_EB.shape[1]
+    above_EB = hist_EB.flip(1).cumsum(1).flip(1)  # tokens in bin j or higher
+    want_E1 = fraction * above_EB[:, :1]
+    top_E1 = ((above_EB >= want_E1).sum(1, keepdim=True) - 1).clamp_min(0)  # highest bin reaching the count
+    higher_E1 = torch.cat([above_EB, above_EB.new_zeros(above_EB.shape[0], 1)], 1).gather(1, top_E1 + 1)
+    in_bin_E1 = hist_EB.gather(1, top_E1).clamp_min(torch.finfo(torch.float64).tiny)
+    inside_E1 = ((want_E1 - higher_E1) / in_bin_E1).clamp(0.0, 1.0)
+    return ((top_E1 + 1 - inside_E1) / b).squeeze(1)

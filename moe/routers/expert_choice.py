@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.routing import Claims, Router, Routing, capacity_per_group, count_indices, dropped_fraction, register_router
+from moe.routing import Claims, Router, Routing, capacity_per_group, register_router, served_stats
 
 
 @register_router("expert_choice")
@@ -48,6 +48,9 @@ class ExpertChoiceRouter(Router):
     def claims(self) -> Claims:
         return Claims(causal_train=False, causal_eval=False, batch_invariant=self.group == "sequence")
 
+    def nominal_experts_per_token(self) -> float:
+        return min(self.capacity_factor, float(self.num_experts))  # E experts x C = cf * S / E tokens, over S
+
     def expert_choice(self, probs_NE: Tensor, batch_shape: tuple[int, int]) -> tuple[Tensor, Tensor, int]:
         """(token_A, expert_A, C): each expert's top-C tokens per group, expert-major per group."""
         b, t = batch_shape
@@ -77,11 +80,6 @@ class ExpertChoiceRouter(Router):
         aux: Tensor,
     ) -> Routing:
         n, e = probs_NE.shape
-        served = count_indices(token_A, n) > 0
-        stats = {
-            "tokens_per_expert": count_indices(expert_A, e),
-            "dropped_fraction": dropped_fraction(served.sum(), n, served.device),
-        }
         return Routing(
             token=token_A,
             expert=expert_A,
@@ -89,6 +87,6 @@ class ExpertChoiceRouter(Router):
             num_tokens=n,
             num_experts=e,
             aux_loss=aux,
-            stats=stats,
+            stats=served_stats(token_A, expert_A, n, e),
             batch_shape=batch_shape,
         )

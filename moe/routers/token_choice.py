@@ -6,9 +6,20 @@ Shape legend: N tokens, E experts, K top-k, A kept assignments, D model width.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from moe.routing import Claims, DecodeState, Router, Routing, count_indices, register_router, softmax_or_sigmoid
+from moe.checks import nonnegative_int
+from moe.routing import (
+    Claims,
+    DecodeState,
+    Router,
+    Routing,
+    count_indices,
+    dropped_fraction,
+    register_router,
+    served_stats,
+    softmax_or_sigmoid,
+)
 
 
 class TokenChoiceBase(Router):
@@ -47,6 +58,9 @@ class TokenChoiceBase(Router):
         self.register_buffer("balance_bias", torch.zeros(num_experts))
         self.register_buffer("load_seen", torch.zeros(num_experts))
 
+    def nominal_experts_per_token(self) -> float:
+        return float(self.top_k)
+
     def select(self, logits_NE: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Top-k choice per token: (probs_NE, expert_NK, weight_NK), weights from unbiased probs."""
         probs_NE = softmax_or_sigmoid(logits_NE, self.gate_fn)
@@ -77,13 +91,37 @@ class TopKRouter(TokenChoiceBase):
     both modes: a token's experts depend on that token alone.
 
     Options: ``top_k`` (default 2), ``gate`` ("softmax" | "sigmoid"), ``normalize`` (renormalise
-    the k weights to sum to 1), ``balance_rate`` (aux-loss-free balancing), ``aux_loss_coef``,
-    ``z_loss_coef``.
+    the k weights to sum to 1), ``balance_rate`` (aux-loss-free balancing), ``null_experts``,
+    ``aux_loss_coef``, ``z_loss_coef``.
+
+    Null experts (AdaMoE, arXiv 2406.13233): ``null_experts=M`` adds M experts that compute
+    nothing (their output is zero), with gate rows of their own (``null_gate``). Each token
+    takes its top-k of the E + M; the assignments to null experts are dropped, so a token uses
+    between 0 and k real experts, and the combine weights are normalised over all k choices
+    (a null choice keeps its share: it adds zero). The Switch loss balances all E + M, so a
+    balanced router gives each token k * E / (E + M) real experts on average
+    (:meth:`nominal_experts_per_token`). ``dropped_fraction`` is then the fraction of tokens
+    with no real expert; ``null_fraction`` the fraction of the N * k choices that were null.
     """
+
+    def __init__(self, d_model: int, num_experts: int, *, null_experts: int = 0, **options) -> None:
+        super().__init__(d_model, num_experts, **options)
+        nonnegative_int("null_experts", null_experts)
+        if null_experts and self.balance_rate > 0:
+            raise ValueError("null_experts balance through the Switch loss over all experts: use balance_rate=0")
+        if null_experts and self.top_k > num_experts + null_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts + null_experts")
+        self.null_experts = null_experts
+        if null_experts:
+            self.null_gate = nn.Linear(d_model, null_experts, bias=False)
+            nn.init.normal_(self.null_gate.weight, std=d_model**-0.5)
 
     @property
     def claims(self) -> Claims:
         return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+
+    def nominal_experts_per_token(self) -> float:
+        return self.top_k * self.num_experts / (self.num_experts + self.null_experts)
 
     def route_decode(
         self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
@@ -92,6 +130,9 @@ class TopKRouter(TokenChoiceBase):
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n = logits_NE.shape[0]
+        if self.null_experts:
+            null_NM = self.null_gate(x_BTD.reshape(n, -1)).to(logits_NE.dtype)
+            return self._route_with_null(torch.cat([logits_NE, null_NM], 1), batch_shape)
         probs_NE, expert_NK, weight_NK = self.select(logits_NE)
         expert_A = expert_NK.reshape(-1)
         token_A = torch.arange(n, device=logits_NE.device).repeat_interleave(self.top_k)
@@ -104,5 +145,26 @@ class TopKRouter(TokenChoiceBase):
             num_experts=self.num_experts,
             aux_loss=self._aux_loss(logits_NE, probs_NE, expert_A),
             stats=self._stats(expert_A, n * self.top_k),
+            batch_shape=batch_shape,
+        )
+
+    def _route_with_null(self, logits_NX: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        """X = E + M columns: top-k over all, then the null choices (index >= E) dropped."""
+        n, e = logits_NX.shape[0], self.num_experts
+        probs_NX, choice_NK, weight_NK = self.select(logits_NX)
+        choice_A = choice_NK.reshape(-1)
+        token_A = torch.arange(n, device=logits_NX.device).repeat_interleave(self.top_k)
+        real_A = choice_A < e
+        token_A, expert_A, weight_A = token_A[real_A], choice_A[real_A], weight_NK.reshape(-1)[real_A]
+        stats = served_stats(token_A, expert_A, n, e)
+        stats["null_fraction"] = dropped_fraction(expert_A.numel(), n * self.top_k, logits_NX.device)
+        return Routing(
+            token=token_A,
+            expert=expert_A,
+            weight=weight_A,
+            num_tokens=n,
+            num_experts=e,
+            aux_loss=self._aux_loss(logits_NX, probs_NX, choice_A),
+            stats=stats,
             batch_shape=batch_shape,
         )

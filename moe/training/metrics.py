@@ -1,5 +1,6 @@
 """The logging section of a run, per-step training metrics (loss, aux loss, drops, router
-entropy, expert loads) and the wandb run they are logged to on rank 0."""
+entropy, expert loads, balance: MaxVio, dead experts, the tokens-per-expert spread, experts
+per token) and the wandb run they are logged to on rank 0."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moe.balance import active_experts_summary, balance_summary
 from moe.checks import nonnegative_int
 from moe.lm import ModelOutput
 from moe.model import ModelConfig
@@ -87,6 +89,7 @@ class StepTally:
         # loss sum, losses, aux sum, microbatches, dropped-fraction sum, routings
         self.sums = torch.zeros(6, dtype=torch.float64, device=device)
         self.tokens_LE = torch.zeros(num_moe_layers, num_experts, dtype=torch.int64, device=device)
+        self.active_LJ = torch.zeros(num_moe_layers, num_experts + 1, dtype=torch.int64, device=device)
 
     def add_loss(self, loss: Tensor) -> None:
         """The main (cross-entropy) loss of one microbatch."""
@@ -97,30 +100,48 @@ class StepTally:
         """Count n microbatch forwards of this rank (its aux losses are averaged over these)."""
         self.sums[3] += n
 
-    def add_routing(self, layer: int, aux_loss: Tensor, dropped_fraction: Tensor, tokens_per_expert_E: Tensor) -> None:
-        """MoE layer ``layer`` (0..L-1) of one microbatch forward."""
+    def add_routing(
+        self,
+        layer: int,
+        aux_loss: Tensor,
+        dropped_fraction: Tensor,
+        tokens_per_expert_E: Tensor,
+        experts_per_token_J: Tensor,
+    ) -> None:
+        """MoE layer ``layer`` (0..L-1) of one microbatch forward; ``experts_per_token_J``
+        (int [E + 1]): its tokens routed to 0, 1, ..., E experts."""
         self.sums[2] += aux_loss.detach().double().to(self.device)
         self.sums[4] += dropped_fraction.detach().double().to(self.device)
         self.sums[5] += 1
         self.tokens_LE[layer] += tokens_per_expert_E.to(self.device)
+        self.active_LJ[layer] += experts_per_token_J.to(self.device)
 
     def add_output(self, out: ModelOutput) -> None:
         """A whole-model forward of one microbatch."""
         self.add_loss(out.loss)
         self.add_microbatches()
         for layer, r in enumerate(out.routings):
-            self.add_routing(layer, r.aux_loss, r.stats["dropped_fraction"], r.stats["tokens_per_expert"])
+            self.add_routing(
+                layer,
+                r.aux_loss,
+                r.stats["dropped_fraction"],
+                r.stats["tokens_per_expert"],
+                r.experts_per_token_histogram(),
+            )
 
     def finish(self, entropy: tuple[Tensor, Tensor], pipeline_stages: int = 1) -> dict:
         """Loss (mean over microbatches and data-parallel ranks), aux loss (summed over layers,
         averaged likewise), dropped fraction and router entropy (means over layers, microbatches
-        and ranks), per-layer expert loads (summed over ranks). A collective over all ranks."""
+        and ranks), per-layer expert loads (summed over ranks), and the balance figures of
+        :mod:`moe.balance` from the whole step's counts (MaxVio_batch of the global batch).
+        A collective over all ranks."""
         entropy_sum, entropy_n = entropy
         sums = torch.cat([self.sums, torch.stack([entropy_sum, entropy_n]).double().to(self.device)])
-        tokens_LE = self.tokens_LE.clone()
+        tokens_LE, active_LJ = self.tokens_LE.clone(), self.active_LJ.clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
             dist.all_reduce(tokens_LE)
+            dist.all_reduce(active_LJ)
         loss_sum, loss_n, aux_sum, mb_n, dropped_sum, routings_n, ent_sum, ent_n = sums.tolist()
         load_LE = tokens_LE.double() / tokens_LE.sum(-1, keepdim=True).clamp_min(1)
         return {
@@ -130,15 +151,29 @@ class StepTally:
             "router_entropy": ent_sum / ent_n if ent_n else 0.0,
             "tokens_per_expert": tokens_LE.tolist(),
             "expert_load": load_LE.tolist(),
+            **balance_summary(tokens_LE.cpu()),
+            **active_experts_summary(active_LJ.cpu()),
         }
 
 
 def wandb_flat(record: dict) -> dict:
-    """A metrics record as wandb scalars (per-expert load as ``load/layer{l}/expert{e}``)."""
-    flat = {k: v for k, v in record.items() if k not in ("step", "tokens_per_expert", "expert_load")}
-    for layer, load_E in enumerate(record.get("expert_load", [])):
-        for e, v in enumerate(load_E):
-            flat[f"load/layer{layer}/expert{e}"] = v
+    """A metrics record as wandb scalars: per-expert load as ``load/layer{l}/expert{e}``, any
+    other per-layer list ``name`` as ``name/layer{l}``, the experts-per-token histogram as
+    ``active_experts_hist/{j}``."""
+    flat = {}
+    for k, v in record.items():
+        if k in ("step", "tokens_per_expert"):
+            continue
+        if k == "expert_load":
+            flat.update(
+                {f"load/layer{layer}/expert{e}": x for layer, load_E in enumerate(v) for e, x in enumerate(load_E)}
+            )
+        elif k.endswith("active_experts_hist"):
+            flat.update({f"{k}/{j}": x for j, x in enumerate(v)})
+        elif isinstance(v, list):
+            flat.update({f"{k}/layer{layer}": x for layer, x in enumerate(v)})
+        else:
+            flat[k] = v
     return flat
 
 

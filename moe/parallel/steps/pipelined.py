@@ -61,5 +61,7 @@ class Pipelined(StepStrategy):
                 tally.add_loss(loss_m)
         tally.add_microbatches(self.cfg.parallel.microbatches)
         for rec in place.stage.pop_records():
-            tally.add_routing(rec.layer, rec.aux_loss, rec.dropped_fraction, rec.tokens_per_expert)
+            tally.add_routing(
+                rec.layer, rec.aux_loss, rec.dropped_fraction, rec.tokens_per_expert, rec.experts_per_token_histogram
+            )
         sync_tied_gradient(place.stage.tied_weight(), place.tied_group)
