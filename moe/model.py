@@ -424,16 +424,18 @@ class MoETransformer(nn.Module):
         return (out, torch.cat(chunks_BTV, 1)[:, : total - 1]) if return_logits else out
 
     def num_parameters(self, active: bool = False) -> int:
-        """All parameters, or those one token uses (experts counted as the router's top_k of E when
-        active; 1 for routers without a top_k, such as expert choice)."""
+        """All parameters, or those one token uses on average when ``active``: of each MoE
+        layer's E experts, the number its router's options set per token
+        (``Router.nominal_experts_per_token``: top-k, the capacity factor of expert choice, a
+        target; 1 where the options set none). A float in general, rounded to an int."""
         total = sum(p.numel() for p in self.parameters())
         if not active:
             return total
         for m in self.modules():
             if isinstance(m, MoELayer):
                 per_expert = sum(p[0].numel() for p in m.experts.parameters())
-                total -= per_expert * (m.num_experts - getattr(m.router, "top_k", 1))
-        return total
+                total -= per_expert * (m.num_experts - (m.router.nominal_experts_per_token() or 1))
+        return round(total)
 
 
 def _sample(logits_BV: Tensor, temperature: float, top_k: int | None, gen: torch.Generator | None) -> Tensor:
