@@ -1,0 +1,80 @@
+"""experiments/router_study.py: the quick study end to end (rows, table, figure), --update adds
+rows and reruns none, and bad requests stop in one line with exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "experiments"))  # importable by name, also in the study's spawned workers
+import router_study as study  # noqa: E402
+
+QUICK = ["--quick", "--workers", "1", "--seeds", "0"]
+FIELDS = (
+    "corpus",
+    "size",
+    "router",
+    "seed",
+    "active_params",
+    "teacher_forced_loss",
+    "causal_loss",
+    "leakage_gap",
+    "max_vio",
+    "active_experts_mean",
+    "tokens_per_s",
+    "config",
+    "command",
+)
+
+
+def test_quick_study_writes_rows_and_update_adds_without_rerunning(tmp_path):
+    path = tmp_path / "study.json"
+    first = study.main([*QUICK, "--routers", "topk_aux", "remoe", "--json", str(path)])
+    assert [r["router"] for r in first["rows"]] == ["topk_aux", "remoe"]
+    for r in first["rows"]:
+        assert all(k in r for k in FIELDS), sorted(set(FIELDS) - set(r))
+        assert r["config"]["model"]["router"] == r["router_name"] and r["config"]["seed"] == 0
+        assert r["causal_method"] == "cache" and r["leakage_gap"] == pytest.approx(0.0, abs=1e-6)
+    assert path.with_suffix(".md").read_text().count("| stdlib-bytes | quick |") == 2
+    assert path.with_suffix(".png").stat().st_size > 10_000
+    stored = json.loads(path.read_text())["rows"]
+    second = study.main([*QUICK, "--update", "--routers", "topk_aux", "expert_choice", "--json", str(path)])
+    assert [r["router"] for r in second["rows"]] == ["topk_aux", "remoe", "expert_choice"]
+    assert second["rows"][:2] == stored  # the stored rows, untouched
+    table = study.markdown(second)
+    assert "vs topk_aux" in table  # expert choice against the only baseline, paired by seed
+    replot = study.main(["--replot", str(path)])
+    assert replot["rows"] == second["rows"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--routers", "nope"], "unknown router 'nope'"),
+        (["--routers", "top_p_fixed"], "unequal active compute"),
+        (["--routers", "bad_option"], "router 'bad_option': bad options for router 'topk'"),
+    ],
+)
+def test_bad_requests_stop_in_one_line(argv, message, monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(study.ROUTERS, "top_p_fixed", ("top_p", {"p": 0.5}, {}))
+    monkeypatch.setitem(study.ROUTERS, "bad_option", ("topk", {"top_k": 2, "k": 3}, {}))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main([*QUICK, *argv, "--json", str(tmp_path / "s.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_an_existing_study_is_only_added_to_with_update(tmp_path, capsys):
+    path = tmp_path / "s.json"
+    path.write_text('{"rows": [], "wall_time_s": 0.0}')
+    with pytest.raises(SystemExit):
+        study.main([*QUICK, "--json", str(path)])
+    assert "pass --update" in capsys.readouterr().err
+
+
+def test_every_study_router_has_the_dense_compute():
+    study.check_compute([label for label in study.ROUTERS], ["baby", "large"], allow_unequal=False)
