@@ -209,6 +209,21 @@ def check_compute(labels: list[str], sizes: list[str], allow_unequal: bool) -> N
                 )
 
 
+def check_row(fields: dict, checked: set) -> None:
+    """The row's config validates and its corpus holds a window of seq_len + 1 tokens in both
+    splits (each corpus loaded once): a bad row stops the study before any training starts."""
+    from moe.training import TrainConfig
+
+    try:
+        data = TrainConfig.flat(**fields).data
+        key = json.dumps(dataclasses.asdict(data), sort_keys=True)
+        if key not in checked:
+            data.load()
+            checked.add(key)
+    except ValueError as e:
+        raise StudyError(str(e)) from None
+
+
 def run_row(spec: dict) -> dict:
     """Train and evaluate one row (in a worker process)."""
     torch.set_num_threads(1)
@@ -433,7 +448,7 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
     command = "python experiments/router_study.py " + " ".join(sys.argv[1:])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     commit = commit.stdout.strip()
-    todo = []
+    todo, checked = [], set()
     for seed in args.seeds:  # seed-major: a study stopped early has every router at its first seeds
         for corpus in corpora:
             for size in sizes:
@@ -441,6 +456,7 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
                     fields = row_config(corpus, size, label, seed, args.quick)
                     spec = {"corpus": corpus, "size": size, "router": label, "seed": seed, "fields": fields}
                     spec["key"] = row_key(spec)
+                    check_row(fields, checked)
                     if spec["key"] not in done:
                         todo.append({**spec, "command": command, "commit": commit})
     return json_path, result, todo

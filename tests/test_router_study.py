@@ -68,6 +68,15 @@ def test_bad_requests_stop_in_one_line(argv, message, monkeypatch, capsys, tmp_p
     assert len(err) == 1 and message in err[0], err
 
 
+def test_a_corpus_too_small_for_the_sequence_length_stops_before_training(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(study.QUICK_RECIPE, "seq_len", 32)
+    monkeypatch.setattr(study, "corpus_fields", lambda corpus, quick: {"data": "stdlib", "max_bytes": 300})
+    with pytest.raises(SystemExit) as exit_info:
+        study.main([*QUICK, "--json", str(tmp_path / "s.json")])
+    assert exit_info.value.code == 2
+    assert "fewer than one window of seq_len + 1 = 33" in capsys.readouterr().err
+
+
 def test_an_existing_study_is_only_added_to_with_update(tmp_path, capsys):
     path = tmp_path / "s.json"
     path.write_text('{"rows": [], "wall_time_s": 0.0}')
