@@ -86,6 +86,35 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
         assert torch.equal(pa, pb), name
 
 
+def test_resume_with_more_steps_keeps_the_schedule_the_run_started_with(tmp_path, capsys):
+    """A 6-step run resumed with --steps 10 is one 10-step run of a 6-step schedule, bit for
+    bit: warmup and cosine as they were, then the final rate (lr * min_lr_ratio) for steps 7-10."""
+    common = dict(router="ec_threshold", eval_every=0, lr=1e-2, min_lr_ratio=0.1, **{**SMALL, "log_every": 1})
+    one = train(TrainConfig.flat(steps=10, schedule_steps=6, metrics_jsonl=str(tmp_path / "one.jsonl"), **common))
+    run, jsonl = str(tmp_path / "run"), str(tmp_path / "resumed.jsonl")
+    train(TrainConfig.flat(steps=6, checkpoint_dir=run, metrics_jsonl=jsonl, **common))
+    capsys.readouterr()
+    resumed = train(TrainConfig.flat(steps=10, checkpoint_dir=run, metrics_jsonl=jsonl, resume=True, **common))
+    said = capsys.readouterr().out.splitlines()
+    line = "--steps 10 runs past the 6-step learning-rate schedule the run started with: kept, steps 7-10 at its final"
+    assert any(ln.startswith(line) and "1.00e-03" in ln for ln in said), said
+    a, b = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(jsonl)
+    assert [r["step"] for r in b] == list(range(1, 11))
+    assert [r["lr"] for r in b[6:]] == [1e-2 * 0.1] * 4 and b[5]["lr"] == pytest.approx(1e-3)
+    for ra, rb in zip(a, b):
+        for key in ("lr", "loss", "aux_loss", "grad_norm"):
+            assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+    for (name, pa), pb in zip(one.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    # asked for: --schedule-steps stretches the schedule to the new --steps, and says so
+    capsys.readouterr()
+    stretched = TrainConfig.flat(steps=14, schedule_steps=14, checkpoint_dir=run, resume=True, **common)
+    history = train(stretched).history
+    said = capsys.readouterr().out
+    assert "--schedule-steps 14: the learning-rate schedule changes from the 6 steps the run started with to 14" in said
+    assert history[0]["step"] == 11 and history[0]["lr"] == lr_at(10, stretched.optimizer) > 1e-3
+
+
 def reference_causal_loss(model, val, cfg, stride):
     """One window and one prefix at a time, no batching."""
     seq_len = cfg.data.seq_len
