@@ -49,6 +49,7 @@ from moe.eval import evaluate
 from moe.layer import update_routers
 from moe.model import ModelConfig
 from moe.parallel import share_router_statistics
+from moe.parallel.exchange import EAGER_UNDER_COMPILE
 from moe.parallel.memory import largest_peak_mib
 from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
@@ -144,6 +145,8 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     )
     for line in resumed:
         report.say(line)
+    if cfg.parallel.compile and cfg.parallel.expert_parallel > 1:
+        report.say(f"--compile with --expert-parallel: {EAGER_UNDER_COMPILE}")
     routers = [m for m in place.model.modules() if isinstance(m, Router)]
     return Session(
         cfg,
