@@ -1,13 +1,14 @@
 """Sample text from a trained model, decoded through the tokenizer of the data it was trained on.
 
     python experiments/train.py --data data/mine --steps 300 --checkpoint-dir runs/mine --export-model
-    python experiments/generate.py runs/mine/model.pt --data data/mine --prompt "def " --max-new-tokens 200
-    python experiments/generate.py runs/bytes/model.pt --num-samples 3 --temperature 0.8 --top-k 40
+    python experiments/generate.py runs/mine/model.pt --data data/mine --max-new-tokens 200
+    python experiments/generate.py runs/bytes/model.pt --prompt "def " --num-samples 3 --temperature 0.8 --top-k 40
 
 The model is a run's consolidated export (``--export-model`` writes ``<checkpoint_dir>/model.pt``).
 ``--data`` names the corpus it was trained on (default ``stdlib``): a prepared directory's
 tokenizer encodes the prompt and decodes the samples; a byte corpus decodes as UTF-8. Without
-``--prompt`` the prompt is the first ``--prompt-tokens`` tokens of the validation split.
+``--prompt`` the prompt is the first ``--prompt-tokens`` tokens of the validation split. Past the
+model's context each token is predicted from the last ``max_seq_len`` tokens (nanoGPT's crop).
 Routers that cannot decode from a KV cache (expert choice, sequence-sized capacity) sample by
 recomputing every prefix, which is what serving them costs.
 """

@@ -3,8 +3,10 @@ layout (FSDP2 x expert parallel, ``moe.parallel.mesh``).
 
     python experiments/train.py --preset tiny --router topk --steps 300
     python experiments/train.py --router capacity --router-option top_k=2 --router-option capacity_factor=1.0 \
-        --steps 300 --eval-every 100 --metrics-jsonl runs/cap/metrics.jsonl --checkpoint-dir runs/cap
-    python experiments/train.py --router capacity --steps 600 --checkpoint-dir runs/cap --resume
+        --steps 300 --eval-every 100 --metrics-jsonl runs/cap/metrics.jsonl --checkpoint-dir runs/cap --checkpoint-every 100
+    python experiments/train.py --router capacity --router-option top_k=2 --router-option capacity_factor=1.0 \
+        --steps 300 --eval-every 100 --metrics-jsonl runs/cap/metrics.jsonl --checkpoint-dir runs/cap --checkpoint-every 100 \
+        --resume      # after an interruption: the same command continues the very run
     python experiments/train.py --data canary --seq-len 8 --batch-size 64 --router expert_choice --steps 2000
     python experiments/train.py --data path/to/my/texts --router topk
     python experiments/train.py --hf-model olmoe-tiny --router ec_threshold --steps 300   # needs the [hf] extra

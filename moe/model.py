@@ -367,30 +367,23 @@ class MoETransformer(nn.Module):
         seeds a private generator. Routers that are not decode-consistent (e.g. expert choice,
         sequence-sized capacity) cannot route from a cache: ValueError, unless ``recompute=True``,
         which forwards the whole prefix at every step (what serving such a model really costs;
-        it also works for every other router). The longest prompt plus ``max_new_tokens`` must fit
-        in ``max_seq_len``. ``return_logits``: also return the float logits [B, S-1, V] computed
-        for positions 0..S-2 of the S = longest prompt + max_new_tokens positions decoded (for a
-        decode-consistent router, a full forward of those S tokens gives the same, up to rounding).
+        it also works for every other router).
+
+        Past the context (a prefix longer than ``max_seq_len``), the next token is predicted from
+        the last ``max_seq_len`` tokens alone, as nanoGPT's sampler crops: that window is
+        forwarded afresh at positions 0..max_seq_len-1, without the cache (whose positions no
+        longer apply), so a router with decode state routes it from a fresh state as a full
+        forward does; the same window with or without ``recompute``. ``return_logits``: also
+        return the float logits computed for positions c..S-2 of the S = longest prompt +
+        max_new_tokens positions decoded, [B, S-1-c, V], where c = max(0, shortest prompt -
+        max_seq_len) prompt positions were cropped before the first forward (within the context,
+        for a decode-consistent router, a full forward of those S tokens gives the same, up to
+        rounding).
         """
-        if isinstance(idx, Tensor) and idx.dim() != 2:
-            raise ValueError(
-                f"expected int64 token ids of shape [B, T] or a list of 1-D prompts, got shape {tuple(idx.shape)}"
-            )
-        prompts = list(idx)
-        if not prompts or any(
-            not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype != torch.long for p in prompts
-        ):
-            raise ValueError("idx must be int64 [B, T] token ids or a list of non-empty 1-D int64 prompts")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        if not temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
-            raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+        prompts = _checked_prompts(idx, max_new_tokens, temperature, top_k)
         lengths = [p.numel() for p in prompts]
         b, shortest, total = len(prompts), min(lengths), max(lengths) + max_new_tokens
-        if total > self.cfg.max_seq_len:
-            raise ValueError(f"longest prompt + max_new_tokens = {total} exceeds max_seq_len={self.cfg.max_seq_len}")
+        context = self.cfg.max_seq_len
         was_training = self.training
         self.eval()
         try:
@@ -408,20 +401,25 @@ class MoETransformer(nn.Module):
                 seq_BS[row, : p.numel()] = p.to(device)
                 forced_BS[row, : p.numel()] = True
             gen = None if seed is None else torch.Generator(device).manual_seed(seed)
-            cache = None if recompute else self.init_cache(b, total)
-            chunks_BTV = [self(seq_BS[:, :shortest], cache=cache).logits.float()]  # logits, chunk by chunk
+            cache = None if recompute else self.init_cache(b, min(total, context))
+            cropped = max(0, shortest - context)
+            prefill_BT = seq_BS[:, cropped:shortest]
+            chunks_BTV = [self(prefill_BT, cache=None if cropped else cache).logits.float()]  # logits, chunk by chunk
             for s in range(shortest, total):
                 next_B = _sample(chunks_BTV[-1][:, -1], temperature, top_k, gen)
                 seq_BS[:, s] = torch.where(forced_BS[:, s], seq_BS[:, s], next_B)
                 if s + 1 < total:
-                    step_BT = seq_BS[:, : s + 1] if recompute else seq_BS[:, s : s + 1]
-                    chunks_BTV.append(self(step_BT, cache=cache).logits[:, -1:].float())
+                    if s + 1 > context:  # past the context: the last `context` tokens, afresh
+                        step_BT, step_cache = seq_BS[:, s + 1 - context : s + 1], None
+                    else:
+                        step_BT, step_cache = (seq_BS[:, : s + 1], None) if recompute else (seq_BS[:, s : s + 1], cache)
+                    chunks_BTV.append(self(step_BT, cache=step_cache).logits[:, -1:].float())
         finally:
             self.train(was_training)
         out = (
             seq_BS if isinstance(idx, Tensor) else [seq_BS[row, : n + max_new_tokens] for row, n in enumerate(lengths)]
         )
-        return (out, torch.cat(chunks_BTV, 1)[:, : total - 1]) if return_logits else out
+        return (out, torch.cat(chunks_BTV, 1)[:, : total - 1 - cropped]) if return_logits else out
 
     def num_parameters(self, active: bool = False) -> int:
         """All parameters, or those one token uses on average when ``active``: of each MoE
@@ -436,6 +434,27 @@ class MoETransformer(nn.Module):
                 per_expert = sum(p[0].numel() for p in m.experts.parameters())
                 total -= per_expert * (m.num_experts - (m.router.nominal_experts_per_token() or 1))
         return round(total)
+
+
+def _checked_prompts(idx, max_new_tokens: int, temperature: float, top_k: int | None) -> list[Tensor]:
+    """The prompts of :meth:`MoETransformer.generate` as a list of 1-D tensors; ValueError for
+    bad arguments."""
+    if isinstance(idx, Tensor) and idx.dim() != 2:
+        raise ValueError(
+            f"expected int64 token ids of shape [B, T] or a list of 1-D prompts, got shape {tuple(idx.shape)}"
+        )
+    prompts = list(idx)
+    if not prompts or any(
+        not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0 or p.dtype != torch.long for p in prompts
+    ):
+        raise ValueError("idx must be int64 [B, T] token ids or a list of non-empty 1-D int64 prompts")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k <= 0):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+    return prompts
 
 
 def _sample(logits_BV: Tensor, temperature: float, top_k: int | None, gen: torch.Generator | None) -> Tensor:

@@ -26,9 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_on_two_processes(args: list[str], timeout_s: float) -> list[str]:
+def train_on_two_processes(args: list[str], timeout_s: float) -> list[tuple[str, str]]:
     """``experiments/train.py ARGS`` on two gloo processes (RANK / WORLD_SIZE set as torchrun
-    sets them); each rank's stdout, after asserting that both exited 0."""
+    sets them); each rank's (stdout, stderr), after asserting that both exited 0."""
     port = str(free_port())
     procs = [
         subprocess.Popen(
@@ -51,7 +51,7 @@ def train_on_two_processes(args: list[str], timeout_s: float) -> list[str]:
     for p in procs:
         out, err = p.communicate(timeout=timeout_s)
         assert p.returncode == 0, err[-3000:]
-        outs.append(out)
+        outs.append((out, err))
     return outs
 
 

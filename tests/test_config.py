@@ -1,11 +1,13 @@
 """The run configuration: sections, TOML with command-line overrides, the resolved config
 written beside the metrics, and step strategies registered from outside the package."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
+from moe.model import preset
 from moe.parallel.steps import STRATEGIES, choose_strategy, register_strategy
 from moe.parallel.steps.plain import Plain
 from moe.training import TrainConfig, build_model, config_from_args, model_config, train
@@ -77,11 +79,29 @@ def test_bad_files_and_values_name_the_problem(tmp_path):
 
 
 def test_resolved_config_is_written_beside_the_metrics_and_reloads(tmp_path):
-    cfg = TrainConfig.flat(steps=2, metrics_jsonl=str(tmp_path / "run" / "m.jsonl"), **TINY_RUN)
+    run = dict(metrics_jsonl=str(tmp_path / "run" / "m.jsonl"), checkpoint_dir=str(tmp_path / "run"), **TINY_RUN)
+    cfg = TrainConfig.flat(steps=2, **run)
     train(cfg)
     written = tmp_path / "run" / "m.config.json"
-    assert json.loads(written.read_text())["optimizer"]["steps"] == 2
-    assert TrainConfig.load(written) == cfg
+    first = json.loads(written.read_text())
+    assert first["optimizer"]["steps"] == 2 and TrainConfig.load(written) == cfg
+    # the model as built, not the overrides given: the tiny preset with d_model and moe_d_ff set
+    built = dataclasses.asdict(preset("tiny", d_model=32, moe_d_ff=32, vocab_size=256))
+    assert first["model"]["overrides"]["n_layers"] is None and first["model_config"] == built
+    # a resume keeps the first invocation's config and adds its own (schedule resolved: kept at 2)
+    train(TrainConfig.flat(steps=3, resume=True, **run))
+    record = json.loads(written.read_text())
+    assert [i["started_at_step"] for i in record["invocations"]] == [0, 2]
+    assert record["invocations"][0]["config"] == {k: first[k] for k in dataclasses.asdict(cfg)}
+    assert record["invocations"][1]["config"]["optimizer"] == {
+        **first["optimizer"],
+        "steps": 3,
+        "schedule_steps": 2,
+    }
+    assert TrainConfig.load(written) == TrainConfig.flat(steps=3, schedule_steps=2, resume=True, **run)
+    # a fresh start with the same metrics path begins a new record
+    train(TrainConfig.flat(steps=1, **{**run, "checkpoint_dir": str(tmp_path / "other")}))
+    assert [i["started_at_step"] for i in json.loads(written.read_text())["invocations"]] == [0]
 
 
 def test_the_config_selects_one_strategy():

@@ -59,7 +59,7 @@ def test_missing_and_empty_paths_raise_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_corpus(str(tmp_path / "nope"))
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(ValueError, match="contains no files"):
+    with pytest.raises(ValueError, match="holds no text files"):
         load_corpus(str(tmp_path / "empty_dir"))
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="is empty"):

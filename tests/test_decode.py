@@ -218,10 +218,33 @@ def test_generate_sampling_is_seeded_and_checks_its_arguments():
         (dict(idx=prompt, max_new_tokens=-1), "max_new_tokens must be an integer >= 0"),
         (dict(idx=prompt, max_new_tokens=1, temperature=-1.0), "temperature must be >= 0"),
         (dict(idx=prompt, max_new_tokens=1, top_k=0), "top_k must be a positive integer"),
-        (dict(idx=prompt, max_new_tokens=38), "longest prompt \\+ max_new_tokens = 41 exceeds max_seq_len=40"),
     ]:
         with pytest.raises(ValueError, match=match):
             model.generate(**kwargs)
+
+
+PAST_THE_CONTEXT = [(*DECODE_CONFIGS[i], False) for i in (0, 2, 4)] + [(*NOT_DECODABLE[0], True)]
+
+
+@pytest.mark.parametrize(
+    "name,options,recompute", PAST_THE_CONTEXT, ids=[IDS[i] for i in (0, 2, 4)] + ["expert_choice-recompute"]
+)
+def test_generation_past_the_context_crops_to_the_last_max_seq_len_tokens(name, options, recompute):
+    """The reference is nanoGPT's sampler: every step forwards the last max_seq_len tokens."""
+    model = tiny_model(name, options)
+    context, n_new = model.cfg.max_seq_len, 60
+    for prompt_len in (5, context + 7):  # a prompt within the context, and one longer than it
+        prompt_BT = torch.randint(0, 256, (2, prompt_len))
+        seq_BS, logits_BSV = model.generate(prompt_BT, n_new, temperature=0, recompute=recompute, return_logits=True)
+        ref_BS, ref_logits = prompt_BT, []
+        with torch.no_grad():
+            for _ in range(n_new):
+                last_BV = model(ref_BS[:, -context:]).logits[:, -1]
+                ref_logits.append(last_BV)
+                ref_BS = torch.cat([ref_BS, last_BV.argmax(-1, keepdim=True)], 1)
+        assert seq_BS.shape == (2, prompt_len + n_new) and torch.equal(seq_BS, ref_BS), (name, prompt_len)
+        assert logits_BSV.shape[1] == prompt_len + n_new - 1 - max(0, prompt_len - context)
+        assert max_diff(logits_BSV[:, -n_new:], torch.stack(ref_logits, 1)) <= 1e-5, (name, prompt_len)
 
 
 # -- the causal loss through the cache ------------------------------------------------------

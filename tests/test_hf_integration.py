@@ -298,7 +298,8 @@ def test_swapped_model_resumes_exactly_from_a_checkpoint(tmp_path):
         progress=False,
     )
     full = train(TrainConfig.flat(steps=4, **common), corpus)
-    train(TrainConfig.flat(steps=2, checkpoint_dir=str(tmp_path), **common), corpus)
+    # stopped after 2 steps of the 4-step schedule: an interrupted run (a resume keeps its schedule)
+    train(TrainConfig.flat(steps=2, schedule_steps=4, checkpoint_dir=str(tmp_path), **common), corpus)
     resumed = train(TrainConfig.flat(steps=4, checkpoint_dir=str(tmp_path), resume=True, **common), corpus)
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history[2:]]
 

@@ -51,9 +51,9 @@ def _worker(rank: int, world: int, checkpoint_dir: str) -> dict:
         session = prepare(cfg, corpus(), setup_distributed("cpu"))
         placed = full_state_dict(session.place.model)
         out[name] = {"placed": placed if rank == 0 else None, "curves": curves(run(session).history)}
-    # a sharded checkpoint at step 3 of the FSDP2 run, resumed to step 6
+    # a sharded checkpoint at step 3 of the FSDP2 run (of its 6-step schedule: interrupted), resumed to step 6
     ckpt = dict(checkpoint_dir=checkpoint_dir, checkpoint_every=3)
-    train(TrainConfig.flat(**{**COMMON, "steps": 3}, **ckpt), corpus())
+    train(TrainConfig.flat(**{**COMMON, "steps": 3, "schedule_steps": 6}, **ckpt), corpus())
     out["resumed"] = curves(train(TrainConfig.flat(**COMMON, **ckpt, resume=True), corpus()).history)
     return out
 

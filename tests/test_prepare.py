@@ -149,7 +149,7 @@ def test_bad_input_is_one_line_and_exit_2_leaving_nothing(trained, tmp_path, cap
     (tmp_path / "full" / "keep.txt").write_text("mine")
     (tmp_path / "bad_last.jsonl").write_text(json.dumps({"text": sentences(0, 200)}) + "\n{oops\n")
     cases = [
-        ((tmp_path / "empty", "--train-tokenizer", 300), "contains no files"),
+        ((tmp_path / "empty", "--train-tokenizer", 300), "holds no text files"),
         ((texts, "--train-tokenizer", 256), "at least 257"),
         ((texts, "--tokenizer", tmp_path / "bad.json"), "does not load"),
         ((texts, "--tokenizer", out / "tokenizer.json", "--eot", "<nope>"), "not in the tokenizer"),

@@ -52,6 +52,10 @@ def refused(argv, capsys) -> str:
         (["--steps", "-5"], "steps must be a positive integer, got -5"),
         (["--router-option", "top_k=8"], "top_k must be an integer in [1, num_experts=4], got 8"),
         (["--seq-len", "512"], "seq_len=512 exceeds the tiny preset's max_seq_len=128"),
+        # a value that does not convert names its flag
+        (["--steps", "fifty"], "--steps: invalid literal for int() with base 10: 'fifty'"),
+        (["--lr", "fast"], "--lr: could not convert string to float: 'fast'"),
+        (["--warmup-steps", "x"], "--warmup-steps: no type matching"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(args, message, capsys):

@@ -1,9 +1,12 @@
 """``python -m moe.data prepare INPUT --out DIR``: tokenize a corpus into memory-mapped shards.
 
     python -m moe.data prepare corpus/ --out data/mine --train-tokenizer 8192
+    python -m moe.data prepare corpus/ --out data/bytes --bytes --include '*.txt'
     python -m moe.data prepare docs.jsonl --out data/docs --tokenizer path/to/hf_tokenizer_folder --workers 4
 
 Bad input is one line on stderr and exit status 2 (nothing is left behind looking complete).
+What a folder held that was not read (files that are not text, cache folders, files left out by
+``--include`` / ``--exclude``) is said in one line, and listed in the manifest.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moe.data.files import FileSelection
 from moe.data.prepare import PrepareConfig, prepare
 
 
@@ -25,6 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
     how = prep.add_mutually_exclusive_group(required=True)
     how.add_argument("--train-tokenizer", type=int, metavar="V", help="train a byte-level BPE of V tokens on INPUT")
     how.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a local Hugging Face tokenizer folder")
+    how.add_argument(
+        "--bytes", dest="byte_level", action="store_true", help="raw bytes: every byte one token (vocabulary 257)"
+    )
+    for flag, verb in (("include", "read only"), ("exclude", "leave out")):
+        prep.add_argument(
+            f"--{flag}",
+            action="append",
+            default=[],
+            metavar="GLOB",
+            help=f"{verb} a folder's files matching GLOB (relative path; '*' crosses '/'); repeatable",
+        )
     prep.add_argument("--shard-tokens", type=int, default=PrepareConfig.shard_tokens, help="tokens per shard file")
     prep.add_argument("--workers", type=int, default=PrepareConfig.workers, help="encoding processes")
     prep.add_argument("--text-field", default=PrepareConfig.text_field, help="text field of .jsonl / .parquet")
@@ -41,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError, OSError) as e:  # bad input, a missing extra, an unwritable --out
         print(f"python -m moe.data prepare: error: {e}", file=sys.stderr)
         return 2
+    skipped = FileSelection([], **manifest["skipped"]).skipped()
+    if skipped:
+        print(f"{args['input']}: read {manifest['num_files']:,} files, {skipped}")
     print(
         f"wrote {args['out']}: {manifest['num_tokens']:,} tokens of {manifest['num_documents']:,} documents in "
         f"{len(manifest['shards'])} shards ({manifest['dtype']}, vocabulary {manifest['vocab_size']:,})"

@@ -10,10 +10,13 @@ Three sources, chosen by one string (``moe.data.load_corpus(source)``):
 * ``"canary"``: uniformly random tokens over a small vocabulary, drawn from a fixed seed. No
   model can predict them, so a causal loss below ``log(V)`` nats is impossible; any
   teacher-forced loss below it is information taken from the future.
-* a path: a text file, or a directory whose files (recursively, sorted) are concatenated.
+* a path: a text file, or a directory whose text files (recursively, sorted; caches and files
+  that are not text skipped, ``moe.data.files``) are concatenated.
 
 The stream is loaded whole (``max_bytes``, 4 MB by default) and split by
-``moe.data.corpus.split``.
+``moe.data.corpus.split``. A corpus cut by ``max_bytes`` says so in its ``source`` (how much of
+how much was read, and the ``max_bytes`` that takes all of it), as does a folder whose files
+were skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch import Tensor
 
 from moe.data.corpus import Corpus, split
+from moe.data.files import select_files
 
 CANARY_SEED = 20261129
 """Seed of the canary's random token stream (fixed: the canary is the same everywhere)."""
@@ -44,23 +48,6 @@ def stdlib_files() -> tuple[Path, ...]:
         dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
         files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
     return tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
-
-
-def user_files(path: str | os.PathLike) -> list[Path]:
-    """The files named by ``path``: the file itself, or a directory's files (recursive, sorted,
-    hidden files and directories skipped). Raises for a missing path or one with no files."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"data path {str(p)!r} does not exist")
-    if p.is_file():
-        return [p]
-    files = sorted(
-        (f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)),
-        key=lambda f: f.relative_to(p).as_posix(),
-    )
-    if not files:
-        raise ValueError(f"data directory {str(p)!r} contains no files")
-    return files
 
 
 def read_bytes(files: Sequence[Path], max_bytes: int) -> bytes:
@@ -101,11 +88,18 @@ def load_bytes(source: str, val_fraction: float, max_bytes: int, canary_vocab: i
             )
         where = f"Python {sysconfig.get_python_version()} standard library ({len(files)} files)"
     else:
-        files = user_files(source)
-        where = source
+        selection = select_files(source)
+        files, skipped = selection.files, selection.skipped()
+        where = f"{source} ({len(files)} files{'; ' + skipped if skipped else ''})"
     data = read_bytes(files, max_bytes)
     if not data.strip():
         raise ValueError(f"data source {source!r} is empty")
+    available = sum(f.stat().st_size + 1 for f in files)  # + the newline after each file
+    if len(data) < available:
+        where += (
+            f"; the first {len(data):,} of {available:,} bytes (max_bytes={max_bytes:,}: "
+            f"--max-bytes {available} takes all)"
+        )
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     train, val = split(tokens, val_fraction)
     return Corpus(train, val, 256, where)

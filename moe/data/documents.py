@@ -1,7 +1,8 @@
 """The documents of a ``prepare`` input, streamed in pieces of bounded size.
 
-An input is a file or a folder of files (recursively, sorted by relative path, hidden files
-skipped). By suffix: ``.jsonl`` holds one JSON object per line and its text field is one
+An input is a file or a folder of files (recursively, sorted by relative path; hidden files,
+cache folders, files that are not text and files the ``--include`` / ``--exclude`` globs leave
+out are skipped: ``moe.data.files``). By suffix: ``.jsonl`` holds one JSON object per line and its text field is one
 document; ``.parquet`` (through ``pyarrow``) one document per row of its text column; any
 other file is UTF-8 text (invalid bytes replaced) and is one document, read in pieces of
 about :data:`PIECE_BYTES` cut after a line end, so a large file never sits in memory whole
@@ -16,8 +17,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe.data.byte_corpora import user_files
+from moe.data.files import FileSelection, select_files
 
+STRUCTURED = (".jsonl", ".parquet")
+"""Suffixes read as records, not as text (exempt from the text test)."""
 PIECE_BYTES = 1 << 16
 """Text files are read in pieces of about this many bytes (``tokenizers`` holds about 300
 bytes per token of an encoding in flight, so pieces stay small)."""
@@ -34,11 +37,11 @@ class Piece:
     """Input bytes this piece accounts for (for progress)."""
 
 
-def input_files(path: str | Path) -> list[Path]:
-    """The files of an input path (see the module docstring); ValueError for a missing path or
-    an empty folder."""
+def input_files(path: str | Path, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> FileSelection:
+    """The files of an input path and what was skipped (see the module docstring); ValueError
+    for a missing path or a folder with no text."""
     try:
-        return user_files(path)
+        return select_files(path, include, exclude, structured=STRUCTURED)
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
 

@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import shutil
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ from tqdm import tqdm
 from moe.data.documents import Piece, input_files, read_pieces
 from moe.data.shards import DTYPES, FORMAT, MANIFEST, token_dtype
 from moe.data.tokenizer import (
+    EOT,
     MIN_BPE_VOCAB,
     load_tokenizer,
     load_tokenizer_file,
@@ -49,9 +50,17 @@ class PrepareConfig:
     out: str
     """The prepared directory to create (must not exist, or be empty)."""
     train_tokenizer: int | None = None
-    """V: train a byte-level BPE of at most V tokens on the input (exclusive with ``tokenizer``)."""
+    """V: train a byte-level BPE of at most V tokens on the input."""
     tokenizer: str | None = None
     """A ``tokenizer.json`` or a local Hugging Face tokenizer folder to encode with."""
+    byte_level: bool = False
+    """Raw bytes: every byte one token (257 ids: the 256 bytes and ``<|endoftext|>``), no
+    tokenizer trained (exactly one of ``train_tokenizer``, ``tokenizer`` and ``byte_level``)."""
+    include: list[str] = field(default_factory=list)
+    """Globs of a folder's files to read (default: all), matched against the path relative to
+    the folder (``*`` crosses ``/``: ``*.py`` is every .py file)."""
+    exclude: list[str] = field(default_factory=list)
+    """Globs of a folder's files to leave out, matched the same way."""
     shard_tokens: int = 100_000_000
     """Tokens per shard file (the last one holds the rest)."""
     workers: int = 1
@@ -65,8 +74,8 @@ class PrepareConfig:
     """Show progress bars (on stderr)."""
 
     def __post_init__(self) -> None:
-        if (self.train_tokenizer is None) == (self.tokenizer is None):
-            raise ValueError("give exactly one of --train-tokenizer V and --tokenizer PATH")
+        if (self.train_tokenizer is not None) + (self.tokenizer is not None) + self.byte_level != 1:
+            raise ValueError("give exactly one of --train-tokenizer V, --tokenizer PATH and --bytes")
         if self.train_tokenizer is not None and self.train_tokenizer < MIN_BPE_VOCAB:
             raise ValueError(
                 f"--train-tokenizer {self.train_tokenizer}: a byte-level BPE needs at least "
@@ -179,8 +188,11 @@ def _check_out(out: Path) -> None:
 
 
 def _tokenizer(cfg: PrepareConfig, files: list[Path]) -> tuple[object, int | None, str | None]:
-    """(tokenizer, end-of-document id, its token) as ``cfg`` asks: trained on ``files`` or loaded."""
-    if cfg.train_tokenizer is not None:
+    """(tokenizer, end-of-document id, its token) as ``cfg`` asks: the bytes alone, trained on
+    ``files``, or loaded."""
+    if cfg.byte_level:
+        tokenizer, eot = train_bpe([], MIN_BPE_VOCAB), cfg.eot or EOT  # no pair to merge: the bytes alone
+    elif cfg.train_tokenizer is not None:
         total = sum(f.stat().st_size for f in files)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="train tokenizer", disable=not cfg.progress)
 
@@ -191,7 +203,7 @@ def _tokenizer(cfg: PrepareConfig, files: list[Path]) -> tuple[object, int | Non
 
         tokenizer = train_bpe(texts(), cfg.train_tokenizer)
         bar.close()
-        eot = cfg.eot or "<|endoftext|>"
+        eot = cfg.eot or EOT
     else:
         tokenizer, found = load_tokenizer(cfg.tokenizer)
         eot = cfg.eot or found
@@ -203,7 +215,8 @@ def _tokenizer(cfg: PrepareConfig, files: list[Path]) -> tuple[object, int | Non
 
 def prepare(cfg: PrepareConfig) -> dict:
     """Tokenize ``cfg.input`` into the prepared directory ``cfg.out``; return its manifest."""
-    files = input_files(cfg.input)
+    selection = input_files(cfg.input, cfg.include, cfg.exclude)
+    files = selection.files
     out = Path(cfg.out)
     _check_out(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -246,6 +259,8 @@ def prepare(cfg: PrepareConfig) -> dict:
             "tokenizer": TOKENIZER_FILE,
             "shards": writer.shards,
             "input": str(Path(cfg.input).resolve()),
+            "num_files": len(files),
+            "skipped": selection.left_out(),
             "config": {k: v for k, v in asdict(cfg).items() if k not in ("input", "out", "progress")},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

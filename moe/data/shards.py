@@ -40,6 +40,24 @@ def is_prepared(path: str | Path) -> bool:
     return p.is_dir() and (p / MANIFEST).is_file()
 
 
+def refuse_without_manifest(path: str | Path) -> None:
+    """ValueError when ``path`` is a directory that holds what a prepared directory holds (its
+    ``shard-*.bin`` files or ``tokenizer.json``) but no manifest: its files are token ids and a
+    tokenizer, never text to train on."""
+    p = Path(path)
+    if not p.is_dir() or (p / MANIFEST).is_file():
+        return
+    found = sorted(f.name for f in p.glob("shard-*.bin")) + (
+        ["tokenizer.json"] if (p / "tokenizer.json").is_file() else []
+    )
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ValueError(
+            f"{str(p)!r} holds {shown} but no {MANIFEST}: a prepared directory without its manifest "
+            "(deleted, or never written) is not read; prepare it again with python -m moe.data prepare"
+        )
+
+
 def read_manifest(directory: str | Path) -> dict:
     """The manifest of a prepared directory, checked against its shard files' sizes."""
     directory = Path(directory)

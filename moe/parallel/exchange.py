@@ -19,6 +19,11 @@ Rank r holds experts [r*L, (r+1)*L). One forward on every rank of the group:
 Both row exchanges are autograd functions whose backward is the reverse exchange. A rank
 that sends or receives no rows, or an expert with no rows, is an ordinary case: every rank
 still joins every collective, with zero-length splits.
+
+Under ``torch.compile`` the exchange runs eagerly (``torch.compiler.disable``): the row
+all-to-all needs its split sizes as Python integers, read from the token counts on the host,
+so no graph can hold it; a block compiles into the graphs before and after it, with one
+deliberate break, instead of Dynamo breaking at each host read with a report.
 """
 
 from __future__ import annotations
@@ -109,6 +114,13 @@ def exchange_counts(counts_E: Tensor, group=None) -> Tensor:
     return recv.view(size, -1)
 
 
+EAGER_UNDER_COMPILE = (
+    "the token exchange runs eagerly between compiled graphs: its all-to-all split sizes are read on the host"
+)
+"""Why :func:`expert_parallel_ffn` is not compiled (the trainer says it once under ``--compile``)."""
+
+
+@torch.compiler.disable(reason=EAGER_UNDER_COMPILE)
 def expert_parallel_ffn(
     x_ND: Tensor,
     token_A: Tensor,

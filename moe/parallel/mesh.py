@@ -117,8 +117,21 @@ class ParallelMesh:
             (layout.pipeline, layout.dp_replicate, layout.dp_shard, layout.expert_parallel),
             mesh_dim_names=MESH_DIMS,
         )
-        self.mesh["dp_shard", "ep"]._flatten("fsdp")
-        self.mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp")
+        # The flattened meshes are kept here, never sliced back out of the root mesh (torch
+        # deprecates that, with a warning on every rank); HSDP's (replicate, fsdp) mesh is the
+        # flattened "dp" unflattened again, so it names the same process groups.
+        self.fsdp_mesh = self.mesh["dp_shard", "ep"]._flatten("fsdp")
+        """(dp_shard, ep) flattened: the S*P ranks dense weights are sharded over."""
+        self.dp_mesh = self.mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp")
+        """(dp_replicate, dp_shard, ep) flattened: the DP ranks of this rank's pipeline stage."""
+        self.dense_mesh = (
+            self.fsdp_mesh
+            if layout.dp_replicate == 1
+            else self.dp_mesh._unflatten(
+                0, (layout.dp_replicate, layout.dp_shard * layout.expert_parallel), ("replicate", "fsdp")
+            )
+        )
+        """FSDP2 mesh of the dense weights: (fsdp,), or (replicate, fsdp) for HSDP."""
 
     @property
     def stage_mesh(self) -> DeviceMesh:
@@ -128,7 +141,7 @@ class ParallelMesh:
     @property
     def dp_group(self):
         """The data-parallel ranks of this rank's pipeline stage (all ranks when Q = 1)."""
-        return self.mesh["dp"].get_group()
+        return self.dp_mesh.get_group()
 
     @property
     def pp_group(self):
@@ -137,16 +150,11 @@ class ParallelMesh:
 
     def coordinate(self) -> tuple[int, int]:
         """(pipeline rank, data-parallel rank) of this process."""
-        return self.mesh["pp"].get_local_rank(), self.mesh["dp"].get_local_rank()
+        return self.mesh["pp"].get_local_rank(), self.dp_mesh.get_local_rank()
 
     def global_rank(self, pp: int, dp: int) -> int:
         """The global rank at pipeline rank ``pp`` and data-parallel rank ``dp``."""
         return pp * self.layout.data_parallel + dp
-
-    @property
-    def dense_mesh(self) -> DeviceMesh:
-        """FSDP2 mesh of the dense weights: (fsdp,) or (dp_replicate, fsdp) for HSDP."""
-        return self.mesh["fsdp"] if self.layout.dp_replicate == 1 else self.mesh["dp_replicate", "fsdp"]
 
     @property
     def expert_mesh(self) -> DeviceMesh:

@@ -172,13 +172,12 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(
-    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig
-) -> tuple[int, str | None]:
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig) -> dict:
     """Restore model and optimizer from the complete checkpoint ``path`` (any layout), or, if
     it does not verify, from the newest older one in its directory that does (one warning line
-    per skipped checkpoint); return (steps already taken, wandb run id). ValueError if none
-    verifies. Call on every rank."""
+    per skipped checkpoint); return the loaded checkpoint's ``meta.json`` (``step``: steps
+    already taken, ``wandb_run_id``, ``train_config``: the config that wrote it). ValueError if
+    none verifies. Call on every rank."""
     older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
     chosen = newest_verifying([*older, path])
     if chosen is None:
@@ -190,7 +189,7 @@ def load_checkpoint(
     if meta["model_config"] != dataclasses.asdict(mcfg):
         raise ValueError(f"checkpoint {path} was written for a different model: {meta['model_config']}")
     load_sharded(path, model, optimizer)
-    return int(meta["step"]), meta.get("wandb_run_id")
+    return meta
 
 
 def export_model(path: Path, model: nn.Module, mcfg: ModelConfig, info: DistInfo, pipeline_group=None) -> None:

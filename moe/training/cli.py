@@ -53,11 +53,14 @@ def config_from_args(argv: list[str] | None = None) -> TrainConfig:
 
 
 def _value_errors_pass_through(event) -> None:
-    """tyro boxes a section's ValueError in a dozen lines of help; re-raise it as the one-line
-    ValueError it was (tyro's parse-error hook, ``tyro._errors``: internal, hence the pin of
-    tyro in pyproject.toml). Every other parse error keeps tyro's message ("Perhaps you meant")."""
+    """tyro boxes a section's ValueError, or a value that does not convert (``--steps fifty``),
+    in a dozen lines of help; re-raise it as one line, naming the flag when tyro knows it
+    (tyro's parse-error hook, ``tyro._errors``: internal, hence the pin of tyro in
+    pyproject.toml). Every other parse error keeps tyro's message ("Perhaps you meant")."""
     if isinstance(event, tyro._errors.InstantiationFailure):
-        raise ValueError(event.message)
+        message = event.message.strip().splitlines()[0]
+        flags = event.argument.lowered.name_or_flags if event.argument is not None else ()
+        raise ValueError(f"{flags[0]}: {message}" if flags else message)
 
 
 def main(argv: list[str] | None = None) -> TrainResult:

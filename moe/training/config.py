@@ -1,5 +1,6 @@
 """TrainConfig: one training run's configuration, in sections owned by the modules they
-configure, validated on construction, loadable from TOML (or JSON) and written back resolved.
+configure, validated on construction, loadable from TOML (or JSON, such as the resolved config a
+run records beside its metrics).
 
     [model]            moe.training.build.ModelSection       preset, router, overrides, hf_model
     [data]             moe.training.batches.DataConfig        corpus, seq_len, batch_size
@@ -38,6 +39,11 @@ from moe.training.build import ModelSection
 from moe.training.checkpointing import CheckpointConfig
 from moe.training.metrics import LoggingConfig
 from moe.training.optim import OptimizerConfig
+
+RECORD_KEYS = ("model_config", "invocations")
+"""Keys of a run's recorded config (``<metrics>.config.json``, ``moe.training.report``) beside
+the TrainConfig fields: what the run resolved and did, not settings; :meth:`TrainConfig.load`
+skips them."""
 
 
 @dataclass
@@ -106,7 +112,9 @@ class TrainConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> TrainConfig:
-        """A config from a TOML file (``[optimizer]\\nsteps = 40``), or the JSON one :meth:`save` writes."""
+        """A config from a TOML file (``[optimizer]\\nsteps = 40``), or a JSON one: the same
+        sections, or a run's recorded config (``moe.training.report.record_config``; its
+        :data:`RECORD_KEYS` skipped)."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} not found")
@@ -115,11 +123,9 @@ class TrainConfig:
             data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"config file {str(path)!r} does not parse: {e}") from e
+        if path.suffix == ".json" and isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in RECORD_KEYS}
         return from_dict(cls, data, str(path))
-
-    def save(self, path: str | Path) -> None:
-        """Write the resolved config (every field, defaults included) as JSON, loadable by :meth:`load`."""
-        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
 
 
 def _section_types(cls: type) -> dict[str, type]:

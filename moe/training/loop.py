@@ -36,6 +36,7 @@ E experts, L MoE layers, W evaluation windows, P evaluated positions per window.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from moe.eval import evaluate
 from moe.layer import update_routers
 from moe.model import ModelConfig
 from moe.parallel import share_router_statistics
+from moe.parallel.exchange import EAGER_UNDER_COMPILE
 from moe.parallel.memory import largest_peak_mib
 from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
@@ -64,7 +66,7 @@ from moe.training.checkpoint import (
 from moe.training.config import TrainConfig
 from moe.training.distributed import DistInfo, inject_fault, setup_distributed, sync_router_state
 from moe.training.metrics import RouterEntropy, StepTally
-from moe.training.optim import lr_at, make_optimizer, set_lr
+from moe.training.optim import OptimizerConfig, lr_at, make_optimizer, set_lr
 from moe.training.report import RunReport
 
 
@@ -134,14 +136,17 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     place = place_model(cfg, None if cfg.model.hf_model else mcfg.num_experts, build, info)
     optimizer = make_optimizer(place.model, cfg.optimizer)
     place.strategy.attach(optimizer)
-    start, run_id, resumed = resume(cfg, place.model, optimizer, mcfg)
+    start, run_id, resumed, cfg = resume(cfg, place.model, optimizer, mcfg)
     report = RunReport(cfg, mcfg, info, start, run_id)
     report.banner(
         corpus,
         total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters(),
         place.layout if info.world_size > 1 else None,
     )
-    report.say(resumed)
+    for line in resumed:
+        report.say(line)
+    if cfg.parallel.compile and cfg.parallel.expert_parallel > 1:
+        report.say(f"--compile with --expert-parallel: {EAGER_UNDER_COMPILE}")
     routers = [m for m in place.model.modules() if isinstance(m, Router)]
     return Session(
         cfg,
@@ -159,15 +164,18 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
 
 def resume(
     cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig
-) -> tuple[int, str | None, str]:
-    """(steps already taken, wandb run id, what happened in words): the last complete checkpoint
-    loaded with ``--resume``, else a fresh start. A checkpoint past ``steps`` is refused."""
+) -> tuple[int, str | None, list[str], TrainConfig]:
+    """(steps already taken, wandb run id, what happened in words, the config to run): the last
+    complete checkpoint loaded with ``--resume``, else a fresh start. A checkpoint past
+    ``steps`` is refused; the learning-rate schedule is the one the run started with unless
+    ``schedule_steps`` says otherwise (:func:`kept_schedule`)."""
     if not cfg.checkpoint.resume:
-        return 0, None, ""
+        return 0, None, [], cfg
     found = complete_checkpoints(cfg.checkpoint.directory)
     if not found:
-        return 0, None, f"no checkpoint found in {cfg.checkpoint.checkpoint_dir}, starting fresh"
-    start, run_id = load_checkpoint(found[-1], model, optimizer, mcfg)  # or the newest older one that verifies
+        return 0, None, [f"no checkpoint found in {cfg.checkpoint.checkpoint_dir}, starting fresh"], cfg
+    meta = load_checkpoint(found[-1], model, optimizer, mcfg)  # or the newest older one that verifies
+    start = int(meta["step"])
     loaded, steps = checkpoint_path(cfg.checkpoint.directory, start).name, cfg.optimizer.steps
     if start > steps:
         raise ValueError(
@@ -175,7 +183,39 @@ def resume(
             "or use another --checkpoint-dir"
         )
     left = f"{steps - start} steps to go" if start < steps else "no steps left: only the final evaluation"
-    return start, run_id, f"resumed from {loaded} ({left})"
+    cfg, note = kept_schedule(cfg, OptimizerConfig(**meta["train_config"]["optimizer"]), start)
+    return start, meta.get("wandb_run_id"), [f"resumed from {loaded} ({left})", *note], cfg
+
+
+def kept_schedule(cfg: TrainConfig, started: OptimizerConfig, start: int) -> tuple[TrainConfig, list[str]]:
+    """(``cfg`` with the learning-rate schedule a resumed run keeps, a line saying what a changed
+    ``--steps`` or ``--schedule-steps`` does to it, if anything). The run started with
+    ``started``'s schedule and took ``start`` steps of it; without ``--schedule-steps`` that
+    schedule is kept, so a resume with the same flags continues the very run."""
+    opt = cfg.optimizer
+    if opt.schedule_steps is None:
+        opt = dataclasses.replace(opt, schedule_steps=started.schedule)
+    cfg = dataclasses.replace(cfg, optimizer=opt)
+    final, before = opt.lr * opt.min_lr_ratio, lr_at(start - 1, started)
+    if opt.schedule != started.schedule:
+        return cfg, [
+            f"--schedule-steps {opt.schedule}: the learning-rate schedule changes from the {started.schedule} steps "
+            f"the run started with to {opt.schedule}; the rate goes from {before:.2e} at step {start} to "
+            f"{lr_at(start, opt):.2e} at step {start + 1}"
+        ]
+    if opt.steps > opt.schedule:
+        return cfg, [
+            f"--steps {opt.steps} runs past the {opt.schedule}-step learning-rate schedule the run started with: "
+            f"kept, steps {max(start, opt.schedule) + 1}-{opt.steps} at its final rate {final:.2e} "
+            f"(--schedule-steps {opt.steps} stretches it instead)"
+        ]
+    if opt.steps < opt.schedule:
+        return cfg, [
+            f"--steps {opt.steps} stops inside the {opt.schedule}-step learning-rate schedule the run started with: "
+            f"kept, the last rate is {lr_at(opt.steps - 1, opt):.2e}, not its final {final:.2e} "
+            f"(--schedule-steps {opt.steps} shortens it instead)"
+        ]
+    return cfg, []
 
 
 def train_step(s: Session, step: int) -> tuple[dict, float]:

@@ -1,5 +1,6 @@
 """The optimizer section of a run: AdamW (matrices decayed, norms not), linear warmup and
-cosine decay over the run's steps, gradient clipping."""
+cosine decay over the schedule's steps (the run's, unless a resumed run keeps the one it
+started with), gradient clipping."""
 
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine decay, as a fraction of ``lr``."""
     warmup_steps: int | None = None
-    """Linear warmup steps; None = min(30, steps // 10), so a short run is not all warmup
+    """Linear warmup steps; None = min(30, schedule // 10), so a short run is not all warmup
     (300 steps: 30; 12 steps: 1)."""
+    schedule_steps: int | None = None
+    """The learning-rate schedule's length: warmup, cosine decay to ``lr * min_lr_ratio`` at
+    this step, that final rate after it. None: ``steps``; with ``--resume``, the schedule the
+    checkpoint's run started with (so changing ``--steps`` on a resume keeps it; give this to
+    stretch the schedule to the new ``--steps`` instead)."""
     weight_decay: float = 0.1
     """AdamW weight decay (matrices only; norms are not decayed)."""
     beta1: float = 0.9
@@ -36,6 +42,8 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         positive_int("steps", self.steps)
+        if self.schedule_steps is not None:
+            positive_int("schedule_steps", self.schedule_steps)
         if self.warmup_steps is not None:
             nonnegative_int("warmup_steps", self.warmup_steps)
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -46,18 +54,23 @@ class OptimizerConfig:
             raise ValueError("need weight_decay >= 0, grad_clip >= 0 and betas in [0, 1)")
 
     @property
+    def schedule(self) -> int:
+        """The schedule's length in force: ``schedule_steps``, or ``steps`` when None."""
+        return self.steps if self.schedule_steps is None else self.schedule_steps
+
+    @property
     def warmup(self) -> int:
-        """The warmup steps in force: ``warmup_steps``, or min(30, steps // 10) when None."""
-        return min(30, self.steps // 10) if self.warmup_steps is None else self.warmup_steps
+        """The warmup steps in force: ``warmup_steps``, or min(30, schedule // 10) when None."""
+        return min(30, self.schedule // 10) if self.warmup_steps is None else self.warmup_steps
 
 
 def lr_at(step: int, cfg: OptimizerConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine decay to
-    ``lr * min_lr_ratio`` at the last step."""
+    ``lr * min_lr_ratio`` at the schedule's last step, and that rate after it."""
     warmup = cfg.warmup
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, cfg.steps - 1 - warmup)
+    progress = (step - warmup) / max(1, cfg.schedule - 1 - warmup)
     min_lr = cfg.lr * cfg.min_lr_ratio
     return min_lr + (cfg.lr - min_lr) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 

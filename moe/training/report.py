@@ -1,21 +1,44 @@
 """What a run tells its user, on rank 0: the banner, a log line every ``log_every`` steps, the
-progress bar, one JSON record per step in the metrics JSONL (with the resolved config written
-beside it), and the wandb run."""
+progress bar, one JSON record per step in the metrics JSONL (with the run's resolved config
+recorded beside it, :func:`record_config`), and the wandb run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
 
 from tqdm import tqdm
 
 from moe.training.checkpoint import truncate_jsonl
+from moe.training.config import TrainConfig
 from moe.training.metrics import init_wandb, wandb_flat
 
 
 def config_path(jsonl: Path) -> Path:
     """Where the resolved config of the run writing ``jsonl`` goes: ``<stem>.config.json`` beside it."""
     return jsonl.with_name(f"{jsonl.stem}.config.json")
+
+
+def record_config(path: Path, cfg: TrainConfig, mcfg, start: int, world_size: int) -> None:
+    """Write the run's config to ``path``: every TrainConfig field resolved (defaults included:
+    what ``--config`` reads back), ``model_config`` (the ModelConfig the preset, the overrides
+    and the data resolved to) and ``invocations``: one entry per invocation of the run, oldest
+    first, each with its start step, world size, time and full config. A resumed invocation
+    (``start`` > 0) appends to the file's list; a fresh start begins a new one."""
+    previous = json.loads(path.read_text()).get("invocations", []) if start and path.is_file() else []
+    config, model = dataclasses.asdict(cfg), dataclasses.asdict(mcfg)
+    invocation = {
+        "started_at_step": start,
+        "world_size": world_size,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": config,
+        "model_config": model,
+    }
+    path.write_text(
+        json.dumps({**config, "model_config": model, "invocations": [*previous, invocation]}, indent=2) + "\n"
+    )
 
 
 class RunReport:
@@ -31,11 +54,10 @@ class RunReport:
                 truncate_jsonl(self.jsonl, start)
             else:
                 self.jsonl.write_text("")
-            cfg.save(config_path(self.jsonl))
+            record_config(config_path(self.jsonl), cfg, mcfg, start, info.world_size)
         self.run = init_wandb(cfg, mcfg, info, run_id)
         self.history: list[dict] = []
         self.bar = tqdm(
-            range(start + 1, cfg.optimizer.steps + 1),
             initial=start,
             total=cfg.optimizer.steps,
             desc=f"train {cfg.model.router}",
@@ -73,6 +95,7 @@ class RunReport:
         if self.run is not None:
             self.run.log(wandb_flat(record), step=record["step"])
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        self.bar.update()
         step, every = record["step"], self.log.log_every
         if every and (step % every == 0 or step == self.cfg.optimizer.steps):
             self.say(log_line(record))
