@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,13 @@ def combine_claims(claims: list[Claims]) -> Claims:
     )
 
 
+def _requiring_grad(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(a leaf copy of float x that requires grad, a non-leaf copy of it to give the target): an
+    input as a training step's layer sees it (``x.requires_grad``), which it may scale in place."""
+    leaf = x.detach().clone().requires_grad_(True)
+    return leaf, leaf.clone()
+
+
 def _takes_input_ids(fn: Callable) -> bool:
     """Whether the target's forward has an ``input_ids`` parameter (Hugging Face style models)."""
     try:
@@ -105,6 +113,41 @@ def _takes_input_ids(fn: Callable) -> bool:
     except (TypeError, ValueError):
         return False
     return "input_ids" in params
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""Attributes every ``nn.Module`` has (parameters, buffers, hooks, the training flag): not the
+target's own state."""
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of plain state (tensors, numbers, strings and containers of them) to compare later;
+    anything else (functions, generators, submodules) as None."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, (bool, int, float, complex, str, bytes)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN equals NaN here
+
+
+def raise_site(error: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``error``'s traceback (where it was raised)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 class AuditTarget:
@@ -125,6 +168,15 @@ class AuditTarget:
             [m for m in self.module.modules() if isinstance(m, Router)] if self.module is not None else []
         )
         self.ids_by_keyword = _takes_input_ids(target)
+        self.autograd = False
+        """Forwards run with gradients enabled and a float input that requires them (train mode)."""
+        self.generators: list[torch.Generator] = (
+            [v for m in self.module.modules() for v in vars(m).values() if isinstance(v, torch.Generator)]
+            if self.module is not None
+            else []
+        )
+        """torch generators the target keeps as attributes: seeded before every forward like torch's own."""
+        self._buffers: list[tuple[nn.Module, dict[str, Tensor], dict[int, Tensor]]] = []
 
     @property
     def claims(self) -> Claims | None:
@@ -147,14 +199,57 @@ class AuditTarget:
         return [r.gate.weight.detach() for r in self.routers if r.gate.in_features == d]
 
     def set_mode(self, mode: str) -> None:
+        """Train mode is what a training step runs: ``module.train()`` and gradients enabled (code
+        that picks its path by ``torch.is_grad_enabled()`` or ``x.requires_grad`` takes its
+        training path); eval mode: ``module.eval()`` under ``torch.no_grad()``."""
+        self.autograd = mode == "train"
         if self.module is not None:
             self.module.train(mode == "train")
+
+    def reset_buffers(self) -> None:
+        """Every buffer back to its value (and tensor object) from the start of the audit: run
+        before every forward, so state a forward leaves behind never reaches the next one."""
+        with torch.no_grad():
+            for m, buffers, values in self._buffers:
+                for name, t in buffers.items():
+                    m._buffers[name] = t
+                    if t is not None:
+                        t.copy_(values[id(t)])
+
+    def changed_buffers(self) -> list[str]:
+        """Names of the buffers whose value differs from the start of the audit."""
+        names = {id(m): n for n, m in self.module.named_modules()} if self.module is not None else {}
+        out = []
+        for m, buffers, values in self._buffers:
+            for name, t in buffers.items():
+                now = m._buffers.get(name)
+                if t is not None and (now is not t or not torch.equal(t, values[id(t)])):
+                    out.append(f"{names[id(m)]}.{name}".lstrip("."))
+        return out
+
+    def hidden_state(self) -> dict[str, Any]:
+        """The target's own attributes outside parameters, buffers and submodules (tensors,
+        numbers, containers of them), by name: state a forward may change that no buffer holds."""
+        if self.module is None:
+            return {}
+        return {
+            f"{path}.{k}".lstrip("."): _snapshot(v)
+            for path, m in self.module.named_modules()
+            for k, v in vars(m).items()
+            if k not in _MODULE_INTERNALS and not isinstance(v, (nn.Module, torch.Generator))
+        }
+
+    @staticmethod
+    def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+        """The names whose value differs between two :meth:`hidden_state` snapshots."""
+        return [k for k in sorted(before.keys() | after.keys()) if not _same(before.get(k), after.get(k))]
 
     @contextlib.contextmanager
     def preserved(self) -> Iterator[None]:
         """Restore on exit, whatever the forwards did: every parameter and every buffer
         (persistent or not; the same tensor objects, with their values), buffers added or
-        removed, and every training flag."""
+        removed, the target's own generators and every training flag. Inside, the buffers'
+        saved values are what :meth:`reset_buffers` restores before every forward."""
         if self.module is None:
             yield
             return
@@ -163,9 +258,14 @@ class AuditTarget:
             params, buffers = dict(m._parameters), dict(m._buffers)
             values = {id(t): t.detach().clone() for t in (*params.values(), *buffers.values()) if t is not None}
             saved.append((m, m.training, params, buffers, set(m._non_persistent_buffers_set), values))
+        self._buffers = [(m, buffers, values) for m, _, _, buffers, _, values in saved]
+        generator_states = [g.get_state() for g in self.generators]
         try:
             yield
         finally:
+            self._buffers = []
+            for g, state in zip(self.generators, generator_states):
+                g.set_state(state)
             with torch.no_grad():
                 for m, training, params, buffers, non_persistent, values in saved:
                     m.training = training
@@ -199,11 +299,12 @@ class AuditTarget:
 
     def __call__(self, x: Tensor) -> Outputs:
         """Run the target on x [B, T, ...] (the caller's copy: the target may change it) and
-        split its outputs (no gradients kept)."""
+        split its outputs (no gradients kept; in train mode the forward builds its graph, as a
+        training step does, and the graph is dropped)."""
         masks: list[Tensor] = []
         b, t = x.shape[:2]
-        with torch.no_grad(), self._router_masks(masks):
-            out = self._call(x)
+        with torch.set_grad_enabled(self.autograd), self._router_masks(masks):
+            out = self._call(_requiring_grad(x)[1] if self.autograd and x.is_floating_point() else x)
         return self._outputs(out, masks, b, t, keep_graph=False)
 
     def forward_with_grad(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -213,9 +314,9 @@ class AuditTarget:
         that reads them."""
         b, t = x.shape[:2]
         if x.is_floating_point():
-            wrt = x.detach().clone().requires_grad_(True)
+            wrt, given = _requiring_grad(x)
             with torch.enable_grad():
-                value = self._outputs(self._call(wrt.clone()), [], b, t, keep_graph=True).value_BTF
+                value = self._outputs(self._call(given), [], b, t, keep_graph=True).value_BTF
         else:
             if self.module is None:
                 return None
