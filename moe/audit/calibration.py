@@ -79,8 +79,9 @@ def difference(
         if a.numel():
             change = torch.where(both, a - b, 0.0).abs()
             delta_S = change.amax(dim=(0, 2)).cpu()
-            limit = (tolerance * entry_scale(a, b)).clamp_min(torch.finfo(torch.float64).tiny)
-            excess_S = (change / limit).amax(dim=(0, 2)).cpu()
+            if bool(delta_S.any()):  # most comparisons of a causal target are exact: nothing to scale
+                limit = (tolerance * entry_scale(a, b)).clamp_min(torch.finfo(torch.float64).tiny)
+                excess_S = (change / limit).amax(dim=(0, 2)).cpu()
             flips_S = flips_S + (~both & ~same).sum(dim=(0, 2)).cpu()
     if ref.exact_BTX is not None and out.exact_BTX is not None:
         a, b = _rows(ref.exact_BTX, rows)[:, :upto], _rows(out.exact_BTX, rows)[:, :upto]
