@@ -130,7 +130,7 @@ def calibrate(runner: Runner, x: Tensor, probes_x: Iterable[Tensor] = ()) -> Cal
     example's shape; a stochastic target must draw the same noise shapes for them to be judged
     deterministically. Raises :class:`TargetFailure` when the target cannot run the example."""
     base = runner.forward(x, record=True)
-    updated = tuple(runner.target.changed_buffers())
+    updated = tuple(runner.target.state.changed_buffers())
     value = base.out.value_BTF
     resolution = resolution_of(base.out.dtype)
     t = x.shape[1]
@@ -138,9 +138,9 @@ def calibrate(runner: Runner, x: Tensor, probes_x: Iterable[Tensor] = ()) -> Cal
     if base.draws:
         _, flips_S, ratio_S = difference(base.out, runner.forward(x, seed=runner.seed + 1).out, t, None)
         stochastic = bool(flips_S.sum()) or float(ratio_S.max()) > resolution
-    before = runner.target.hidden_state()
+    before = runner.target.state.hidden_state()
     delta_S, flips_S, ratio_S = difference(base.out, runner.forward(x).out, t, None)
-    changed = runner.target.changed(before, runner.target.hidden_state())
+    changed = runner.target.state.changed(before, runner.target.state.hidden_state())
     floor = float(ratio_S.max())
     repeats = int(flips_S.sum()) == 0 and floor <= resolution
     aligned = not stochastic or all(_draws_of(runner, p, base) == base.draws for p in probes_x)

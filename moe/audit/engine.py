@@ -91,7 +91,7 @@ def audit(
     report = AuditReport(name=name or _name_of(target), modes=modes, claims=at.claims, per_comparison_alpha=alpha)
     report.mechanisms = _mechanisms(at, modes)
     session = _Session(Runner(at, seed, forward_timeout), sampler, trials, seed, suite, alpha, progress, start)
-    with _rng_preserved(), at.preserved():
+    with _rng_preserved(), at.state.preserved():
         for mode in modes:
             at.set_mode(mode)
             try:
@@ -158,8 +158,9 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
     if cal.stateful:
         return f"{cal.stateful} in {mode} mode"
     report.updated_buffers += [b for b in cal.updated_buffers if b not in report.updated_buffers]
+    repeats = cal.tolerance if cal.regime == "deterministic" else None
     ctx = ProbeContext(
-        runner.target, runner, example, session.sampler, session.trials, session.seed, mode, cal.base.out
+        runner.target, runner, example, session.sampler, session.trials, session.seed, mode, cal.base.out, repeats
     )
     try:
         results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, session)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from moe.audit.calibration import difference, resolution_of
+from moe.audit.calibration import difference
 from moe.audit.comparator import Variant
 from moe.audit.context import ProbeContext
 from moe.audit.floods import adversarial_future, batch_interference
@@ -115,11 +115,12 @@ def _why_no_gradient(ctx: ProbeContext) -> str:
 
 
 def _takes_another_path(ctx: ProbeContext, value_BTF: torch.Tensor) -> bool:
-    """The forward with gradients gives other outputs than the (no-grad) forward of the example."""
-    if ctx.base.value_BTF is None:
+    """The forward with gradients gives other outputs than the (no-grad) forward of the example
+    (told only for a target that repeats itself: otherwise it runs)."""
+    if ctx.base.value_BTF is None or ctx.repeat_tolerance is None:
         return False
     with_grad = Outputs(value_BTF.detach().double(), None, value_BTF.dtype)
-    _, flips_S, excess_S = difference(ctx.base, with_grad, ctx.t, None, resolution_of(value_BTF.dtype))
+    _, flips_S, excess_S = difference(ctx.base, with_grad, ctx.t, None, ctx.repeat_tolerance)
     return bool(flips_S.sum()) or float(excess_S.max()) > 1
 
 

@@ -125,11 +125,11 @@ class Runner:
         """The target's buffers as at the start; every generator it may draw from seeded: the CPU
         one, every CUDA one once CUDA is in use (seeding it before would queue a seed for whoever
         initialises CUDA later), its own, Python's and NumPy's."""
-        self.target.reset_buffers()
+        self.target.state.reset_buffers()
         torch.default_generator.manual_seed(seed)
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(seed)
-        for g in self.target.generators:
+        for g in self.target.state.generators:
             g.manual_seed(seed)
         random.seed(seed)
         if "numpy" in sys.modules:
