@@ -144,7 +144,7 @@ def test_a_forward_that_never_returns_is_not_audited(tmp_path):
     forward past the limit: NOT AUDITED, exit 2, one line."""
     x = example()
     start = time.perf_counter()
-    report = audit(BalancedBlock(experts=8), x, forward_timeout=1.0)
+    report = audit(BalancedBlock(experts=8), x, modes=("train",), trials=1, forward_timeout=1.0)
     assert time.perf_counter() - start < 60
     assert report.verdict == "NOT AUDITED", report.summary()
     assert report.error.startswith("a forward on an input of shape (4, 3, 16) did not return within 1 s in train mode")
@@ -153,7 +153,7 @@ def test_a_forward_that_never_returns_is_not_audited(tmp_path):
     target.write_text(NEVER_RETURNS.format(tests=str(Path(__file__).resolve().parent)))
     argv = [sys.executable, "-m", "moe.audit", "--target", f"{target}:layer", "--input", "float:4,16,16"]
     done = subprocess.run(
-        [*argv, "--forward-timeout", "1", "--no-progress", "--threads", "1"],
+        [*argv, "--forward-timeout", "1", "--modes", "train", "--trials", "1", "--no-progress", "--threads", "1"],
         capture_output=True,
         text=True,
         env=SUBPROCESS_ENV,
