@@ -245,10 +245,12 @@ def test_permutation_test_false_positive_rate_on_a_clean_stochastic_target():
         y = x.clone()
         y[:, cut + 1 :] = torch.randn(2, T - cut - 1, D, generator=gen)
         ref, var = draws(x, range(0, DRAWS)), draws(y, range(DRAWS, 2 * DRAWS))
-        p, _, _ = distribution_change(ref, var, 1e-12, alpha=alpha, permutations=499, gen=gen)
+        p, _, _, _ = distribution_change(ref, var, 1e-12, alpha=alpha, permutations=499, gen=gen)
         rejected += p <= alpha
         if i < 20:
-            p_shift, changed_S, _ = distribution_change(ref, var * 1.05, 1e-12, alpha=alpha, permutations=499, gen=gen)
+            p_shift, changed_S, _, _ = distribution_change(
+                ref, var * 1.05, 1e-12, alpha=alpha, permutations=499, gen=gen
+            )
             assert p_shift <= alpha and bool(changed_S.any()), p_shift
     bound = trials * alpha + 3 * (trials * alpha * (1 - alpha)) ** 0.5
     assert rejected <= bound, f"{rejected} of {trials} null comparisons rejected at alpha={alpha}"

@@ -2,11 +2,13 @@
 the comparison (an off-by-one cut, a looser tolerance) would let through.
 
 Targets here are the identity plus a planted leak into position 0 whose size is a stated
-multiple of the tolerance the audit should use, so a tolerance 10x looser misses it.
+multiple of the (relative) tolerance the audit should use, so a tolerance 10x looser misses it.
 Shapes: B=4, T=16, D=8.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -25,29 +27,34 @@ def example(seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 class StepLeak(nn.Module):
-    """y = x, and y[:, 0] += size when the last position's first feature is positive: a jump
-    of exactly ``size`` at position 0 (no gradient, so only forward comparisons see it)."""
+    """y = x, and y[:, 0] *= 1 + rel when the last position's first feature is positive: a jump of
+    exactly ``rel`` times each entry of position 0 (no gradient, so only forward comparisons see
+    it). The audit's tolerance is relative to each entry's scale, so a relative leak pins it."""
 
-    def __init__(self, size: float) -> None:
+    def __init__(self, rel: float) -> None:
         super().__init__()
-        self.size = size
+        self.rel = rel
 
     def forward(self, x: Tensor) -> Tensor:
         y = x.float().clone()
-        y[:, 0] += self.size * (x[:, -1, :1] > 0).float()
+        y[:, 0] *= 1 + self.rel * (x[:, -1, :1] > 0).float()
         return y.to(x.dtype)
 
 
-class AlternatingNoise(StepLeak):
-    """StepLeak plus ``noise`` added on every other call: a noise floor of exactly ``noise``."""
+_CALLS = itertools.count()
+"""A call counter outside every target: noise from it stands for a nondeterministic kernel (the
+audit cannot reset it, and no attribute of the target changes)."""
 
-    def __init__(self, size: float, noise: float) -> None:
-        super().__init__(size)
-        self.noise, self.calls = noise, 0
+
+class AlternatingNoise(StepLeak):
+    """StepLeak times 1 + ``noise`` on every other call: a relative noise floor of ``noise``."""
+
+    def __init__(self, rel: float, noise: float) -> None:
+        super().__init__(rel)
+        self.noise = noise
 
     def forward(self, x: Tensor) -> Tensor:
-        self.calls += 1
-        return super().forward(x) + self.noise * (self.calls % 2)
+        return super().forward(x) * (1 + self.noise * (next(_CALLS) % 2))
 
 
 def _scale(x: Tensor) -> float:
@@ -56,26 +63,27 @@ def _scale(x: Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_least_tolerance_is_pinned_by_a_leak_5x_above_it(dtype):
-    eps = torch.finfo(dtype).eps
+    """The tolerance is exactly ULPS ulps of each entry: a leak of 5x that is found, one of 0.5x
+    (a tolerance 10x tighter would count it) is not."""
+    resolution = ULPS[dtype] * torch.finfo(dtype).eps
     for seed in SEEDS:
         x = example(seed, dtype)
-        resolution = ULPS[dtype] * eps * _scale(x)
         leaky = audit(StepLeak(5 * resolution), x, seed=seed, modes=("eval",))
         assert leaky.leaks_in == ["eval"], f"a leak of 5x the {dtype} tolerance must be found\n{leaky.table()}"
         tol = leaky.probe("random_future", "eval").tolerance
-        # The output scale includes the leak: at most (1 + 5 * ulps * eps) times the input's.
-        top = resolution * (1 + 5 * ULPS[dtype] * eps) * 1.01
-        assert 0.99 * resolution <= tol <= top, f"tolerance {tol:.3e}, expected {resolution:.3e} to {top:.3e}"
+        assert tol == pytest.approx(resolution), f"tolerance {tol:.3e}, expected {resolution:.3e}"
+        below = audit(StepLeak(0.5 * resolution), x, seed=seed, modes=("eval",))
+        assert below.leaks_in == [], f"a change of half the tolerance must not count\n{below.table()}"
         clean = audit(StepLeak(0.0), x, seed=seed, modes=("eval",))
         assert clean.leaks_in == [], clean.table()
 
 
 def test_noise_floor_factor_is_pinned():
-    """A floor of 0.5 resolution gives a tolerance of 5 resolutions (10x the floor); a leak of
-    20 resolutions is found; with the factor 10x larger (100x the floor) it would be missed."""
+    """A relative floor of 0.5 resolution gives a tolerance of 5 resolutions (10x the floor); a
+    leak of 20 resolutions is found; with the factor 10x larger (100x the floor) it would be missed."""
+    resolution = ULPS[torch.float32] * torch.finfo(torch.float32).eps
     for seed in SEEDS:
         x = example(seed)
-        resolution = ULPS[torch.float32] * torch.finfo(torch.float32).eps * _scale(x)
         report = audit(AlternatingNoise(20 * resolution, 0.5 * resolution), x, seed=seed, modes=("eval",))
         assert report.regimes == {"eval": "deterministic"}, report.table()
         tol = report.probe("random_future", "eval").tolerance

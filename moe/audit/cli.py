@@ -11,7 +11,8 @@ Exit codes: 0 no leak (built-in suite: no leak it does not claim) and every clai
 invariance or decode consistency it lacks, or claiming a leak, batch interference or decode
 inconsistency the audit cannot demonstrate; 2 usage error (unimportable target, a name that
 is neither a module nor a factory, a malformed --input, an unknown --output field, no CUDA for
---device cuda) or a target the audit could not run at all (it fails on the example, or no
+--device cuda) or a target the audit could not run at all (it fails on the example, a forward
+runs past --forward-timeout, two identical calls differ because it is stateful, or no
 future-perturbation probe ran). Never a traceback.
 """
 
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from moe.audit.engine import MODES, audit
+from moe.audit.engine import FORWARD_TIMEOUT_S, MODES, audit
 from moe.audit.report import SUMMARY_LEGEND, AuditReport, reports_to_json, summary_table
 from moe.audit.suite import builtin_targets
 from moe.audit.target import AuditUsageError
@@ -42,6 +43,8 @@ from moe.routing import Router
 DEFAULT_BATCH, DEFAULT_SEQ = 4, 16
 """B and T of the input when --input is left out and the target says its width / vocabulary."""
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+LONG_AUDIT_S = 5.0
+"""--target: a progress line per probe on stderr once the audit has run this long."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="PATH", help="also write the reports as JSON to PATH")
     p.add_argument(
+        "--forward-timeout",
+        type=float,
+        default=FORWARD_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"a target whose forward does not return within this many seconds is not audited (exit 2; default: "
+        f"{FORWARD_TIMEOUT_S:g}; enforced in the main thread on POSIX; a single long native op ends first)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -114,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             raise AuditUsageError(f"--trials must be >= 1, got {args.trials}")
         if args.threads is not None and args.threads < 1:
             raise AuditUsageError(f"--threads must be >= 1, got {args.threads}")
+        if not args.forward_timeout > 0:
+            raise AuditUsageError(f"--forward-timeout must be a positive number of seconds, got {args.forward_timeout}")
         threads = args.threads if args.threads is not None else (None if args.target else 1)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -163,11 +176,12 @@ def exit_code(reports: list[AuditReport], user_target: bool) -> int:
 def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float) -> None:
     if args.target:
         r = reports[0]
+        if r.error:  # once, as the one-line error of exit 2: no table, no verdict
+            print(f"moe-audit: error: {r.summary()}", file=sys.stderr)
+            return
         if args.verbose:
             print(r.table(), end="\n\n")
         print(r.summary())
-        if r.error:
-            print(f"moe-audit: error: {r.name} could not be audited: {r.error}", file=sys.stderr)
         return
     if args.verbose:
         for r in reports:
@@ -203,7 +217,17 @@ def _audit_builtins(args: argparse.Namespace, modes: tuple[str, ...]) -> list[Au
     bar = tqdm(targets, desc="moe-audit", unit="target", file=sys.stderr, disable=args.no_progress, leave=False)
     for bt in bar:
         bar.set_postfix_str(bt.name)
-        reports.append(audit(bt.build(), bt.example(), modes=modes, trials=args.trials, seed=args.seed, name=bt.name))
+        reports.append(
+            audit(
+                bt.build(),
+                bt.example(),
+                modes=modes,
+                trials=args.trials,
+                seed=args.seed,
+                name=bt.name,
+                forward_timeout=args.forward_timeout,
+            )
+        )
     bar.close()
     return reports
 
@@ -222,6 +246,12 @@ def _audit_user_target(args: argparse.Namespace, modes: tuple[str, ...]) -> Audi
             f"cannot move {name} to {args.device} {args.dtype or ''}: {type(e).__name__}: {e}"
         ) from None
     example = example.to(device=device, dtype=dtype if example.is_floating_point() and dtype else None)
+    start = time.perf_counter()
+
+    def progress(line: str) -> None:  # long audits only: quick ones print their summary and nothing else
+        if not args.no_progress and time.perf_counter() - start >= LONG_AUDIT_S:
+            print(f"moe-audit: {name}: {line}", file=sys.stderr, flush=True)
+
     return audit(
         module,
         example,
@@ -231,6 +261,8 @@ def _audit_user_target(args: argparse.Namespace, modes: tuple[str, ...]) -> Audi
         name=name,
         vocab_size=vocab,
         output=args.output,
+        forward_timeout=args.forward_timeout,
+        progress=progress,
     )
 
 

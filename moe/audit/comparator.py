@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from moe.audit.calibration import Calibration, difference
+from moe.audit.calibration import Calibration, difference, entry_scale
 from moe.audit.report import ProbeResult
 from moe.audit.runner import Forward, Runner, TargetFailure
 from moe.audit.target import Outputs
@@ -79,17 +79,17 @@ def per_comparison_alpha(forward_probes: int) -> float:
     return ALPHA / (MAX_DISTRIBUTION_COMPARISONS * max(1, forward_probes))
 
 
-def _elements(values_KBSF: Tensor) -> tuple[Tensor, Tensor]:
-    """[K, M] elements to test and [M] their least scale: the finite values (0 where not finite)
-    and, when some value is not finite, 0/1 indicators of NaN, +inf and -inf."""
+def _elements(values_KBSF: Tensor, resolution_BSF: Tensor) -> tuple[Tensor, Tensor]:
+    """[K, M] elements to test and [M] their least scale: the finite values (0 where not finite),
+    at least their resolution, and, when some value is not finite, 0/1 indicators of NaN, +inf
+    and -inf, at least 0.5."""
     finite = torch.isfinite(values_KBSF)
     parts = [torch.where(finite, values_KBSF, 0.0)]
     if not bool(finite.all()):
         parts += [values_KBSF.isnan().double(), (values_KBSF == math.inf).double(), (values_KBSF == -math.inf).double()]
-    k = values_KBSF.shape[0]
-    return torch.stack(parts, 1).reshape(k, -1), torch.tensor([0.0] + [0.5] * (len(parts) - 1)).repeat_interleave(
-        values_KBSF[0].numel()
-    )
+    k, n = values_KBSF.shape[0], values_KBSF[0].numel()
+    floor_M = torch.cat([resolution_BSF.flatten(), torch.full((n * (len(parts) - 1),), 0.5, dtype=torch.float64)])
+    return torch.stack(parts, 1).reshape(k, -1), floor_M
 
 
 def distribution_change(
@@ -99,25 +99,27 @@ def distribution_change(
     alpha: float,
     permutations: int = PERMUTATIONS,
     gen: torch.Generator | None = None,
-) -> tuple[float, Tensor, Tensor]:
+) -> tuple[float, Tensor, Tensor, Tensor]:
     """Do the K draws of the variant come from the same distribution as the K of the reference?
 
     Statistic: the largest |z| over all M compared elements, z = (mean of one group - mean of
-    the other) / sd of the pooled 2K draws (at least ``resolution``, so rounding noise never
+    the other) / sd of the pooled 2K draws (at least its resolution, so rounding noise never
     counts). Null: the same statistic under ``permutations`` random relabellings of the 2K
     draws into two groups of K, which under "no change" are exchangeable; the p-value
     (1 + #{null >= observed}) / (1 + permutations) is exact, whatever the distribution of the
     outputs, so a clean target is flagged with probability at most ``alpha``. Elements whose
     own z exceeds the null's 1 - alpha quantile are the changed ones (max-statistic
     adjustment: the family-wise rate stays alpha), provided a finite value's mean moved by more
-    than ``resolution`` (a significant change of rounding noise is no leak).
+    than ``resolution`` times its entry's scale (a significant change of rounding noise is no leak).
 
-    Returns (p-value, changed_S bool per position, |mean change|_S the largest per position).
+    Returns (p-value, changed_S bool per position, |mean change|_S the largest per position, and
+    the largest |mean change| over resolution x its entry's scale per position).
     """
     k, b, s, f = ref_KBSF.shape
-    y_NM, floor_M = _elements(torch.cat([ref_KBSF, var_KBSF]).double())
+    mean_ref_BSF, mean_var_BSF = ref_KBSF.double().mean(0), var_KBSF.double().mean(0)
+    resolution_BSF = (resolution * entry_scale(mean_ref_BSF, mean_var_BSF)).clamp_min(torch.finfo(torch.float64).tiny)
+    y_NM, floor_M = _elements(torch.cat([ref_KBSF, var_KBSF]).double(), resolution_BSF)
     y_NM = y_NM - y_NM.mean(0)
-    floor_M[floor_M == 0] = resolution
     sd_M = torch.maximum(y_NM.std(0), floor_M).clamp_min(torch.finfo(torch.float64).tiny)
     z_NM = (y_NM / sd_M).float()
     observed_M = (z_NM[k:].mean(0) - z_NM[:k].mean(0)).abs()
@@ -130,18 +132,20 @@ def distribution_change(
     null_P = torch.cat(null_P).sort().values
     exceed_M = permutations - torch.searchsorted(null_P, observed_M)
     p_M = (1.0 + exceed_M.double()) / (1.0 + permutations)
-    mean_change_BSF = (var_KBSF.mean(0) - ref_KBSF.mean(0)).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    mean_change_BSF = (mean_var_BSF - mean_ref_BSF).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    excess_BSF = mean_change_BSF / resolution_BSF
     significant_PBSF = (p_M <= alpha).reshape(-1, b, s, f)
-    # A finite value changes only by more than the resolution; a NaN / inf frequency by any amount.
-    changed_BSF = (significant_PBSF[0] & (mean_change_BSF > resolution)) | significant_PBSF[1:].any(0)
+    # A finite value changes only by more than its resolution; a NaN / inf frequency by any amount.
+    changed_BSF = (significant_PBSF[0] & (excess_BSF > 1)) | significant_PBSF[1:].any(0)
     p = float(p_M.min()) if p_M.numel() else 1.0
-    return p, changed_BSF.any(dim=(0, 2)), mean_change_BSF.amax(dim=(0, 2))
+    return p, changed_BSF.any(dim=(0, 2)), mean_change_BSF.amax(dim=(0, 2)), excess_BSF.amax(dim=(0, 2))
 
 
 # -- bookkeeping ----------------------------------------------------------------------------
 @dataclass
 class Tally:
-    """One probe in one mode: per output position, the largest change, the flips, whether it moved."""
+    """One probe in one mode: per output position, the largest change, the flips, whether it moved;
+    and the comparison whose change was largest against its tolerance."""
 
     name: str
     kind: str
@@ -157,6 +161,12 @@ class Tally:
     p_value: float | None = None
     found_by: str | None = None
     """The label of the first variant that moved an output."""
+    excess: float = 0.0
+    """The largest change over its tolerance (:func:`~moe.audit.calibration.difference`)."""
+    largest_by: str | None = None
+    """The label of the variant with that largest change."""
+    largest_p: float | None = None
+    """Its permutation-test p-value (None: compared exactly)."""
     failures: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -165,8 +175,18 @@ class Tally:
         self.moved_T = torch.zeros(self.t, dtype=torch.bool)
         self.probed_T = torch.zeros(self.t, dtype=torch.bool)
 
-    def add(self, delta_S: Tensor, flips_S: Tensor, moved_S: Tensor, label: str = "") -> None:
+    def add(
+        self,
+        delta_S: Tensor,
+        flips_S: Tensor,
+        moved_S: Tensor,
+        excess_S: Tensor,
+        label: str = "",
+        p_value: float | None = None,
+    ) -> None:
         s = delta_S.numel()
+        if s and float(excess_S.max()) > self.excess:
+            self.excess, self.largest_by, self.largest_p = float(excess_S.max()), label or None, p_value
         self.delta_T[:s] = torch.maximum(self.delta_T[:s], delta_S)
         self.flips_T[:s] += flips_S
         self.moved_T[:s] |= moved_S
@@ -176,7 +196,9 @@ class Tally:
             self.found_by = label or None
 
     def fail(self, failure: TargetFailure) -> None:
-        self.failures.append((failure.shape, f"{type(failure.error).__name__}: {failure.error}"))
+        self.failures.append(
+            (failure.shape, f"{type(failure.error).__name__}: {failure.error} (raised at {failure.where})")
+        )
 
     def result(self, tolerance: float) -> ProbeResult:
         moved = self.moved_T.nonzero().flatten().tolist()
@@ -198,6 +220,9 @@ class Tally:
             regime="distribution" if self.distribution_comparisons else self.regime,
             p_value=self.p_value,
             found_by=self.found_by,
+            excess=self.excess,
+            largest_change_by=self.largest_by,
+            largest_change_p=self.largest_p,
             failed=len(self.failures),
             skipped_lengths=skipped,
             errors=errors[:3],
@@ -236,8 +261,8 @@ class Comparator:
         except TargetFailure:
             return
         for half in (twice.rows(0, self.b), twice.rows(self.b, 2 * self.b)):
-            delta_S, flips_S = difference(self.base.out, half, self.t, None)
-            if int(flips_S.sum()) or float(delta_S.max()) > self.cal.tolerance:
+            _, flips_S, excess_S = difference(self.base.out, half, self.t, None, self.cal.tolerance)
+            if int(flips_S.sum()) or float(excess_S.max()) > 1:
                 return
         self.batchable = True
 
@@ -264,8 +289,8 @@ class Comparator:
         return tally.result(self.cal.tolerance)
 
     def _record(self, tally: Tally, ref: Outputs, out: Outputs, v: Variant) -> None:
-        delta_S, flips_S = difference(ref, out, v.upto, v.rows)
-        tally.add(delta_S, flips_S, (delta_S > self.cal.tolerance) | (flips_S > 0), v.label)
+        delta_S, flips_S, excess_S = difference(ref, out, v.upto, v.rows, self.cal.tolerance)
+        tally.add(delta_S, flips_S, (excess_S > 1) | (flips_S > 0), excess_S, v.label)
 
     def _judge_one(self, v: Variant, tally: Tally) -> None:
         same_shape = tuple(v.x.shape) == tuple(self.x.shape)
@@ -320,8 +345,10 @@ class Comparator:
         ref_KBSF = self._reference[:, rows, : v.upto]
         if ref_KBSF.shape[-1] != var_KBSF.shape[-1]:  # another number of router calls: exact parts differ
             ref_KBSF, var_KBSF = ref_KBSF[..., : self._width()], var_KBSF[..., : self._width()]
-        p, changed_S, change_S = distribution_change(ref_KBSF, var_KBSF, self.cal.resolution, self.alpha, gen=self._gen)
-        tally.add(change_S, torch.zeros(v.upto, dtype=torch.long), changed_S, v.label)
+        p, changed_S, change_S, excess_S = distribution_change(
+            ref_KBSF, var_KBSF, self.cal.resolution, self.alpha, gen=self._gen
+        )
+        tally.add(change_S, torch.zeros(v.upto, dtype=torch.long), changed_S, excess_S, v.label, p)
         tally.distribution_comparisons += 1
         tally.p_value = p if tally.p_value is None else min(tally.p_value, p)
 

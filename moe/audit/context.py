@@ -70,7 +70,7 @@ class ProbeContext:
     every mode, so train and eval are probed alike).
 
     Public to probes: ``x`` (the example), ``b`` / ``t``, ``sampler``, ``trials``, ``cuts``,
-    ``mode``, ``base`` (the example's outputs in this mode), :meth:`gen`, :meth:`with_future`;
+    ``mode``, ``base`` (the example's outputs in this mode), ``repeat_tolerance``, :meth:`gen`, :meth:`with_future`;
     ``at`` and ``runner`` for probes that call the target themselves (the Jacobian)."""
 
     def __init__(
@@ -83,9 +83,13 @@ class ProbeContext:
         seed: int,
         mode: str,
         base: Outputs,
+        repeat_tolerance: float | None = None,
     ) -> None:
         self.at, self.runner, self.x, self.sampler, self.trials, self.seed = at, runner, x, sampler, trials, seed
         self.mode, self.base = mode, base
+        self.repeat_tolerance = repeat_tolerance
+        """The mode's relative tolerance when the example repeats itself under one seed (None: it does
+        not, so no single forward can be compared with ``base``)."""
         self.b, self.t = x.shape[0], x.shape[1]
         self.cuts = spread(list(range(self.t - 1)), MAX_CUTS)
 

@@ -6,28 +6,39 @@ interference and the target claims (or is opaque about) batch invariance and rep
 exactly in a doubled batch, perturbed copies share forwards; then the other probes in
 registration order (:mod:`moe.audit.registry`). A deterministic-regime target found to draw
 data-dependent noise midway is audited again from the start of the mode by distribution.
+
+Before every forward the runner resets the target's buffers and seeds its generators; a forward
+that runs past ``forward_timeout`` stops the audit of the target (NOT AUDITED, with that reason),
+and so does a target whose identical calls differ because its forward changes attributes outside
+its buffers (:attr:`~moe.audit.calibration.Calibration.stateful`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 import moe.audit.probes  # noqa: F401  (registers the built-in probes)
-from moe.audit.calibration import Calibration, calibrate
+from moe.audit.advice import router_mechanism
+from moe.audit.calibration import calibrate
 from moe.audit.comparator import Comparator, Misaligned, per_comparison_alpha
 from moe.audit.context import ProbeContext, Sampler, calibration_inputs
 from moe.audit.registry import Probe, registered_probes
 from moe.audit.report import AuditReport, ProbeResult
-from moe.audit.runner import Runner, TargetFailure
+from moe.audit.runner import Runner, TargetFailure, TargetTimeout
 from moe.audit.target import AuditTarget, AuditUsageError
 
 MODES = ("train", "eval")
+FORWARD_TIMEOUT_S = 60.0
+"""Default limit on one forward of the target, in seconds (``moe-audit --forward-timeout``)."""
 
 
 def audit(
@@ -41,6 +52,8 @@ def audit(
     vocab_size: int | None = None,
     output: str | None = None,
     probes: tuple[Probe, ...] | list[Probe] | None = None,
+    forward_timeout: float | None = FORWARD_TIMEOUT_S,
+    progress: Callable[[str], None] | None = None,
 ) -> AuditReport:
     """Audit ``target`` on inputs shaped like ``example`` and return an :class:`AuditReport`.
 
@@ -54,37 +67,39 @@ def audit(
     resampled for token inputs (default: the first ``nn.Embedding`` of the target, else
     ``example.max() + 1``). ``probes``: the probes to run (default: every registered one,
     :func:`~moe.audit.registry.registered_probes`); the distribution regime's per-comparison
-    level is derived from those that compare forwards.
+    level is derived from those that compare forwards. ``forward_timeout``: seconds one forward
+    may take (None: no limit; enforced in the main thread on POSIX, see :mod:`moe.audit.runner`);
+    past it the target is not audited. ``progress``: called with one line per probe run.
+
+    Train mode runs the target as a training step does: ``module.train()`` with gradients
+    enabled and a float input that requires them; eval mode: ``module.eval()`` under
+    ``torch.no_grad()``. Before every forward, its buffers are restored and its generators seeded.
 
     Raises :class:`AuditUsageError` for bad arguments only; whatever the target does (raise,
     return something unreadable) ends up in the report (``error``, or a probe's ``errors``).
-    Afterwards the target's parameters, buffers (persistent or not) and training flags are as
-    before, and so are the CPU and CUDA random generators.
+    Afterwards the target's parameters, buffers (persistent or not), its own generators and
+    training flags are as before, and so are torch's, Python's and NumPy's random generators.
     """
     start = time.perf_counter()
     modes = tuple(modes)
     suite = _check_arguments(modes, trials, example, probes)
+    if forward_timeout is not None and not forward_timeout > 0:
+        raise AuditUsageError(f"forward_timeout must be a positive number of seconds or None, got {forward_timeout!r}")
     at = AuditTarget(target, output=output)
     sampler = Sampler(example, vocab_size if vocab_size is not None else _vocab_size(at, example))
     alpha = per_comparison_alpha(sum(p.compares_forwards for p in suite))
     report = AuditReport(name=name or _name_of(target), modes=modes, claims=at.claims, per_comparison_alpha=alpha)
-    runner = Runner(at, seed)
-    with _rng_preserved(), at.preserved():
+    report.mechanisms = _mechanisms(at, modes)
+    session = _Session(Runner(at, seed, forward_timeout), sampler, trials, seed, suite, alpha, progress, start)
+    with _rng_preserved(), at.state.preserved():
         for mode in modes:
             at.set_mode(mode)
             try:
-                cal = calibrate(runner, example, calibration_inputs(example, sampler, seed))
-            except TargetFailure as e:
-                report.error = f"the target failed on the example in {mode} mode ({e})"
+                report.error = _audit_one_mode(session, report, example, mode)
+            except TargetTimeout as e:
+                report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+            if report.error is not None:
                 break
-            report.nonfinite[mode] = cal.nonfinite
-            if not cal.comparable:
-                report.error = f"nothing to compare in {mode} mode: all {cal.nonfinite} entries of the example's output are NaN or inf"
-                break
-            ctx = ProbeContext(at, runner, example, sampler, trials, seed, mode, cal.base.out)
-            results, cal = _audit_mode(runner, ctx, cal, suite, alpha)
-            report.probes += results
-            report.regimes[mode] = cal.regime
     if report.error is None and not any(p.ran for p in report.probes if p.kind == "future" and p.compares_forwards):
         failures = [e for p in report.probes for e in p.errors]
         report.error = "no future-perturbation probe ran" + (f": {failures[0]}" if failures else "")
@@ -115,40 +130,101 @@ def _check_arguments(modes: tuple[str, ...], trials: int, example: object, probe
     return suite
 
 
-def _audit_mode(
-    runner: Runner, ctx: ProbeContext, cal: Calibration, suite: tuple[Probe, ...], alpha: float
-) -> tuple[list[ProbeResult], Calibration]:
+@dataclass
+class _Session:
+    """What every mode of one audit shares."""
+
+    runner: Runner
+    sampler: Sampler
+    trials: int
+    seed: int
+    suite: tuple[Probe, ...]
+    alpha: float
+    progress: Callable[[str], None] | None
+    start: float
+
+
+def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mode: str) -> str | None:
+    """Calibrate, then run every probe of ``mode`` into ``report``; the reason the target cannot
+    be audited, or None. Raises :class:`TargetTimeout` from any forward past the time limit."""
+    runner = session.runner
     try:
-        return _run_probes(Comparator(runner, ctx.x, ctx.mode, cal, alpha), ctx, suite), cal
+        cal = calibrate(runner, example, calibration_inputs(example, session.sampler, session.seed))
+    except TargetFailure as e:
+        return f"the target failed on the example in {mode} mode ({e})"
+    report.nonfinite[mode] = cal.nonfinite
+    if not cal.comparable:
+        return f"nothing to compare in {mode} mode: all {cal.nonfinite} entries of the example's output are NaN or inf"
+    if cal.stateful:
+        return f"{cal.stateful} in {mode} mode"
+    report.updated_buffers += [b for b in cal.updated_buffers if b not in report.updated_buffers]
+    repeats = cal.tolerance if cal.regime == "deterministic" else None
+    ctx = ProbeContext(
+        runner.target, runner, example, session.sampler, session.trials, session.seed, mode, cal.base.out, repeats
+    )
+    try:
+        results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, session)
     except Misaligned:
         cal = cal.by_distribution()
-        return _run_probes(Comparator(runner, ctx.x, ctx.mode, cal, alpha), ctx, suite), cal
+        results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, session)
+    report.probes += results
+    report.regimes[mode] = cal.regime
+    return None
 
 
-def _run_probes(comparator: Comparator, ctx: ProbeContext, suite: tuple[Probe, ...]) -> list[ProbeResult]:
-    results: dict[str, ProbeResult | None] = {p.name: _run(p, comparator, ctx) for p in suite if p.kind == "batch"}
+def _run_probes(comparator: Comparator, ctx: ProbeContext, session: _Session) -> list[ProbeResult]:
+    suite = session.suite
+    results: dict[str, ProbeResult | None] = {
+        p.name: _run(p, comparator, ctx, session) for p in suite if p.kind == "batch"
+    }
     batch = [r for r in results.values() if r is not None and r.ran]
     claims = ctx.at.claims
     if batch and not any(r.leaks for r in batch) and (claims is None or claims.batch_invariant):
         comparator.allow_batching()
     for p in suite:
         if p.name not in results:
-            results[p.name] = _run(p, comparator, ctx)
+            results[p.name] = _run(p, comparator, ctx, session)
     return [r for r in (results[p.name] for p in suite) if r is not None]
 
 
-def _run(probe: Probe, comparator: Comparator, ctx: ProbeContext) -> ProbeResult | None:
+def _run(probe: Probe, comparator: Comparator, ctx: ProbeContext, session: _Session) -> ProbeResult | None:
+    began = time.perf_counter()
     if probe.measure is not None:
-        return probe.measure(ctx)
-    return comparator.judge(probe.variants(ctx), comparator.tally(probe.name, probe.kind))
+        result = probe.measure(ctx)
+    else:
+        result = comparator.judge(probe.variants(ctx), comparator.tally(probe.name, probe.kind))
+    if session.progress is not None:
+        now = time.perf_counter()
+        found = "not run" if result is None or not result.ran else ("change found" if result.leaks else "nothing found")
+        session.progress(
+            f"{probe.name} ({ctx.mode}): {found} in {now - began:.1f} s ({now - session.start:.0f} s so far)"
+        )
+    return result
+
+
+def _mechanisms(at: AuditTarget, modes: tuple[str, ...]) -> list[str]:
+    """The mechanisms of the target's routers that claim a leak in one of ``modes``."""
+    leaky = [
+        r for r in at.routers if not all(r.claims.causal_train if m == "train" else r.claims.causal_eval for m in modes)
+    ]
+    return list(dict.fromkeys(m for m in map(router_mechanism, leaky) if m is not None))
 
 
 @contextlib.contextmanager
 def _rng_preserved() -> Iterator[None]:
-    """The CPU generator, and every CUDA generator when CUDA is in use, as they were."""
+    """The CPU generator, every CUDA generator when CUDA is in use, Python's ``random`` and NumPy's
+    global generator (when NumPy is loaded) as they were: the runner seeds them all."""
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
+    python_state = random.getstate()
+    numpy_random = sys.modules["numpy"].random if "numpy" in sys.modules else None
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_random is not None:
+            numpy_random.set_state(numpy_state)
 
 
 def _vocab_size(at: AuditTarget, example: Tensor) -> int | None:

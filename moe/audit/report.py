@@ -6,13 +6,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from moe.audit.advice import advice
 from moe.routing import Claims
 
-INSTEAD = (
-    'a causal router: capacity with capacity_scope="prefix" (slots counted over the prefix), '
-    "ec_threshold or ec_predictor (expert choice made causal at inference), or dropless topk"
-)
-"""What the summary of a leaking target suggests."""
 KINDS = ("future", "batch", "decode")
 """What a probe's ``leaks`` means. future: an output at position <= t moved when only positions
 > t changed; batch: a sample's output moved when only other samples of the batch changed;
@@ -53,9 +49,17 @@ class ProbeResult:
     routing_flips: int = 0
     """Exact decisions (kept (token, expert) pairs, integer outputs) that changed, summed over trials."""
     tolerance: float = 0.0
-    """The float change above which ``leaks`` is set (deterministic regime): the noise floor (the
-    same input run twice) times 10, at least 100 ulp of the output scale (4 for 16-bit outputs).
-    In the distribution regime: the least change a permutation test may count."""
+    """Relative: a float change counts above ``tolerance`` times the scale of its entry (the larger
+    of |before|, |after| and the median |entry| of its output row). Deterministic regime: the
+    relative noise floor (the same input run twice) times 10, at least 100 ulp (4 for 16-bit
+    outputs). In the distribution regime: the least relative change a permutation test may count."""
+    excess: float = 0.0
+    """The largest change over its tolerance (above 1: counted, in the distribution regime only
+    where the permutation test also finds it significant)."""
+    largest_change_by: str | None = None
+    """The variant of that largest change."""
+    largest_change_p: float | None = None
+    """Its permutation-test p-value (None: compared exactly)."""
     comparisons: int = 0
     """How many perturbed forwards (or gradient rows) the probe compared."""
     regime: str = "deterministic"
@@ -68,7 +72,9 @@ class ProbeResult:
     skipped_lengths: list[int] = field(default_factory=list)
     """Sequence lengths of the failed forwards (the decode probe skips the prefixes it rejects)."""
     errors: list[str] = field(default_factory=list)
-    """The first distinct failures, each with its input shape."""
+    """The first distinct failures, each with its input shape and where the target raised."""
+    skipped: str | None = None
+    """Why the probe did not run at all on this target (e.g. an integer output has no gradient)."""
 
     @property
     def ran(self) -> bool:
@@ -89,12 +95,16 @@ class ProbeResult:
             "fraction_affected": self.fraction_affected,
             "routing_flips": self.routing_flips,
             "tolerance": _finite(self.tolerance),
+            "excess": _finite(self.excess),
+            "largest_change_by": self.largest_change_by,
+            "largest_change_p": self.largest_change_p,
             "comparisons": self.comparisons,
             "regime": self.regime,
             "p_value": self.p_value,
             "failed": self.failed,
             "skipped_lengths": self.skipped_lengths,
             "errors": self.errors,
+            "skipped": self.skipped,
         }
 
 
@@ -117,8 +127,15 @@ class AuditReport:
     """The level of each distribution comparison (Bonferroni over the probes that compare
     forwards, :func:`moe.audit.comparator.per_comparison_alpha`)."""
     error: str | None = None
-    """Why the target could not be audited (it failed on the example, or no future-perturbation
-    probe ran); None when it was. With an error, ``leaks`` means nothing."""
+    """Why the target could not be audited (it failed on the example, a forward ran past the time
+    limit, two identical calls differ because it is stateful, or no future-perturbation probe
+    ran); None when it was. With an error, ``leaks`` means nothing."""
+    mechanisms: list[str] = field(default_factory=list)
+    """Routing mechanisms the target's routers declare for the leaks they claim
+    (:func:`moe.audit.advice.router_mechanism`); empty for an opaque target."""
+    updated_buffers: list[str] = field(default_factory=list)
+    """Buffers the target's forwards change (the audit restores them before every forward: state
+    carried from one call to the next, not a leak within a call)."""
 
     @property
     def regime(self) -> str:
@@ -227,17 +244,44 @@ class AuditReport:
             lines.append(
                 f"  found by {p.name} ({p.mode}): outputs at positions {_ranges(p.leaking_positions)} moved{how}"
             )
+        if not self.leaks:
+            lines += [f"  {line}" for line in self._not_counted("future")]
         lines.append(f"  batch-invariant: {self._batch_text()}")
         lines.append(f"  decode-consistent: {self._decode_text()}")
         lines += [f"  FALSE CLAIM: {c}" for c in self.false_claims]
-        if self.leaks:
-            lines.append(f"  instead: {INSTEAD}")
+        lines += [f"  {line}" for line in advice(self)]
         lines.append(f"  judged: {self._how_judged()}")
-        for p in self.probes:
-            if p.errors:
-                state = "did not run" if not p.ran else f"{p.failed} forward(s) failed"
-                lines.append(f"  {p.name}/{p.mode} {state}: {p.errors[0]}")
+        lines += [f"  {line}" for line in self._probe_notes()]
         return "\n".join(lines)
+
+    def _probe_notes(self) -> list[str]:
+        """Probes that did not run (and why), or whose forwards failed (the first failure)."""
+        out = []
+        for p in self.probes:
+            if p.skipped:
+                out.append(f"{p.name}/{p.mode} did not run: {p.skipped}")
+            elif p.errors:
+                state = "did not run" if not p.ran else f"{p.failed} forward(s) failed"
+                lengths = f" (skipped lengths {p.skipped_lengths})" if p.kind == "decode" and p.skipped_lengths else ""
+                out.append(f"{p.name}/{p.mode} {state}{lengths}: {p.errors[0]}")
+        return out
+
+    def _not_counted(self, kind: str) -> list[str]:
+        """For a kind the audit found nothing of: the largest change that exceeded its tolerance
+        but was not significant (distribution regime), so a large number never stands unexplained."""
+        over = [p for p in self.probes if p.kind == kind and not p.leaks and p.excess > 1]
+        if not over:
+            return []
+        p = max(over, key=lambda q: q.excess)
+        by = f" ({p.largest_change_by})" if p.largest_change_by else ""
+        level = (
+            f", above the level {self.per_comparison_alpha:.0e} of one comparison" if self.per_comparison_alpha else ""
+        )
+        p_text = f"p = {p.largest_change_p:.0e}" if p.largest_change_p is not None else "p unknown"
+        return [
+            f"not counted: {p.name} ({p.mode}) changed outputs by up to {p.max_abs_delta:.3g}{by}, not significant "
+            f"over the seeds drawn per input ({p_text}{level}): the target's own randomness may explain it"
+        ]
 
     @staticmethod
     def _first_of_each(probes: list[ProbeResult]) -> list[ProbeResult]:
@@ -246,7 +290,7 @@ class AuditReport:
 
     def _batch_text(self) -> str:
         if self.batch_invariant:
-            return "yes"
+            return "; ".join(["yes", *self._not_counted("batch")])
         p = next(q for q in self.probes if q.kind == "batch" and q.leaks)
         return f"no: {p.name} ({p.mode}) moved the outputs of a sample" + (f" ({p.found_by})" if p.found_by else "")
 
@@ -261,12 +305,14 @@ class AuditReport:
 
     def _how_judged(self) -> str:
         compared = sum(p.comparisons for p in self.probes)
-        parts = [f"{len(self.probes)} probe runs over {', '.join(self.modes)}, {compared} comparisons"]
+        ran = sum(p.ran for p in self.probes)
+        parts = [f"{ran} probe runs over {', '.join(self.modes)}, {compared} comparisons"]
         regimes = set(self.regimes.values())
         if "deterministic" in regimes:
             tol = max((p.tolerance for p in self.probes if p.compares_forwards), default=0.0)
             parts.append(
-                f"same seed for every forward, a change counts above {tol:.1e} or as any flip of a routing decision"
+                f"same seed and reset buffers for every forward, a change counts above {tol:.1e} x the scale of "
+                "its entry (|before|, |after| or its row's median |entry|) or as any flip of a routing decision"
             )
         if "distribution" in regimes or any(p.p_value is not None for p in self.probes):
             parts.append(
@@ -315,6 +361,8 @@ class AuditReport:
             "unshown": self.unshown,
             "max_abs_delta": _finite(self.max_abs_delta),
             "routing_flips": self.routing_flips,
+            "mechanisms": self.mechanisms,
+            "updated_buffers": self.updated_buffers,
             "seconds": round(self.seconds, 4),
             "probes": [p.to_dict() for p in self.probes],
         }
@@ -340,23 +388,17 @@ class AuditReport:
             )
             for p in self.probes
         ]
-        summary = (
-            f"{self.name}: leaks in {', '.join(self.leaks_in) or 'no mode'}; "
-            f"batch-invariant: {_yes(self.batch_invariant)}; decode-consistent: {_yes(self.decode_consistent)}"
-        )
-        summary += f"; regime: {self.regime}"
-        if self.error:
-            summary += f"\nNOT AUDITED: {self.error}"
+        if self.error:  # no verdict to head the table with
+            summary = f"{self.name}: NOT AUDITED: {self.error}"
+        else:
+            summary = (
+                f"{self.name}: leaks in {', '.join(self.leaks_in) or 'no mode'}; "
+                f"batch-invariant: {_yes(self.batch_invariant)}; decode-consistent: {_yes(self.decode_consistent)}"
+                f"; regime: {self.regime}"
+            )
         if self.false_claims:
             summary += "\nFALSE CLAIMS: " + "; ".join(self.false_claims)
-        for p in self.probes:
-            if p.errors:
-                lengths = (
-                    f" (skipped lengths {p.skipped_lengths})" if p.name == DECODE_PROBE and p.skipped_lengths else ""
-                )
-                state = "did not run" if not p.ran else f"{p.failed} forward(s) failed"
-                summary += f"\n{p.name}/{p.mode} {state}{lengths}: {p.errors[0]}"
-        return summary + "\n" + _format(head, rows)
+        return "\n".join([summary, *self._probe_notes(), _format(head, rows)])
 
     def __str__(self) -> str:
         return self.table()

@@ -1,12 +1,27 @@
-"""The one place the audit calls its target: a fresh contiguous copy of the input for every
-forward, the CPU and CUDA generators seeded before it, the random draws it makes recorded when asked,
-and its exceptions turned into :class:`TargetFailure` naming the input shape.
+"""The one place the audit calls its target. Before every forward: a fresh contiguous copy of
+the input, every buffer of the target back to its value at the start of the audit, and the
+random generators (torch's CPU and CUDA ones, those the target keeps as attributes, Python's
+``random`` and NumPy's global one when NumPy is loaded) seeded; the random draws it makes
+recorded when asked; a time limit per forward; its exceptions turned into
+:class:`TargetFailure` naming the input shape and where it raised.
 
 Shape legend: B batch, T sequence, F output features per position.
+
+The time limit is a ``SIGALRM`` timer, so it holds only on POSIX and in the main thread (elsewhere
+forwards are not limited); it interrupts Python code (a loop that never ends) at once, a single
+long-running native op (one huge matmul) only when it returns to Python.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe.audit.target import AuditTarget, Outputs
+from moe.audit.target import AuditTarget, Outputs, raise_site
 
 Draws = tuple[tuple[str, tuple[int, ...]], ...]
 """The random draws of one forward, in order: (aten op, shape of what it drew)."""
@@ -24,8 +39,44 @@ class TargetFailure(Exception):
     """The target raised (or returned something unreadable) on one input shape."""
 
     def __init__(self, shape: tuple[int, ...], error: BaseException) -> None:
-        self.shape, self.error = shape, error
-        super().__init__(f"input of shape {shape}: {type(error).__name__}: {error}")
+        self.shape, self.error, self.where = shape, error, raise_site(error)
+        super().__init__(f"input of shape {shape}: {type(error).__name__}: {error} (raised at {self.where})")
+
+
+class TargetTimeout(Exception):
+    """A forward did not return within the per-forward time limit: the audit of this target stops."""
+
+    def __init__(self, shape: tuple[int, ...], limit: float) -> None:
+        self.shape, self.limit = shape, limit
+        super().__init__(f"a forward on an input of shape {shape} did not return within {limit:g} s")
+
+
+class _Expired(BaseException):
+    """Raised inside the target by the timer (a BaseException: a target's ``except Exception``
+    does not swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`_Expired` in the main thread when the block runs past ``seconds`` (None, 0,
+    another thread or no ``setitimer``: no limit). A timer already set outside is resumed after."""
+    if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(_signum: int, _frame: Any) -> None:
+        raise _Expired
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 1e-3))
 
 
 class _DrawRecorder(TorchDispatchMode):
@@ -43,6 +94,14 @@ class _DrawRecorder(TorchDispatchMode):
         return out
 
 
+@functools.cache
+def _warm_up_draw_recording() -> None:
+    """The first dispatch mode of a process imports what torch needs for it (sympy: seconds): done
+    once before any timed forward, so the time limit never interrupts an import half-way."""
+    with _DrawRecorder():
+        torch.ones(1) + 1
+
+
 @dataclass
 class Forward:
     """One call of the target."""
@@ -54,41 +113,55 @@ class Forward:
 
 class Runner:
     """Calls the target: the same ``seed`` before every forward unless another is given, so two
-    forwards of the same shape see the same noise where the target draws it per position."""
+    forwards of the same shape see the same noise where the target draws it per position.
+    ``timeout``: seconds one forward may take (None: no limit); past it, :class:`TargetTimeout`."""
 
-    def __init__(self, target: AuditTarget, seed: int) -> None:
-        self.target, self.seed = target, seed
+    def __init__(self, target: AuditTarget, seed: int, timeout: float | None = None) -> None:
+        self.target, self.seed, self.timeout = target, seed, timeout
+        if timeout:
+            _warm_up_draw_recording()
 
-    @staticmethod
-    def _reseed(seed: int) -> None:
-        """Seed the CPU generator, and every CUDA generator once CUDA is in use (seeding it
-        before would queue a seed for whoever initialises CUDA later)."""
+    def _reset(self, seed: int) -> None:
+        """The target's buffers as at the start; every generator it may draw from seeded: the CPU
+        one, every CUDA one once CUDA is in use (seeding it before would queue a seed for whoever
+        initialises CUDA later), its own, Python's and NumPy's."""
+        self.target.state.reset_buffers()
         torch.default_generator.manual_seed(seed)
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(seed)
+        for g in self.target.state.generators:
+            g.manual_seed(seed)
+        random.seed(seed)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed(seed % 2**32)
+
+    def _run(self, x: Tensor, seed: int, call: Any) -> Any:
+        """``call(fresh copy of x)`` after :meth:`_reset`, within the time limit."""
+        fresh = x.detach().clone(memory_format=torch.contiguous_format)
+        self._reset(seed)
+        try:
+            with time_limit(self.timeout):
+                return call(fresh)
+        except _Expired:
+            raise TargetTimeout(tuple(x.shape), self.timeout) from None
+        except Exception as e:  # the target's own failure: reported with the shape, never raised
+            raise TargetFailure(tuple(x.shape), e) from None
 
     def forward(self, x: Tensor, seed: int | None = None, record: bool = False) -> Forward:
         """One call of the target on a fresh copy of x; ``record``: also list its random draws
         (a dispatch mode around the call: slower, so only where the draws are compared)."""
-        fresh = x.detach().clone(memory_format=torch.contiguous_format)
-        self._reseed(self.seed if seed is None else seed)
         recorder = _DrawRecorder() if record else None
-        try:
+
+        def call(fresh: Tensor) -> Outputs:
             if recorder is None:
-                out = self.target(fresh)
-            else:
-                with recorder:
-                    out = self.target(fresh)
-        except Exception as e:  # the target's own failure: reported with the shape, never raised
-            raise TargetFailure(tuple(x.shape), e) from None
+                return self.target(fresh)
+            with recorder:
+                return self.target(fresh)
+
+        out = self._run(x, self.seed if seed is None else seed, call)
         return Forward(out, tuple(recorder.draws) if recorder is not None else None)
 
     def forward_with_grad(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(value_BTF with its graph, the input it is differentiated against) or None; see
         :meth:`AuditTarget.forward_with_grad`. Always under the audit seed."""
-        fresh = x.detach().clone(memory_format=torch.contiguous_format)
-        self._reseed(self.seed)
-        try:
-            return self.target.forward_with_grad(fresh)
-        except Exception as e:
-            raise TargetFailure(tuple(x.shape), e) from None
+        return self._run(x, self.seed, self.target.forward_with_grad)

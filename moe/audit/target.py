@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from moe.audit.state import TargetState
 from moe.layer import MoELayer
 from moe.model import MoETransformer
 from moe.routing import Claims, Router, Routing
@@ -98,6 +100,13 @@ def combine_claims(claims: list[Claims]) -> Claims:
     )
 
 
+def _requiring_grad(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(a leaf copy of float x that requires grad, a non-leaf copy of it to give the target): an
+    input as a training step's layer sees it (``x.requires_grad``), which it may scale in place."""
+    leaf = x.detach().clone().requires_grad_(True)
+    return leaf, leaf.clone()
+
+
 def _takes_input_ids(fn: Callable) -> bool:
     """Whether the target's forward has an ``input_ids`` parameter (Hugging Face style models)."""
     try:
@@ -105,6 +114,12 @@ def _takes_input_ids(fn: Callable) -> bool:
     except (TypeError, ValueError):
         return False
     return "input_ids" in params
+
+
+def raise_site(error: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``error``'s traceback (where it was raised)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 class AuditTarget:
@@ -125,6 +140,10 @@ class AuditTarget:
             [m for m in self.module.modules() if isinstance(m, Router)] if self.module is not None else []
         )
         self.ids_by_keyword = _takes_input_ids(target)
+        self.autograd = False
+        """Forwards run with gradients enabled and a float input that requires them (train mode)."""
+        self.state = TargetState(self.module)
+        """Its buffers reset before every forward, everything restored after (:mod:`moe.audit.state`)."""
 
     @property
     def claims(self) -> Claims | None:
@@ -147,37 +166,12 @@ class AuditTarget:
         return [r.gate.weight.detach() for r in self.routers if r.gate.in_features == d]
 
     def set_mode(self, mode: str) -> None:
+        """Train mode is what a training step runs: ``module.train()`` and gradients enabled (code
+        that picks its path by ``torch.is_grad_enabled()`` or ``x.requires_grad`` takes its
+        training path); eval mode: ``module.eval()`` under ``torch.no_grad()``."""
+        self.autograd = mode == "train"
         if self.module is not None:
             self.module.train(mode == "train")
-
-    @contextlib.contextmanager
-    def preserved(self) -> Iterator[None]:
-        """Restore on exit, whatever the forwards did: every parameter and every buffer
-        (persistent or not; the same tensor objects, with their values), buffers added or
-        removed, and every training flag."""
-        if self.module is None:
-            yield
-            return
-        saved = []
-        for m in self.module.modules():
-            params, buffers = dict(m._parameters), dict(m._buffers)
-            values = {id(t): t.detach().clone() for t in (*params.values(), *buffers.values()) if t is not None}
-            saved.append((m, m.training, params, buffers, set(m._non_persistent_buffers_set), values))
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for m, training, params, buffers, non_persistent, values in saved:
-                    m.training = training
-                    m._parameters.clear()
-                    m._parameters.update(params)
-                    m._buffers.clear()
-                    m._buffers.update(buffers)
-                    m._non_persistent_buffers_set.clear()
-                    m._non_persistent_buffers_set.update(non_persistent)
-                    for t in (*params.values(), *buffers.values()):
-                        if t is not None:
-                            t.copy_(values[id(t)])
 
     @contextlib.contextmanager
     def _router_masks(self, masks: list[Tensor]) -> Iterator[None]:
@@ -199,11 +193,12 @@ class AuditTarget:
 
     def __call__(self, x: Tensor) -> Outputs:
         """Run the target on x [B, T, ...] (the caller's copy: the target may change it) and
-        split its outputs (no gradients kept)."""
+        split its outputs (no gradients kept; in train mode the forward builds its graph, as a
+        training step does, and the graph is dropped)."""
         masks: list[Tensor] = []
         b, t = x.shape[:2]
-        with torch.no_grad(), self._router_masks(masks):
-            out = self._call(x)
+        with torch.set_grad_enabled(self.autograd), self._router_masks(masks):
+            out = self._call(_requiring_grad(x)[1] if self.autograd and x.is_floating_point() else x)
         return self._outputs(out, masks, b, t, keep_graph=False)
 
     def forward_with_grad(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -213,9 +208,9 @@ class AuditTarget:
         that reads them."""
         b, t = x.shape[:2]
         if x.is_floating_point():
-            wrt = x.detach().clone().requires_grad_(True)
+            wrt, given = _requiring_grad(x)
             with torch.enable_grad():
-                value = self._outputs(self._call(wrt.clone()), [], b, t, keep_graph=True).value_BTF
+                value = self._outputs(self._call(given), [], b, t, keep_graph=True).value_BTF
         else:
             if self.module is None:
                 return None
