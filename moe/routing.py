@@ -328,6 +328,54 @@ class Router(nn.Module):
         )
 
 
+class TokenLocalRouter(Router):
+    """Base of routers whose routing of token n reads token n alone and state learned from past
+    training forwards (thresholds, a penalty coefficient, a mass threshold p): causal,
+    batch-invariant and decode-consistent in both modes, decoding with no state beyond the
+    position. Subclasses implement ``_route(logits_NE, batch_shape, record)``; ``record`` is
+    True exactly in a training forward that is not decoding, the only forwards whose
+    statistics may be kept (an evaluation or a decoded chunk changes nothing).
+
+    :meth:`_track_active_experts`, :meth:`_record_active` and :meth:`_pop_active_excess` keep
+    the mean number of experts per token of a step's recorded forwards, for routers whose
+    controller holds that mean at a target."""
+
+    @property
+    def claims(self) -> Claims:
+        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+
+    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        return self._route(logits_NE, batch_shape, record=self.training)
+
+    def route_decode(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
+    ) -> Routing:
+        return self._route(logits_NE, batch_shape, record=False)
+
+    def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
+        raise NotImplementedError
+
+    def _track_active_experts(self) -> None:
+        self.register_buffer("pending_active", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("pending_count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def _record_active(self, active_NE: Tensor) -> None:
+        """Count one forward's mean experts per token (``active_NE``: bool [N, E])."""
+        self.pending_active += active_NE.double().sum(1).mean()
+        self.pending_count += 1
+
+    @torch.no_grad()
+    def _pop_active_excess(self, target: float) -> Tensor:
+        """sign(mean experts per token of the recorded forwards - ``target``), 0 if none was
+        recorded (chosen on the device: no host read); the count starts again."""
+        active = self.pending_active / self.pending_count.clamp_min(1.0)
+        excess = torch.where(self.pending_count > 0, torch.sign(active - target), torch.zeros_like(active))
+        self.pending_active.zero_()
+        self.pending_count.zero_()
+        return excess
+
+
 def check_input(x_BTD: Tensor, d_model: int) -> None:
     """Raise ValueError unless x is a floating [B, T, d_model] tensor."""
     if not isinstance(x_BTD, Tensor):

@@ -38,9 +38,8 @@ from torch import Tensor
 from moe.checks import positive_int
 from moe.routers.expert_choice import ExpertChoiceRouter
 from moe.routing import (
-    Claims,
-    DecodeState,
     Routing,
+    TokenLocalRouter,
     capacity_per_group,
     count_indices,
     register_router,
@@ -49,7 +48,7 @@ from moe.routing import (
 
 
 @register_router("ec_threshold")
-class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
+class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
     """Threshold routing learned from expert-choice statistics. Causal in train and eval.
 
     Options: ``capacity_factor`` and ``group`` (define the expert-choice statistic being
@@ -90,22 +89,10 @@ class ExpertChoiceThresholdRouter(ExpertChoiceRouter):
             self.register_buffer("pending_hist", torch.zeros(num_experts, population_bins, dtype=torch.float64))
 
     @property
-    def claims(self) -> Claims:
-        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
-
-    @property
     def threshold(self) -> Tensor:
         """float64 [E]: the current per-expert score cut-off (chosen on the device: no sync)."""
         average_E = self.ema_sum / self.ema_weight.clamp_min(torch.finfo(torch.float64).tiny)
         return torch.where(self.ema_weight > 0, average_E, 1.0 / self.num_experts)
-
-    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
-        return self._route(logits_NE, batch_shape, record=self.training)
-
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self._route(logits_NE, batch_shape, record=False)
 
     def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
         probs_NE = softmax_or_sigmoid(logits_NE, self.score)

@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.routing import Claims, DecodeState, Router, Routing, register_router, served_stats
+from moe.routing import Routing, TokenLocalRouter, register_router, served_stats
 
 
 @register_router("remoe")
-class ReLURouter(Router):
+class ReLURouter(TokenLocalRouter):
     """ReMoE: ``relu(logits)`` gates with an adaptive, load-balanced L1 penalty.
 
     Options: ``top_k`` (the mean number of active experts per token the controller holds,
@@ -60,23 +60,10 @@ class ReLURouter(Router):
         self.l1_rate = float(l1_rate)
         self.balanced = bool(balanced)
         self.register_buffer("l1_coef", torch.full((), float(l1_init), dtype=torch.float64))
-        self.register_buffer("pending_active", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("pending_count", torch.zeros((), dtype=torch.float64))
-
-    @property
-    def claims(self) -> Claims:
-        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+        self._track_active_experts()
 
     def nominal_experts_per_token(self) -> float:
         return self.top_k
-
-    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
-        return self._route(logits_NE, batch_shape, record=self.training)
-
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self._route(logits_NE, batch_shape, record=False)
 
     def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
         n, e = logits_NE.shape
@@ -84,9 +71,7 @@ class ReLURouter(Router):
         active_NE = gates_NE.detach() > 0
         token_A, expert_A = active_NE.nonzero(as_tuple=True)
         if record:
-            with torch.no_grad():
-                self.pending_active += active_NE.double().sum(1).mean()
-                self.pending_count += 1
+            self._record_active(active_NE)
         return Routing(
             token=token_A,
             expert=expert_A,
@@ -106,10 +91,6 @@ class ReLURouter(Router):
 
     @torch.no_grad()
     def update_after_step(self) -> None:
-        # sign(active - target): more experts than the target raise the penalty; no forward seen: unchanged
-        seen = self.pending_count > 0
-        active = self.pending_active / self.pending_count.clamp_min(1.0)
-        step = torch.where(seen, torch.sign(active - self.top_k), torch.zeros_like(active))
+        # more experts than the target raise the penalty, fewer lower it; no forward seen: unchanged
+        step = self._pop_active_excess(self.top_k)
         self.l1_coef.mul_(torch.pow(torch.full_like(self.l1_coef, self.l1_rate), step))
-        self.pending_active.zero_()
-        self.pending_count.zero_()

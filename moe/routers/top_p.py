@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.routing import Claims, DecodeState, Router, Routing, register_router, served_stats
+from moe.routing import Routing, TokenLocalRouter, register_router, served_stats
 
 
 @register_router("top_p")
-class TopPRouter(Router):
+class TopPRouter(TokenLocalRouter):
     """Top-p routing: the smallest set of most probable experts whose mass reaches p.
 
     Options: ``p`` (initial mass threshold in (0, 1], default 0.4), ``max_k`` (at most this
@@ -68,23 +68,10 @@ class TopPRouter(Router):
         self.entropy_loss_coef = float(entropy_loss_coef)
         self.normalize = bool(normalize)
         self.register_buffer("p", torch.full((), float(p), dtype=torch.float64))
-        self.register_buffer("pending_active", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("pending_count", torch.zeros((), dtype=torch.float64))
-
-    @property
-    def claims(self) -> Claims:
-        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+        self._track_active_experts()
 
     def nominal_experts_per_token(self) -> float | None:
         return self.target_experts
-
-    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
-        return self._route(logits_NE, batch_shape, record=self.training)
-
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self._route(logits_NE, batch_shape, record=False)
 
     def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
         n, e = logits_NE.shape
@@ -100,9 +87,7 @@ class TopPRouter(Router):
             weight_NE = probs_NE / (probs_NE * keep_NE).sum(-1, keepdim=True).clamp_min(1e-20)
         weight_A = weight_NE[token_A, expert_A]
         if record:
-            with torch.no_grad():
-                self.pending_active += keep_NE.double().sum(1).mean()
-                self.pending_count += 1
+            self._record_active(keep_NE)
         entropy = -(probs_NE * torch.log(probs_NE.clamp_min(1e-20))).sum(-1).mean()
         return Routing(
             token=token_A,
@@ -117,13 +102,6 @@ class TopPRouter(Router):
 
     @torch.no_grad()
     def update_after_step(self) -> None:
-        if self.target_experts is None:
-            self.pending_active.zero_()
-            self.pending_count.zero_()
-            return
-        seen = self.pending_count > 0
-        active = self.pending_active / self.pending_count.clamp_min(1.0)
-        step = torch.where(seen, torch.sign(self.target_experts - active), torch.zeros_like(active))
-        self.p.copy_((self.p + self.p_rate * step).clamp(self.p_rate, 1.0))
-        self.pending_active.zero_()
-        self.pending_count.zero_()
+        excess = self._pop_active_excess(self.target_experts or 0.0)
+        if self.target_experts is not None:  # more experts than the target lower p, fewer raise it
+            self.p.copy_((self.p - self.p_rate * excess).clamp(self.p_rate, 1.0))
