@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import gather_rows, grouped_swiglu, scatter_sum, sort_by_expert, token_slots
+from kernels.reference import combine_rows, gather_rows, grouped_swiglu, sort_by_expert, token_slots
 from moe.layer import MoELayer, update_routers
 from moe.model import SwiGLU
 from moe.training.batches import local_batch
@@ -238,7 +238,7 @@ def layer_phase_fns(layer: MoELayer, dense: SwiGLU, x_BTD: torch.Tensor) -> dict
             grouped_swiglu(leaf(x_AD), counts, ex.w_gate, ex.w_up, ex.w_down)
         ),
         "combine (weights, slot sum)": lambda: backward(
-            scatter_sum(leaf(x_AD) * leaf(weight_A)[order_A].unsqueeze(-1), token_sorted_A, slot_A, num_slots, n)
+            combine_rows(leaf(x_AD), leaf(weight_A)[order_A], token_sorted_A, slot_A, num_slots, n)
         ),
     }
 
