@@ -2,8 +2,8 @@
 dense against MoE of equal active FLOPs, eager and compiled, and where the MoE step's extra time
 goes. Every figure is a ratio to the dense baseline measured in the same run.
 
-    PYTHONPATH=. nice python experiments/bench_study_shape.py                # about 12 min on 2 cores
-    PYTHONPATH=. nice python experiments/bench_study_shape.py --no-compile   # eager only, about 5 min
+    PYTHONPATH=. nice python experiments/bench_study_shape.py                # 3-10 min on the shared 2 cores
+    PYTHONPATH=. nice python experiments/bench_study_shape.py --no-compile   # eager only, about half of that
     PYTHONPATH=. nice python experiments/bench_study_shape.py --quick        # smoke run, about 1 min
 
 The shape: 4 blocks, d_model 128, 4 heads, T=64, batch 12 (768 tokens a step), byte vocabulary
