@@ -3,9 +3,10 @@
 Shape legend: N tokens, D model width, F expert width, E experts, A assignments,
 S = max assignments of one token (slots).
 
-Deterministic on every device: no atomics. Rows are summed into tokens through a padded
-[N, S, D] buffer reduced over S in slot order, and the backward of the gather uses the same
-sum, so outputs and gradients are bitwise reproducible run to run.
+Deterministic on every device: no atomics. Rows are summed into tokens through an [N, S, D]
+layout reduced over S in slot order (a gather when every token has S rows, as in dropless
+top-k; a zero-padded buffer otherwise), and the backward of the gather uses the same sum, so
+outputs and gradients are bitwise reproducible run to run.
 
 Under ``torch.compile`` the sorted path cannot be traced without reading values on the host
 (S and the per-expert slice lengths size its tensors), so while traced
@@ -13,11 +14,15 @@ Under ``torch.compile`` the sorted path cannot be traced without reading values 
 ``torch.ops.moe_kernels.moe_ffn``, whose output shape [N, D] is known from its inputs: the
 graph holds no data-dependent shape and no host read and the expert FLOPs are those of the
 sorted path. The operator returns, besides y, what its backward (a second operator, the same
-sums written out) needs: the sort order, the gate and up projections [A, F] and the expert
-rows [A, D], the activations eager autograd keeps as well.
+sums written out, expert by expert as eager autograd runs them) needs: the gathered rows
+[A, D], the gate and up projections [A, F], the expert rows [A, D] and the layout (sort order
+and slots), so the backward neither sorts nor gathers x again. These are marked
+non-differentiable and get no zero-filled gradients.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +50,20 @@ def token_slots(token_A: Tensor, num_tokens: int) -> tuple[Tensor, int]:
 
 
 def scatter_sum(rows_AD: Tensor, token_A: Tensor, slot_A: Tensor, num_slots: int, num_tokens: int) -> Tensor:
-    """[N, D]: out[n] = sum of the rows of token n, added in slot order (fixed, no atomics)."""
-    buf_NSD = rows_AD.new_zeros(num_tokens, num_slots, rows_AD.shape[-1])
-    buf_NSD = buf_NSD.index_put((token_A, slot_A), rows_AD)
-    return buf_NSD.sum(1)
+    """[N, D]: out[n] = sum of the rows of token n, added in slot order (fixed, no atomics).
+
+    When every token has ``num_slots`` rows (dropless top-k), the rows are a permutation of
+    the [N, S] slots: one gather lays them out, no zero buffer is written."""
+    a, d = rows_AD.shape
+    pos_A = token_A * num_slots + slot_A
+    if a == num_tokens * num_slots:
+        inverse_P = torch.empty_like(pos_A)
+        inverse_P[pos_A] = torch.arange(a, device=pos_A.device)
+        rows_NSD = rows_AD.index_select(0, inverse_P).view(num_tokens, num_slots, d)
+    else:
+        rows_NSD = rows_AD.new_zeros(num_tokens * num_slots, d).index_put((pos_A,), rows_AD)
+        rows_NSD = rows_NSD.view(num_tokens, num_slots, d)
+    return functools.reduce(torch.add, rows_NSD.unbind(1))
 
 
 class _GatherRows(torch.autograd.Function):
@@ -69,6 +84,41 @@ class _GatherRows(torch.autograd.Function):
 def gather_rows(x_ND: Tensor, token_A: Tensor, slot_A: Tensor, num_slots: int) -> Tensor:
     """[A, D]: the row of each assignment's token, with a deterministic backward."""
     return _GatherRows.apply(x_ND, token_A, slot_A, num_slots)
+
+
+def combine_backward(grad_ND: Tensor, rows_AD: Tensor, weight_A: Tensor, token_A: Tensor) -> tuple[Tensor, Tensor]:
+    """(grad_rows_AD, grad_weight_A) of :func:`combine_rows`: the gradient of each row is its
+    token's output gradient (a gather) times its weight."""
+    grad_rows_AD = grad_ND.index_select(0, token_A)
+    grad_weight_A = (grad_rows_AD * rows_AD).sum(-1).to(weight_A.dtype)
+    return grad_rows_AD.mul_(weight_A.unsqueeze(-1).to(grad_rows_AD.dtype)), grad_weight_A
+
+
+def weighted_sum(
+    rows_AD: Tensor, weight_A: Tensor, token_A: Tensor, slot_A: Tensor, num_slots: int, num_tokens: int
+) -> Tensor:
+    """[N, D]: each token's rows times their weights, summed in slot order (fixed, no atomics)."""
+    return scatter_sum(rows_AD * weight_A.unsqueeze(-1).to(rows_AD.dtype), token_A, slot_A, num_slots, num_tokens)
+
+
+class _CombineRows(torch.autograd.Function):
+    """:func:`weighted_sum` with its backward written out (one gather, no zero buffers)."""
+
+    @staticmethod
+    def forward(ctx, rows_AD, weight_A, token_A, slot_A, num_slots: int, num_tokens: int) -> Tensor:
+        ctx.save_for_backward(rows_AD, weight_A, token_A)
+        return weighted_sum(rows_AD, weight_A, token_A, slot_A, num_slots, num_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_ND: Tensor):
+        return *combine_backward(grad_ND, *ctx.saved_tensors), None, None, None, None
+
+
+def combine_rows(
+    rows_AD: Tensor, weight_A: Tensor, token_A: Tensor, slot_A: Tensor, num_slots: int, num_tokens: int
+) -> Tensor:
+    """:func:`weighted_sum`, differentiable in the rows and the weights."""
+    return _CombineRows.apply(rows_AD, weight_A, token_A, slot_A, num_slots, num_tokens)
 
 
 def grouped_swiglu(
@@ -109,8 +159,7 @@ def moe_ffn_reference(
     order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, w_gate_EDF.shape[0])
     x_AD = gather_rows(x_ND, token_sorted_A, slot_A, num_slots)
     y_AD = grouped_swiglu(x_AD, counts, w_gate_EDF, w_up_EDF, w_down_EFD)
-    weighted_AD = y_AD * weight_A[order_A].unsqueeze(-1).to(y_AD.dtype)
-    return scatter_sum(weighted_AD, token_sorted_A, slot_A, num_slots, n)
+    return combine_rows(y_AD, weight_A[order_A], token_sorted_A, slot_A, num_slots, n)
 
 
 def _sorted_layout(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_experts: int):
@@ -130,17 +179,21 @@ def _moe_ffn_op(
     w_gate_EDF: Tensor,
     w_up_EDF: Tensor,
     w_down_EFD: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y_ND, gate_AF, up_AF, rows_AD) of the sorted path, rows in expert order (module docstring)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y_ND, x_AD, gate_AF, up_AF, rows_AD, order_A, slot_A) of the sorted path, rows in expert
+    order: y and what its backward needs, the layout included, so nothing is sorted twice."""
     n, e = x_ND.shape[0], w_gate_EDF.shape[0]
     order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, e)
     x_AD = x_ND.index_select(0, token_sorted_A)
-    gate_AF = torch.cat([x_e @ w for x_e, w in zip(x_AD.split(counts), w_gate_EDF.unbind(0))])
-    up_AF = torch.cat([x_e @ w for x_e, w in zip(x_AD.split(counts), w_up_EDF.unbind(0))])
-    h_AF = F.silu(gate_AF) * up_AF
-    rows_AD = torch.cat([h_e @ w for h_e, w in zip(h_AF.split(counts), w_down_EFD.unbind(0))])
-    weighted_AD = rows_AD * weight_A[order_A].unsqueeze(-1).to(rows_AD.dtype)
-    return scatter_sum(weighted_AD, token_sorted_A, slot_A, num_slots, n), gate_AF, up_AF, rows_AD
+    gates, ups, rows = [], [], []
+    # expert by expert, as eager autograd runs it: slice-sized temporaries, no [A, F] ones
+    for x_e, wg, wu, wd in zip(x_AD.split(counts), w_gate_EDF.unbind(0), w_up_EDF.unbind(0), w_down_EFD.unbind(0)):
+        gates.append(x_e @ wg)
+        ups.append(x_e @ wu)
+        rows.append((F.silu(gates[-1]) * ups[-1]) @ wd)
+    gate_AF, up_AF, rows_AD = torch.cat(gates), torch.cat(ups), torch.cat(rows)
+    y_ND = weighted_sum(rows_AD, weight_A[order_A], token_sorted_A, slot_A, num_slots, n)
+    return y_ND, x_AD, gate_AF, up_AF, rows_AD, order_A, slot_A
 
 
 @_moe_ffn_op.register_fake
@@ -148,9 +201,12 @@ def _moe_ffn_fake(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_dow
     a, f = token_A.shape[0], w_gate_EDF.shape[-1]
     return (
         x_ND.new_empty(x_ND.shape[0], w_down_EFD.shape[-1]),
+        x_ND.new_empty(a, x_ND.shape[1]),
         x_ND.new_empty(a, f),
         x_ND.new_empty(a, f),
         x_ND.new_empty(a, w_down_EFD.shape[-1]),
+        token_A.new_empty(a),
+        token_A.new_empty(a),
     )
 
 
@@ -164,48 +220,46 @@ def _moe_ffn_backward_op(
     w_gate_EDF: Tensor,
     w_up_EDF: Tensor,
     w_down_EFD: Tensor,
+    x_AD: Tensor,
     gate_AF: Tensor,
     up_AF: Tensor,
     rows_AD: Tensor,
+    order_A: Tensor,
+    slot_A: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of y w.r.t. (x, weight, w_gate, w_up, w_down), the SwiGLU backward per expert
-    slice, the gradient of x summed per token in slot order as the eager path does."""
-    n, e = x_ND.shape[0], w_gate_EDF.shape[0]
-    order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, e)
-    x_AD = x_ND.index_select(0, token_sorted_A)
-    grad_rows_AD = grad_ND.index_select(0, token_sorted_A)
-    grad_weight_A = weight_A.new_empty(weight_A.shape)
-    grad_weight_A[order_A] = (grad_rows_AD * rows_AD).sum(-1).to(weight_A.dtype)
-    grad_rows_AD = grad_rows_AD * weight_A[order_A].unsqueeze(-1).to(grad_rows_AD.dtype)
-    sig_AF = torch.sigmoid(gate_AF)
-    h_AF = gate_AF * sig_AF * up_AF
+    """Gradients of y w.r.t. (x, weight, w_gate, w_up, w_down): the SwiGLU backward per expert
+    slice (autograd's own ``silu_backward``), the gradient of x summed per token in slot order
+    as the eager path does. The layout (order, slots) comes from the forward."""
+    counts = torch.bincount(expert_A, minlength=w_gate_EDF.shape[0]).tolist()
+    token_sorted_A = token_A[order_A]
+    grad_rows_AD, grad_weight_sorted_A = combine_backward(grad_ND, rows_AD, weight_A[order_A], token_sorted_A)
+    grad_weight_A = torch.empty_like(grad_weight_sorted_A)
+    grad_weight_A[order_A] = grad_weight_sorted_A
     grads = {"x": [], "gate": [], "up": [], "down": []}
-    for x_e, g_e, u_e, s_e, h_e, dr_e, wg, wu, wd in zip(
+    for x_e, g_e, u_e, dr_e, wg, wu, wd in zip(
         x_AD.split(counts),
         gate_AF.split(counts),
         up_AF.split(counts),
-        sig_AF.split(counts),
-        h_AF.split(counts),
         grad_rows_AD.split(counts),
         w_gate_EDF.unbind(0),
         w_up_EDF.unbind(0),
         w_down_EFD.unbind(0),
     ):
+        silu_e = F.silu(g_e)
         dh_e = dr_e @ wd.T
-        dgate_e = dh_e * u_e * (s_e * (1 + g_e * (1 - s_e)))
-        dup_e = dh_e * g_e * s_e
-        grads["down"].append(h_e.T @ dr_e)
-        grads["gate"].append(x_e.T @ dgate_e)
-        grads["up"].append(x_e.T @ dup_e)
-        grads["x"].append(dgate_e @ wg.T + dup_e @ wu.T)
-    grad_x_ND = scatter_sum(torch.cat(grads["x"]), token_sorted_A, slot_A, num_slots, n)
+        du_e = dh_e * silu_e
+        dg_e = torch.ops.aten.silu_backward(dh_e * u_e, g_e)
+        grads["down"].append((silu_e * u_e).T @ dr_e)
+        grads["gate"].append(x_e.T @ dg_e)
+        grads["up"].append(x_e.T @ du_e)
+        grads["x"].append(dg_e @ wg.T + du_e @ wu.T)
+    num_slots = int(slot_A.max()) + 1
+    grad_x_ND = scatter_sum(torch.cat(grads["x"]), token_sorted_A, slot_A, num_slots, x_ND.shape[0])
     return (grad_x_ND, grad_weight_A, torch.stack(grads["gate"]), torch.stack(grads["up"]), torch.stack(grads["down"]))
 
 
 @_moe_ffn_backward_op.register_fake
-def _moe_ffn_backward_fake(
-    grad_ND, x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF, up_AF, rows_AD
-):
+def _moe_ffn_backward_fake(grad_ND, x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, *saved):
     # Contiguous, as the real op returns them, whatever the strides of the inputs (the
     # experts of a transformers model are transposed views of its fused tensors).
     return tuple(t.new_empty(t.shape) for t in (x_ND, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD))
@@ -213,23 +267,12 @@ def _moe_ffn_backward_fake(
 
 def _save_for_backward(ctx, inputs, output):
     ctx.save_for_backward(*inputs, *output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # no zero gradients for the saved outputs
 
 
-def _moe_ffn_op_backward(ctx, grad_ND, _grad_gate, _grad_up, _grad_rows):
-    x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, gate_AF, up_AF, rows_AD = ctx.saved_tensors
-    dx, dweight, dgate, dup, ddown = torch.ops.moe_kernels.moe_ffn_backward(
-        grad_ND.contiguous(),
-        x_ND,
-        token_A,
-        expert_A,
-        weight_A,
-        w_gate_EDF,
-        w_up_EDF,
-        w_down_EFD,
-        gate_AF,
-        up_AF,
-        rows_AD,
-    )
+def _moe_ffn_op_backward(ctx, grad_ND, *_grads_of_saved):
+    dx, dweight, dgate, dup, ddown = torch.ops.moe_kernels.moe_ffn_backward(grad_ND.contiguous(), *ctx.saved_tensors)
     return dx, None, None, dweight, dgate, dup, ddown
 
 

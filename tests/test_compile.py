@@ -149,8 +149,8 @@ def test_operators_fake_kernels_match_real_ones_on_strided_experts():
     weight = torch.rand(6)
     forward = (x, token_A, expert_A, weight, *ws)
     torch.library.opcheck(torch.ops.moe_kernels.moe_ffn.default, forward, test_utils=("test_schema", "test_faketensor"))
-    _, gate_AF, up_AF, rows_AD = torch.ops.moe_kernels.moe_ffn(*forward)
-    backward = (torch.randn(n, d), *forward, gate_AF, up_AF, rows_AD)
+    saved = torch.ops.moe_kernels.moe_ffn(*forward)[1:]
+    backward = (torch.randn(n, d), *forward, *saved)
     torch.library.opcheck(
         torch.ops.moe_kernels.moe_ffn_backward.default, backward, test_utils=("test_schema", "test_faketensor")
     )
