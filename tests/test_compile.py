@@ -2,7 +2,7 @@
 
 Two routers must compile: dropless ``topk`` and ``capacity`` with ``capacity_scope="prefix"``.
 While traced, the capacity router returns the fixed-size routing form and the torch data path
-is one opaque operator (``torch.ops.moe_kernels.moe_ffn``, the sorted path with an output shape
+is one opaque operator (``torch.ops.moe_kernels.sorted_moe_ffn``, the sorted path with an output shape
 known from its inputs); both are checked here against their eager counterparts, and the
 compiled layer against the eager layer.
 
@@ -122,7 +122,7 @@ def test_traced_operator_equals_the_eager_sorted_path():
         torch.randn(e, f, d, dtype=torch.float64),
     ]
     outs = []
-    for fn in (moe_ffn_reference, lambda *a: torch.ops.moe_kernels.moe_ffn(*a)[0]):
+    for fn in (moe_ffn_reference, lambda *a: torch.ops.moe_kernels.sorted_moe_ffn(*a)[0]):
         leaves = [t.clone().requires_grad_(True) for t in (x, weight, *ws)]
         y = fn(leaves[0], token_A, expert_A, leaves[1], *leaves[2:])
         (y * torch.arange(n * d, dtype=torch.float64).view(n, d).sin()).sum().backward()
@@ -148,15 +148,17 @@ def test_operators_fake_kernels_match_real_ones_on_strided_experts():
     x = torch.randn(n, d)
     weight = torch.rand(6)
     forward = (x, token_A, expert_A, weight, *ws)
-    torch.library.opcheck(torch.ops.moe_kernels.moe_ffn.default, forward, test_utils=("test_schema", "test_faketensor"))
-    saved = torch.ops.moe_kernels.moe_ffn(*forward)[1:]
+    torch.library.opcheck(
+        torch.ops.moe_kernels.sorted_moe_ffn.default, forward, test_utils=("test_schema", "test_faketensor")
+    )
+    saved = torch.ops.moe_kernels.sorted_moe_ffn(*forward)[1:]
     backward = (torch.randn(n, d), *forward, *saved)
     torch.library.opcheck(
-        torch.ops.moe_kernels.moe_ffn_backward.default, backward, test_utils=("test_schema", "test_faketensor")
+        torch.ops.moe_kernels.sorted_moe_ffn_backward.default, backward, test_utils=("test_schema", "test_faketensor")
     )
-    real = torch.ops.moe_kernels.moe_ffn_backward(*backward)
+    real = torch.ops.moe_kernels.sorted_moe_ffn_backward(*backward)
     with torch._subclasses.FakeTensorMode() as mode:
-        fake = torch.ops.moe_kernels.moe_ffn_backward(*(mode.from_tensor(t) for t in backward))
+        fake = torch.ops.moe_kernels.sorted_moe_ffn_backward(*(mode.from_tensor(t) for t in backward))
     for i, (r, k) in enumerate(zip(real, fake, strict=True)):
         assert (r.shape, r.stride()) == (k.shape, k.stride()), f"gradient {i}: real {r.stride()}, fake {k.stride()}"
 
@@ -169,8 +171,8 @@ def test_traced_graph_calls_the_sorted_operator_once_per_layer():
     graphs: list = []
     run(layer, torch.randn(2, 9, 16), torch.compile(layer, backend=recording_backend(graphs), fullgraph=True))
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count("moe_kernels.moe_ffn.default") == 1, targets
-    assert targets.count("moe_kernels.moe_ffn_backward.default") == 1, targets
+    assert targets.count("moe_kernels.sorted_moe_ffn.default") == 1, targets
+    assert targets.count("moe_kernels.sorted_moe_ffn_backward.default") == 1, targets
 
 
 @pytest.mark.parametrize("name,opts", LAYERS)
