@@ -50,7 +50,7 @@ from moe.layer import update_routers
 from moe.model import ModelConfig
 from moe.parallel import share_router_statistics
 from moe.parallel.exchange import EAGER_UNDER_COMPILE
-from moe.parallel.memory import largest_peak_mib
+from moe.parallel.memory import largest_peak_mib, limit_cpu_malloc
 from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
 from moe.training.batches import local_batch
@@ -127,6 +127,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
 def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     """Load the data, build and place the model with its step strategy, make the optimizer,
     resume from the last checkpoint if asked, and open the run's reports."""
+    malloc_note = limit_cpu_malloc(info.device, cfg.parallel.cpu_mmap_threshold_kib)  # before the big allocations
     corpus = corpus if corpus is not None else cfg.data.load()
     mcfg = model_config(cfg.model, corpus.vocab_size)
 
@@ -145,6 +146,8 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     )
     for line in resumed:
         report.say(line)
+    if malloc_note:
+        report.say(malloc_note)
     if cfg.parallel.compile and cfg.parallel.expert_parallel > 1:
         report.say(f"--compile with --expert-parallel: {EAGER_UNDER_COMPILE}")
     routers = [m for m in place.model.modules() if isinstance(m, Router)]
