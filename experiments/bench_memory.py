@@ -65,12 +65,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.model import MoETransformer, preset  # noqa: E402
 from moe.parallel import rank_state_bytes  # noqa: E402
-from moe.parallel.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 from moe.parallel.compile import compile_blocks  # noqa: E402
 from moe.parallel.launch import ok_values, run_local  # noqa: E402
 from moe.parallel.materialize import materialize, parameters_on_meta  # noqa: E402
 from moe.parallel.memory import current_bytes, peak_bytes, reset_peak  # noqa: E402
 from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model  # noqa: E402
+from moe.parallel.recompute import apply_activation_checkpointing  # noqa: E402
 
 MODEL_268M = dict(d_model=1024, n_layers=16, n_heads=16, moe_d_ff=512, num_experts=8)
 MIB = 2**20
@@ -88,7 +88,7 @@ def build(model_kw: dict, world: int, whole_first: bool, ac: str, compiled: bool
             model = MoETransformer(cfg, init_seed=0)
     if compiled:
         compile_blocks(model.blocks)
-    apply_activation_checkpointing(model.blocks, ac)  # after compiling: see moe.parallel.activation_checkpointing
+    apply_activation_checkpointing(model.blocks, ac)  # after compiling: see moe.parallel.recompute
     if pmesh is not None:
         shard_model(model, pmesh, fsdp_units(list(model.blocks)), mixed_precision(device))
     if not whole_first:

@@ -20,12 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.checks import positive_int
-from moe.parallel.activation_checkpointing import MODES as AC_MODES
-from moe.parallel.activation_checkpointing import SELECTIVE_COMPILED_REFUSAL, apply_activation_checkpointing
 from moe.parallel.compile import compile_blocks
 from moe.parallel.materialize import materialize
 from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model
 from moe.parallel.pipeline import virtual_stages
+from moe.parallel.recompute import MODES as AC_MODES
+from moe.parallel.recompute import SELECTIVE_COMPILED_REFUSAL, apply_activation_checkpointing
 from moe.parallel.reduce_precision import MeasuredReduceScatter
 from moe.parallel.state import share_router_statistics
 from moe.parallel.steps import choose_strategy
@@ -60,7 +60,7 @@ class ParallelConfig:
     """Every collective of the process group (joined by the loop) fails after this many seconds
     instead of hanging when a peer stops answering."""
     activation_checkpointing: str = "none"
-    """Per transformer block (``moe.parallel.activation_checkpointing``): none; full (a block
+    """Per transformer block (``moe.parallel.recompute``): none; full (a block
     keeps only its input and reruns its forward in the backward); selective (a block keeps its
     matmul and attention outputs and recomputes the rest). Same losses and gradients."""
     compile: bool = False

@@ -55,7 +55,7 @@ from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
 from moe.training.batches import local_batch
 from moe.training.build import build_run_model, model_config, total_parameters
-from moe.training.checkpoint import (
+from moe.training.checkpoint_files import (
     EXPORT_NAME,
     checkpoint_path,
     complete_checkpoints,

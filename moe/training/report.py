@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from moe.training.checkpoint import truncate_jsonl
+from moe.training.checkpoint_files import truncate_jsonl
 from moe.training.config import TrainConfig
 from moe.training.metrics import init_wandb, wandb_flat
 
