@@ -4,7 +4,7 @@ activation checkpointing and torch.compile change.
     python experiments/bench_memory.py --quick                 # small model, about 3 min on 2 cores
     python experiments/bench_memory.py --out experiments/results/bench_memory-2026-12-01-cpu2
 
-Three parts, every measurement in its own spawned process (``moe.parallel.launch.run_local``,
+Four parts, every measurement in its own processes (parts 1-3 spawned by ``moe.parallel.launch.run_local``,
 gloo, one thread each), so a peak is that configuration's alone:
 
 1. **Peak memory per rank** for 1, 2 and 4 ranks (FSDP2 over all of them, ``dp_shard=W``) on
@@ -28,6 +28,15 @@ gloo, one thread each), so a peak is that configuration's alone:
    torch data path is one opaque operator (``torch.ops.moe_kernels.sorted_moe_ffn``: the eager sorted
    path with output shapes known from its inputs), so the expert FLOPs are the eager ones.
 
+4. **The trainer's own figures** (``--part trainer``): ``experiments/train.py`` on 1 and 4
+   processes (``torchrun``, FSDP2) with its CPU malloc setting (``--cpu-mmap-threshold-kib``
+   1024, the default) against glibc's defaults (``0``), the runs interleaved so both see the same
+   load: the largest ``peak_memory_mib`` of the metrics JSONL (what a user reads) and the median
+   step time after the first step, as ratios of the one setting to the other and of each world
+   size to one process. $MALLOC_MMAP_THRESHOLD_ is removed from these runs' environment.
+
+    python experiments/bench_memory.py --skip memory ac compile --trainer --ranks 1 4 --steps 6 --out experiments/results/bench_memory-trainer-2026-12-01-cpu2
+
 On CPU, RSS counts what the allocator holds, and glibc keeps freed memory for reuse: the
 benchmark sets ``MALLOC_MMAP_THRESHOLD_`` (64 KiB) for its processes, so every tensor larger
 than that is its own mapping, returned to the system when freed, and calls ``malloc_trim``
@@ -42,7 +51,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from datetime import date
@@ -54,12 +65,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe.model import MoETransformer, preset  # noqa: E402
 from moe.parallel import rank_state_bytes  # noqa: E402
-from moe.parallel.activation_checkpointing import apply_activation_checkpointing  # noqa: E402
 from moe.parallel.compile import compile_blocks  # noqa: E402
 from moe.parallel.launch import ok_values, run_local  # noqa: E402
 from moe.parallel.materialize import materialize, parameters_on_meta  # noqa: E402
 from moe.parallel.memory import current_bytes, peak_bytes, reset_peak  # noqa: E402
 from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model  # noqa: E402
+from moe.parallel.recompute import apply_activation_checkpointing  # noqa: E402
 
 MODEL_268M = dict(d_model=1024, n_layers=16, n_heads=16, moe_d_ff=512, num_experts=8)
 MIB = 2**20
@@ -77,7 +88,7 @@ def build(model_kw: dict, world: int, whole_first: bool, ac: str, compiled: bool
             model = MoETransformer(cfg, init_seed=0)
     if compiled:
         compile_blocks(model.blocks)
-    apply_activation_checkpointing(model.blocks, ac)  # after compiling: see moe.parallel.activation_checkpointing
+    apply_activation_checkpointing(model.blocks, ac)  # after compiling: see moe.parallel.recompute
     if pmesh is not None:
         shard_model(model, pmesh, fsdp_units(list(model.blocks)), mixed_precision(device))
     if not whole_first:
@@ -183,21 +194,93 @@ def compile_part(args, model_kw: dict) -> dict:
     return out
 
 
-def markdown(res: dict) -> str:
+def train_cli(world: int, threshold_kib: int, model_kw: dict, args, metrics: Path) -> list[str]:
+    """The command line of one trainer run (``torchrun`` on more than one process)."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in model_kw.items()]
+    script = "experiments/train.py"  # run from the repository root
+    launch = ["python", script] if world == 1 else ["torchrun", "--standalone", f"--nproc-per-node={world}", script]
+    return [
+        *launch,
+        "--preset=small",
+        *flags,
+        f"--steps={args.steps}",
+        f"--batch-size={args.batch}",
+        f"--seq-len={args.seq}",
+        "--eval-windows=2",
+        "--no-progress",
+        "--wandb-mode=disabled",
+        f"--cpu-mmap-threshold-kib={threshold_kib}",
+        f"--metrics-jsonl={metrics}",
+    ]
+
+
+def trainer_run(world: int, threshold_kib: int, model_kw: dict, args) -> dict:
+    """One ``experiments/train.py`` run: its largest peak_memory_mib and median step time."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's moe, whatever is installed
+    env.update(
+        OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        subprocess.run(train_cli(world, threshold_kib, model_kw, args, metrics), env=env, check=True, cwd=root)
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    step_s = [args.batch * args.seq / r["tokens_per_s"] for r in records]
+    return {
+        "peak_mib": max(r["peak_memory_mib"] for r in records),
+        "step_s": step_s,
+        "median_step_s": statistics.median(step_s[1:] or step_s),
+    }
+
+
+def trainer_part(args, model_kw: dict) -> dict:
+    runs = {}
+    for world in args.ranks:
+        for kib in (0, 1024):  # glibc's defaults first, then the trainer's setting, same load
+            r = runs[f"w{world}_kib{kib}"] = trainer_run(world, kib, model_kw, args)
+            print(
+                f"  {world} process(es), mmap threshold {kib or 'glibc default'}: peak {r['peak_mib']:,.0f} MiB, "
+                f"step {r['median_step_s']:.2f} s",
+                flush=True,
+            )
+    one = min(args.ranks)
+    out = {"runs": runs, "command": " ".join(train_cli(max(args.ranks), 1024, model_kw, args, Path("metrics.jsonl")))}
+    for world in args.ranks:
+        base, fixed = runs[f"w{world}_kib0"], runs[f"w{world}_kib1024"]
+        out[f"w{world}"] = {
+            "peak_1mib_over_default": fixed["peak_mib"] / base["peak_mib"],
+            "step_1mib_over_default": fixed["median_step_s"] / base["median_step_s"],
+            "peak_over_one_process_default": base["peak_mib"] / runs[f"w{one}_kib0"]["peak_mib"],
+            "peak_over_one_process_1mib": fixed["peak_mib"] / runs[f"w{one}_kib1024"]["peak_mib"],
+        }
+    return out
+
+
+def trainer_markdown(res: dict) -> list[str]:
+    t = res["trainer"]
     lines = [
-        f"# bench_memory ({res['date']}, {res['device']})",
+        f"The trainer (`{t['command']}`, and the same with `--cpu-mmap-threshold-kib=0`): largest "
+        "peak_memory_mib, median step time after the first",
         "",
-        f"Command: `{res['command']}`",
-        "",
-        f"Model: {res['model']} ({res['num_parameters']:,} parameters); memory steps on a global batch of "
-        f"{res['args']['batch']} x {res['args']['seq']} tokens; malloc: "
-        + ("glibc default" if res["args"].get("glibc_default") else "MALLOC_MMAP_THRESHOLD_=65536")
-        + ".",
-        "",
+        "| processes | peak MiB, glibc default | peak MiB, 1 MiB | 1 MiB / default | step s, default | step s, 1 MiB | "
+        "1 MiB / default | peak / one process, default | peak / one process, 1 MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for world in res["args"]["ranks"]:
+        base, fixed, r = t["runs"][f"w{world}_kib0"], t["runs"][f"w{world}_kib1024"], t[f"w{world}"]
+        lines.append(
+            f"| {world} | {base['peak_mib']:,.0f} | {fixed['peak_mib']:,.0f} | {r['peak_1mib_over_default']:.3f} | "
+            f"{base['median_step_s']:.2f} | {fixed['median_step_s']:.2f} | {r['step_1mib_over_default']:.2f} | "
+            f"{r['peak_over_one_process_default']:.3f} | {r['peak_over_one_process_1mib']:.3f} |"
+        )
+    return [*lines, ""]
+
+
+def memory_markdown(mem: dict) -> list[str]:
+    lines = [
         "| run | rank | peak MiB | before model MiB | params MiB | grads MiB | optimizer MiB | peak / single |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    mem = res["memory"]
     for name, ranks in mem["runs"].items():
         for rank, r in enumerate(ranks):
             s = r["state"]
@@ -206,12 +289,31 @@ def markdown(res: dict) -> str:
                 f"{s['params'] / MIB:,.0f} | {s['grads'] / MIB:,.0f} | {s['optimizer'] / MIB:,.0f} | "
                 f"{r['peak'] / mem['single_peak']:.3f} |"
             )
-    lines += [
+    return [
+        *lines,
         "",
         "Largest per-rank peak over the single-process peak: "
         + ", ".join(f"{k} {v:.3f}" for k, v in mem["peak_ratio_to_single"].items()),
         "",
     ]
+
+
+def markdown(res: dict) -> str:
+    lines = [
+        f"# bench_memory ({res['date']}, {res['device']})",
+        "",
+        f"Command: `{res['command']}`",
+        "",
+        f"Model: {res['model']} ({res['num_parameters']:,} parameters); memory steps on a global batch of "
+        f"{res['args']['batch']} x {res['args']['seq']} tokens; malloc of parts 1-3: "
+        + ("glibc default" if res["args"].get("glibc_default") else "MALLOC_MMAP_THRESHOLD_=65536")
+        + ".",
+        "",
+    ]
+    if res.get("memory"):
+        lines += memory_markdown(res["memory"])
+    if res.get("trainer"):
+        lines += trainer_markdown(res)
     if res.get("activation_checkpointing"):
         lines += [
             f"Activation checkpointing ({res['ac_model']}, batch {res['args']['ac_batch']}): the second step's "
@@ -262,6 +364,11 @@ def main() -> None:
         action="store_true",
         help="leave glibc's malloc as it is (RSS then includes freed memory glibc keeps: what a user sees)",
     )
+    p.add_argument(
+        "--trainer",
+        action="store_true",
+        help="part 4: experiments/train.py with its 1 MiB mmap threshold against glibc's defaults (--ranks, --steps)",
+    )
     p.add_argument("--out", help="write <out>.json and <out>.md")
     args = p.parse_args()
     if not args.glibc_default:
@@ -290,12 +397,16 @@ def main() -> None:
     if "compile" not in args.skip:
         print("torch.compile:", flush=True)
         res["compile"] = compile_part(args, ac_kw)
+    if args.trainer:
+        print("the trainer's peak_memory_mib and step time:", flush=True)
+        res["trainer"] = trainer_part(args, model_kw)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(f"{args.out}.json").write_text(json.dumps(res, indent=1))
-        if "memory" in res:
+        if "memory" in res or "trainer" in res:
             Path(f"{args.out}.md").write_text(markdown(res))
-    print(json.dumps(res.get("memory", {}).get("peak_ratio_to_single", {})))
+    if "memory" in res:
+        print(json.dumps(res["memory"]["peak_ratio_to_single"]))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import pytest
 from helpers import SMALL_RUN
 
 from moe.training import TrainConfig, train
-from moe.training.checkpoint import (
+from moe.training.checkpoint_files import (
     COMPLETE,
     META,
     checkpoint_path,

@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers import TINY_RUN
 
-import moe.training.checkpoint as ckpt_mod
+import moe.training.checkpoint_files as ckpt_mod
 from moe.parallel.launch import ok_values, run_local
 from moe.training import TrainConfig, train
-from moe.training.checkpoint import complete_checkpoints
+from moe.training.checkpoint_files import complete_checkpoints
 
 COMMON = {**TINY_RUN, "router": "ec_threshold"}
 REL_TOL = 1e-4

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from helpers import ROOT, SMALL_RUN, train_on_two_processes
 
+import moe.parallel.memory as memory
 import moe.training.loop as mt
 from moe.data import eval_offsets, load_corpus, windows
 from moe.eval import evaluate
@@ -51,6 +53,41 @@ def test_short_run_loss_falls(tmp_path):
     # the resident peak: at least the interpreter, torch and the model's AdamW state; not the machine
     state_mib = 4 * res.model.num_parameters() * 4 / 2**20
     assert state_mib < records[0]["peak_memory_mib"] <= last["peak_memory_mib"] < 8192, last["peak_memory_mib"]
+
+
+class RecordingLibc:
+    """glibc's mallopt as the trainer sees it: records each call, succeeds."""
+
+    def __init__(self):
+        self.calls = []
+
+    def mallopt(self, param, value):
+        self.calls.append((param, value))
+        return 1
+
+
+def test_the_trainer_fixes_the_cpu_mmap_threshold_unless_the_user_chose_one(monkeypatch, capsys):
+    if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
+        assert memory.glibc().mallopt  # the real lookup finds it
+    libc = RecordingLibc()
+    monkeypatch.setattr(memory, "glibc", lambda: libc)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    train(TrainConfig.flat(steps=1, **SMALL))
+    assert libc.calls == [(-3, 1 << 20)]  # M_MMAP_THRESHOLD (malloc.h), 1 MiB
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc read the user's own at startup
+    train(TrainConfig.flat(steps=1, **SMALL))
+    assert libc.calls == [(-3, 1 << 20)]
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    cpu = torch.device("cpu")
+    assert memory.limit_cpu_malloc(cpu, 0) is None and memory.limit_cpu_malloc(torch.device("cuda"), 1024) is None
+    assert libc.calls == [(-3, 1 << 20)]  # --cpu-mmap-threshold-kib 0 and CUDA leave malloc alone
+    assert memory.limit_cpu_malloc(cpu, 64) is None and libc.calls[-1] == (-3, 64 * 1024)
+    with pytest.raises(ValueError, match="cpu_mmap_threshold_kib must be >= 0"):
+        TrainConfig.flat(cpu_mmap_threshold_kib=-1)
+    monkeypatch.setattr(memory, "glibc", lambda: None)  # another C library: a no-op, said once
+    capsys.readouterr()
+    train(TrainConfig.flat(steps=2, **{**SMALL, "log_every": 1}))
+    assert capsys.readouterr().out.count("mmap threshold is left as it is") == 1
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):

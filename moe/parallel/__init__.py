@@ -13,7 +13,7 @@
 See :mod:`moe.parallel.exchange` for the data path, :mod:`moe.parallel.state` for
 single-process state dicts (model and optimizer), gradient scaling and clipping,
 :mod:`moe.parallel.mesh` for the DeviceMesh (replicate x FSDP2 shard x expert parallel) and
-:mod:`moe.parallel.checkpoint` for sharded DCP checkpoints. ``moe.training`` runs every
+:mod:`moe.parallel.sharded_state` for sharded DCP checkpoints. ``moe.training`` runs every
 layout under ``--dp-replicate R --expert-parallel P``.
 """
 

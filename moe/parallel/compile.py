@@ -5,7 +5,7 @@ embedding, head and the loop around them stay eager.
 In place (the block's ``forward`` replaced by its compiled version on the instance) rather
 than wrapped: parameter names do not change, so FSDP2, checkpoints and name-seeded
 initialisation see the same model; the module's hooks (FSDP2's gathers) stay eager around the
-compiled forward. Compile before activation checkpointing (``moe.parallel.activation_checkpointing``:
+compiled forward. Compile before activation checkpointing (``moe.parallel.recompute``:
 the checkpoint then stays eager around the compiled forward, which it reruns in the backward)
 and before FSDP2 sharding.
 ``fullgraph=True`` demands one graph per block without a break: single-process blocks with the ``topk`` router or the prefix-scoped
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from moe.parallel.activation_checkpointing import checkpoint_mode
+from moe.parallel.recompute import checkpoint_mode
 
 CHECKPOINTED_REFUSAL = (
     "compile a block before checkpointing it: traced, the recomputation would replay the routers' buffer updates "

@@ -196,7 +196,7 @@ class ExpertParallel:
     ``moe.parallel`` finds expert-parallel layers by this object (see
     ``moe.parallel.state.expert_parallel_layers``), never by their class. ``mesh`` (optional):
     the run's full DeviceMesh, whose ``"ep"`` dim is ``group``; sharded checkpoints describe
-    the experts on it (``moe.parallel.checkpoint``).
+    the experts on it (``moe.parallel.sharded_state``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, mesh=None) -> None:

@@ -4,11 +4,19 @@ On CUDA the caching allocator's figures for the device (bytes allocated to tenso
 the resident set size (``VmHWM`` / ``statm`` from ``/proc``), which also counts what the
 interpreter, torch and glibc hold: glibc keeps freed memory for reuse, so a CPU peak is an
 upper bound on the tensors' (``experiments/bench_memory.py`` says how far).
+
+Under FSDP2 on CPU the freed all-gather and reduce-scatter buffers are what glibc keeps: its
+dynamic mmap threshold grows to the largest block freed (up to 32 MiB), after which those
+buffers come from the heap and stay resident. :func:`limit_cpu_malloc` fixes the threshold
+(1 MiB in the trainer), so every larger tensor is its own mapping, returned when freed, and a
+CPU peak follows the tensors (docs/scaling.md has the measurement).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import platform
 import resource
 
 import torch
@@ -31,7 +39,9 @@ def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        libc = glibc()
+        if libc is not None:
+            libc.malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak resident set size
             f.write("5")
 
@@ -51,3 +61,33 @@ def largest_peak_mib(device: torch.device, group=None) -> float:
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     return float(peak)
+
+
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
+"""glibc reads this at startup; when it is set the user chose a threshold and it is kept."""
+M_MMAP_THRESHOLD = -3
+"""mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
+
+
+def glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (Linux), else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL("libc.so.6")
+
+
+def limit_cpu_malloc(device: torch.device, threshold_kib: int) -> str | None:
+    """On CPU, fix glibc's mmap threshold at ``threshold_kib`` KiB (``mallopt``), unless it is 0
+    or $MALLOC_MMAP_THRESHOLD_ is set (the user's choice wins). A no-op on CUDA; elsewhere than
+    glibc a no-op too, returned as the line to say (else None)."""
+    if device.type != "cpu" or threshold_kib == 0 or MMAP_THRESHOLD_ENV in os.environ:
+        return None
+    libc = glibc()
+    if libc is None:
+        return (
+            f"malloc is not glibc's ({platform.system()}): its mmap threshold is left as it is, so "
+            "peak_memory_mib also counts freed memory the allocator keeps"
+        )
+    if libc.mallopt(M_MMAP_THRESHOLD, threshold_kib * 1024) != 1:
+        return f"glibc refused an mmap threshold of {threshold_kib} KiB: malloc is left as it is"
+    return None

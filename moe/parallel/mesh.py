@@ -179,7 +179,7 @@ def shard_model(model: nn.Module, pmesh: ParallelMesh, units: list[nn.Module], m
     one unit on the expert mesh (its other children, e.g. the router, as units on the dense
     mesh), each of ``units`` (e.g. the transformer blocks) and finally ``model`` on the dense
     mesh. Expert weights are sharded on dim 1 (dim 0 is the expert index the ``ep`` dim splits),
-    so a checkpoint can describe them as one [E, ...] tensor (``moe.parallel.checkpoint``)."""
+    so a checkpoint can describe them as one [E, ...] tensor (``moe.parallel.sharded_state``)."""
     world = pmesh.layout.data_parallel
     force_sum = pmesh.device_type == "cpu" and pmesh.layout.dp_shard > 1  # see the module docstring
     for layer in expert_parallel_layers(model).values():

@@ -20,12 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.checks import positive_int
-from moe.parallel.activation_checkpointing import MODES as AC_MODES
-from moe.parallel.activation_checkpointing import SELECTIVE_COMPILED_REFUSAL, apply_activation_checkpointing
 from moe.parallel.compile import compile_blocks
 from moe.parallel.materialize import materialize
 from moe.parallel.mesh import Layout, ParallelMesh, fsdp_units, mixed_precision, shard_model
 from moe.parallel.pipeline import virtual_stages
+from moe.parallel.recompute import MODES as AC_MODES
+from moe.parallel.recompute import SELECTIVE_COMPILED_REFUSAL, apply_activation_checkpointing
 from moe.parallel.reduce_precision import MeasuredReduceScatter
 from moe.parallel.state import share_router_statistics
 from moe.parallel.steps import choose_strategy
@@ -60,12 +60,18 @@ class ParallelConfig:
     """Every collective of the process group (joined by the loop) fails after this many seconds
     instead of hanging when a peer stops answering."""
     activation_checkpointing: str = "none"
-    """Per transformer block (``moe.parallel.activation_checkpointing``): none; full (a block
+    """Per transformer block (``moe.parallel.recompute``): none; full (a block
     keeps only its input and reruns its forward in the backward); selective (a block keeps its
     matmul and attention outputs and recomputes the rest). Same losses and gradients."""
     compile: bool = False
     """Compile each transformer block's forward with torch.compile (in place; ``moe.parallel.compile``);
     with activation_checkpointing full, the checkpoint stays eager around it (not selective)."""
+    cpu_mmap_threshold_kib: int = 1024
+    """On CPU under glibc, malloc's mmap threshold in KiB, set when the run starts
+    (``moe.parallel.memory.limit_cpu_malloc``): larger blocks are mapped and returned when
+    freed, so FSDP2's freed collective buffers leave the resident set and peak_memory_mib
+    follows the tensors (docs/scaling.md: 4 ranks of the 268M model). 0 leaves glibc's dynamic
+    default; $MALLOC_MMAP_THRESHOLD_, when set, wins over both."""
     grad_reduce_dtype: str = "fp32"
     """Precision of the data-parallel gradient reduce-scatter: fp32, or bf16 to measure the bias
     low precision adds (bf16 is applied; its difference from an fp32 reduction of the same
@@ -74,6 +80,10 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "expert_parallel", "pipeline_parallel", "microbatches"):
             positive_int(name, getattr(self, name))
+        if self.cpu_mmap_threshold_kib < 0:
+            raise ValueError(
+                f"cpu_mmap_threshold_kib must be >= 0 (0: glibc's default), got {self.cpu_mmap_threshold_kib}"
+            )
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
         if self.grad_reduce_dtype not in REDUCE_DTYPES:

@@ -8,7 +8,7 @@ run records beside its metrics).
     [eval]             moe.eval.EvalConfig                    evaluation cadence and windows
     [parallel]         moe.parallel.placement.ParallelConfig  mesh layout, pipeline, microbatches
     [lossy]            moe.parallel.steps.lossy.LossyConfig   simulated packet loss
-    [checkpoint]       moe.training.checkpointing.CheckpointConfig
+    [checkpoint]       moe.training.checkpoint_config.CheckpointConfig
     [logging]          moe.training.metrics.LoggingConfig     log lines, metrics JSONL, wandb
 
 Each section validates its own fields; :meth:`TrainConfig.__post_init__` holds every rule that
@@ -36,7 +36,7 @@ from moe.parallel.placement import ParallelConfig
 from moe.parallel.steps.lossy import LossyConfig
 from moe.training.batches import DataConfig
 from moe.training.build import ModelSection
-from moe.training.checkpointing import CheckpointConfig
+from moe.training.checkpoint_config import CheckpointConfig
 from moe.training.metrics import LoggingConfig
 from moe.training.optim import OptimizerConfig
 

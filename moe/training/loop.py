@@ -20,10 +20,18 @@ stages (``moe.parallel.pipeline``; a rank then holds one stage and its data-para
 the batch flows through the stages in ``--microbatches M`` microbatches), and within a stage
 dense weights FSDP2-sharded over the stage's data-parallel ranks (HSDP when R > 1), experts
 split over P expert-parallel ranks and FSDP2-sharded over what remains, gradients reduced by
-FSDP2. The model is built whole from the seed and then cut and sharded, so initialisation,
-batches and (with the routers counting load-balancing fractions over all data-parallel ranks)
-every step's loss match the single-process run to fp32 rounding. Clipping uses the whole
-model's norm. ``--microbatches M`` alone accumulates the gradients of M microbatches.
+FSDP2. No rank ever holds the whole model: it is built on the meta device (parameters without
+storage; under expert parallelism each MoE layer already holds only this rank's experts), cut
+to this rank's pipeline stage, compiled and recomputed per block as asked (``--compile``,
+``--activation-checkpointing``), sharded by FSDP2, and only then materialised shard by shard (``moe.parallel.placement``, ``moe.parallel.materialize``):
+each parameter is generated whole at its single-process shape by the model's own initialiser
+for its name, one at a time, and each rank keeps its piece (a transformers model, whose
+initialisation is not a function of the name, is built once on rank 0 and broadcast the same
+way). So initialisation, batches and (with the routers counting load-balancing fractions over
+all data-parallel ranks) every step's loss match the single-process run to fp32 rounding.
+Clipping uses the whole model's norm. ``--microbatches M`` alone accumulates the gradients of
+M microbatches. On CPU the run first fixes glibc's mmap threshold (``--cpu-mmap-threshold-kib``,
+``moe.parallel.memory.limit_cpu_malloc``), so the peak_memory_mib it logs follows the tensors.
 
 The loop itself is short: :func:`prepare` places the model once (``moe.parallel.placement``,
 which picks the step strategy: plain, pipelined, lossy data parallel, ...), :func:`train_step`
@@ -50,12 +58,12 @@ from moe.layer import update_routers
 from moe.model import ModelConfig
 from moe.parallel import share_router_statistics
 from moe.parallel.exchange import EAGER_UNDER_COMPILE
-from moe.parallel.memory import largest_peak_mib
+from moe.parallel.memory import largest_peak_mib, limit_cpu_malloc
 from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
 from moe.training.batches import local_batch
 from moe.training.build import build_run_model, model_config, total_parameters
-from moe.training.checkpoint import (
+from moe.training.checkpoint_files import (
     EXPORT_NAME,
     checkpoint_path,
     complete_checkpoints,
@@ -127,6 +135,7 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
 def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     """Load the data, build and place the model with its step strategy, make the optimizer,
     resume from the last checkpoint if asked, and open the run's reports."""
+    malloc_note = limit_cpu_malloc(info.device, cfg.parallel.cpu_mmap_threshold_kib)  # before the big allocations
     corpus = corpus if corpus is not None else cfg.data.load()
     mcfg = model_config(cfg.model, corpus.vocab_size)
 
@@ -145,6 +154,8 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     )
     for line in resumed:
         report.say(line)
+    if malloc_note:
+        report.say(malloc_note)
     if cfg.parallel.compile and cfg.parallel.expert_parallel > 1:
         report.say(f"--compile with --expert-parallel: {EAGER_UNDER_COMPILE}")
     routers = [m for m in place.model.modules() if isinstance(m, Router)]

@@ -1,14 +1,13 @@
 """The logging section of a run, per-step training metrics (loss, aux loss, drops, router
 entropy, expert loads, balance: MaxVio, dead experts, the tokens-per-expert spread, experts
-per token) and the wandb run they are logged to on rank 0."""
+per token), and how they are flattened for wandb and which wandb mode a run gets (the wandb run
+itself is opened by ``moe.training.report``, which knows the whole TrainConfig)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -17,12 +16,7 @@ from torch import Tensor, nn
 from moe.balance import active_experts_summary, balance_summary
 from moe.checks import nonnegative_int
 from moe.lm import ModelOutput
-from moe.model import ModelConfig
 from moe.routing import Router
-from moe.training.distributed import DistInfo
-
-if TYPE_CHECKING:
-    from moe.training.config import TrainConfig
 
 
 @dataclass
@@ -186,28 +180,3 @@ def resolve_wandb_mode(requested: str | None) -> str:
     if env:
         return env
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-
-
-def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str | None = None):
-    """A wandb run on rank 0 (None elsewhere, and in disabled mode, where wandb is not imported).
-    ``run_id`` (saved in checkpoints) makes a resumed run continue the same wandb run."""
-    log = cfg.logging
-    mode = resolve_wandb_mode(log.wandb_mode)
-    if not info.is_main or mode == "disabled":
-        return None
-    import wandb
-
-    jsonl_dir = Path(log.metrics_jsonl).parent if log.metrics_jsonl else None
-    run_dir = Path(log.wandb_dir or cfg.checkpoint.checkpoint_dir or jsonl_dir or ".")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
-    return wandb.init(
-        project=log.wandb_project,
-        name=log.wandb_run_name,
-        config=config,
-        dir=str(run_dir),
-        mode=mode,
-        id=run_id,
-        resume="allow" if run_id else None,
-        settings=wandb.Settings(silent=True),
-    )

@@ -11,9 +11,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from moe.training.checkpoint import truncate_jsonl
+from moe.model import ModelConfig
+from moe.training.checkpoint_files import truncate_jsonl
 from moe.training.config import TrainConfig
-from moe.training.metrics import init_wandb, wandb_flat
+from moe.training.distributed import DistInfo
+from moe.training.metrics import resolve_wandb_mode, wandb_flat
 
 
 def config_path(jsonl: Path) -> Path:
@@ -38,6 +40,31 @@ def record_config(path: Path, cfg: TrainConfig, mcfg, start: int, world_size: in
     }
     path.write_text(
         json.dumps({**config, "model_config": model, "invocations": [*previous, invocation]}, indent=2) + "\n"
+    )
+
+
+def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str | None = None):
+    """A wandb run on rank 0 (None elsewhere, and in disabled mode, where wandb is not imported).
+    ``run_id`` (saved in checkpoints) makes a resumed run continue the same wandb run."""
+    log = cfg.logging
+    mode = resolve_wandb_mode(log.wandb_mode)
+    if not info.is_main or mode == "disabled":
+        return None
+    import wandb
+
+    jsonl_dir = Path(log.metrics_jsonl).parent if log.metrics_jsonl else None
+    run_dir = Path(log.wandb_dir or cfg.checkpoint.checkpoint_dir or jsonl_dir or ".")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
+    return wandb.init(
+        project=log.wandb_project,
+        name=log.wandb_run_name,
+        config=config,
+        dir=str(run_dir),
+        mode=mode,
+        id=run_id,
+        resume="allow" if run_id else None,
+        settings=wandb.Settings(silent=True),
     )
 
 

@@ -12,8 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.model import MoETransformer, preset
-from moe.parallel.activation_checkpointing import apply_activation_checkpointing
 from moe.parallel.compile import compile_blocks
+from moe.parallel.recompute import apply_activation_checkpointing
 
 ROUTERS = [("topk", {"balance_rate": 0.01}), ("ec_threshold", {}), ("capacity", {"capacity_factor": 1.0})]
 

@@ -33,7 +33,7 @@ from torch import nn
 
 from moe.model import ModelConfig
 from moe.parallel import full_state_dict
-from moe.parallel.checkpoint import load_sharded, save_sharded
+from moe.parallel.sharded_state import load_sharded, save_sharded
 from moe.training.config import TrainConfig
 from moe.training.distributed import DistInfo
 

@@ -1,5 +1,5 @@
 """The checkpoint section of a run: where and how often checkpoints are written, and what a
-resume starts from (the file format and its atomic writes are :mod:`moe.training.checkpoint`)."""
+resume starts from (the file format and its atomic writes are :mod:`moe.training.checkpoint_files`)."""
 
 from __future__ import annotations
 
