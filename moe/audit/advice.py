@@ -15,10 +15,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from moe.audit.report import AuditReport
+
+class Findings(Protocol):
+    """What the advice reads of a report (``moe.audit.report.AuditReport``, which imports this
+    module: named here by what it has, not imported back)."""
+
+    leaks: bool
+    probes: list
+    mechanisms: list[str]
+    updated_buffers: list[str]
+
 
 EXPERT_CHOICE, CAPACITY_BY_SCORE = "expert choice", "capacity by score"
 """The routing mechanisms the audit can name (from a router's own declaration)."""
@@ -45,7 +53,7 @@ def router_mechanism(router: object) -> str | None:
     return None
 
 
-def advice(report: AuditReport) -> list[str]:
+def advice(report: Findings) -> list[str]:
     """Lines for the summary: what the evidence says the leak is and what to use instead (none
     without a leak), and a note on buffers the forward updates."""
     out = []
