@@ -43,6 +43,7 @@ worker's own batch in the simulator (``moe.parallel.lossy.simulated``).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import shlex
@@ -66,6 +67,7 @@ from moe.training.batches import local_batch
 from moe.training.optim import make_optimizer, set_lr
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PRETRAINED = Path(__file__).resolve().parents[1] / "runs" / "packet_loss"
 PAPER_PCT = 0.8
 """"Distributed Training under Packet Loss": at most 0.8% perplexity change at 10% loss (LLaMA-2 7B, 64 GPUs)."""
 HISTORY = ("loss", *METRICS)
@@ -97,14 +99,20 @@ def run_config(common: dict, job: dict) -> TrainConfig:
     )
 
 
-def simulate(cfg: TrainConfig, workers: int, corpus: Corpus) -> dict:
+def simulate(
+    cfg: TrainConfig, workers: int, corpus: Corpus, start: dict[str, torch.Tensor] | None = None, eval_every: int = 0
+) -> dict:
     """One run of ``workers`` logical workers in this process: the training loop's model,
     optimizer, learning-rate schedule and batches (worker i gets slice i of the global batch,
     as rank i does), the lossy step of ``SimulatedDataParallel``, the routers' buffers averaged
-    over the workers before their update. Returns per-step figures and worker 0's final
-    teacher-forced validation loss."""
+    over the workers before their update. ``start``: a state dict every worker starts from (a
+    pretrained model) instead of the seed's initialisation. Returns per-step figures, worker 0's
+    final teacher-forced validation loss and, every ``eval_every`` steps, a point of its curve
+    (step, validation loss, the largest and the last step's ``max_drift`` since the point before)."""
     device = torch.device("cpu")
     model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, device)
+    if start is not None:
+        model.load_state_dict(start)
     if any(m.aux_loss_coef > 0 for m in model.modules() if isinstance(m, Router)):
         raise ValueError(
             "the simulator counts load-balancing fractions per worker, the processes over all ranks: "
@@ -117,6 +125,7 @@ def simulate(cfg: TrainConfig, workers: int, corpus: Corpus) -> dict:
         workers,
     )
     history: dict[str, list[float]] = {k: [] for k in HISTORY}
+    curve: list[dict] = []
     for replica in sim.replicas:
         replica.train()
     for step in range(1, cfg.optimizer.steps + 1):
@@ -136,8 +145,66 @@ def simulate(cfg: TrainConfig, workers: int, corpus: Corpus) -> dict:
         history["loss"].append(loss_sum / workers)
         for k in METRICS:
             history[k].append(metrics[k])
+        if eval_every and step % eval_every == 0 and step < cfg.optimizer.steps:
+            curve.append(_curve_point(sim.replicas[0], corpus, cfg, step, history["max_drift"][-eval_every:]))
     ev = evaluate(sim.replicas[0], corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=device, causal=False)
-    return {"val_loss": ev["teacher_forced_loss"], "history": history}
+    out = {"val_loss": ev["teacher_forced_loss"], "history": history}
+    if eval_every:
+        last = cfg.optimizer.steps - (cfg.optimizer.steps - 1) // eval_every * eval_every
+        tail = history["max_drift"][-last:]
+        out["curve"] = [*curve, _point(cfg.optimizer.steps, ev["teacher_forced_loss"], tail)]
+    return out
+
+
+def _curve_point(model, corpus: Corpus, cfg: TrainConfig, step: int, drifts: list[float]) -> dict:
+    ev = evaluate(model, corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=torch.device("cpu"), causal=False)
+    return _point(step, ev["teacher_forced_loss"], drifts)
+
+
+def _point(step: int, val_loss: float, drifts: list[float]) -> dict:
+    return {"step": step, "val_loss": val_loss, "max_drift": max(drifts), "max_drift_last": drifts[-1]}
+
+
+def pretrain(common: dict, batch_size: int) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """The pretrained start of ``common["pretrain"]`` (``steps``, ``seed``): ``train()`` run
+    reliably on one process with the study's recipe and the runs' global batch (the reliable
+    data-parallel step averages the workers' gradients of the same batch: the same update) for
+    ``steps`` steps, its own warmup and cosine schedule, evaluated 20 times along the way.
+    Returns its final state dict and validation curve; cached under runs/packet_loss/ by config."""
+    spec = common["pretrain"]
+    fields = dict(
+        preset=common["preset"],
+        model=dict(common["model"]),
+        router="topk",
+        router_options=dict(common["router_options"]),
+        max_bytes=common["max_bytes"],
+        seq_len=common["seq_len"],
+        batch_size=batch_size,
+        steps=spec["steps"],
+        seed=spec["seed"],
+        warmup_steps=common["warmup_steps"],
+        eval_windows=common["eval_windows"],
+        causal_stride=common["seq_len"],
+        eval_every=max(1, spec["steps"] // 20),
+        log_every=0,
+        progress=False,
+        wandb_mode="disabled",
+    )
+    key = hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    path = PRETRAINED / f"pretrained-{key}.pt"
+    if path.is_file():
+        saved = torch.load(path, weights_only=True)
+        return saved["state"], saved["curve"]
+    res = train(TrainConfig.flat(**fields), load_corpus("stdlib", max_bytes=common["max_bytes"]))
+    curve = [
+        {"step": r["step"], "val_loss": r["eval/teacher_forced_loss"]}
+        for r in res.history
+        if "eval/teacher_forced_loss" in r
+    ]
+    state = {k: v.detach().clone() for k, v in res.model.state_dict().items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"state": state, "curve": curve, "fields": fields}, path)
+    return state, curve
 
 
 def _process_worker(rank: int, world: int, jobs: list[dict], common: dict) -> list[dict]:
@@ -168,6 +235,11 @@ def summarise(raw: list[dict]) -> list[dict]:
     """One record per (tokens per step, workers, loss rate, policy) over its seeds; perplexity
     change paired by seed with the reliable run of the same size and workers."""
     base = {(r["batch_size"], r["workers"], r["seed"]): r["val_loss"] for r in raw if r["policy"] == "reliable"}
+    base_curve = {
+        (r["batch_size"], r["workers"], r["seed"]): r["curve"]
+        for r in raw
+        if r["policy"] == "reliable" and "curve" in r
+    }
     keys = sorted(
         dict.fromkeys((r["batch_size"], r["workers"], r["loss_rate"], r["policy"]) for r in raw),
         key=lambda k: (k[0], k[1], k[2], POLICIES.index(k[3])),
@@ -184,7 +256,8 @@ def summarise(raw: list[dict]) -> list[dict]:
         )
         paired = [r for r in rs if (batch, workers, r["seed"]) in base]
         change = [100 * (math.exp(r["val_loss"] - base[batch, workers, r["seed"]]) - 1) for r in paired]
-        per_seed = {k: np.asarray([np.mean(r["history"][k]) for r in rs]) for k in HISTORY}
+        # figures a study before them did not record (the predicted error, the noise share) are None
+        per_seed = {k: np.asarray([np.mean(r["history"][k]) for r in rs]) for k in HISTORY if k in rs[0]["history"]}
         val_loss = float(np.mean([r["val_loss"] for r in rs]))
         runs.append(
             {
@@ -201,8 +274,12 @@ def summarise(raw: list[dict]) -> list[dict]:
                 "ppl_change_pct": float(np.mean(change)) if change else None,
                 "ppl_change_se": _se(change),
                 "ppl_change_per_seed": change,
-                **{k: float(per_seed[k].mean()) for k in METRICS},
-                **{f"{k}_se": _se(per_seed[k].tolist()) for k in ("grad_rel_error", "grad_bias")},
+                **{k: float(per_seed[k].mean()) if k in per_seed else None for k in METRICS},
+                **{
+                    f"{k}_se": _se(per_seed[k].tolist()) if k in per_seed else None
+                    for k in ("grad_rel_error", "grad_rel_error_predicted", "grad_noise_share", "grad_bias")
+                },
+                **_curve_summary(rs, base_curve, (batch, workers)),
                 "val_ppl_sd_pct": _sd_pct([math.exp(r["val_loss"]) for r in rs]),
                 "max_drift": float(max(max(r["history"]["max_drift"]) for r in rs)),
                 "rms_drift_mean": float(per_seed["rms_drift"].mean()),
@@ -210,6 +287,32 @@ def summarise(raw: list[dict]) -> list[dict]:
             }
         )
     return runs
+
+
+def _curve_summary(rs: list[dict], base_curve: dict, size: tuple[int, int]) -> dict:
+    """With ``--eval-every``: per validation point, the perplexity change against the reliable
+    run of the same seed (mean ± SE over the paired seeds) and the replicas' drift (the largest
+    over the seeds of the largest since the point before)."""
+    paired = [r for r in rs if "curve" in r and (*size, r["seed"]) in base_curve]
+    if not paired:
+        return {}
+    points = []
+    for i, point in enumerate(paired[0]["curve"]):
+        change = [
+            100 * (math.exp(r["curve"][i]["val_loss"] - base_curve[(*size, r["seed"])][i]["val_loss"]) - 1)
+            for r in paired
+        ]
+        points.append(
+            {
+                "step": point["step"],
+                "val_loss": float(np.mean([r["curve"][i]["val_loss"] for r in paired])),
+                "ppl_change_pct": float(np.mean(change)),
+                "ppl_change_se": _se(change),
+                "max_drift": max(r["curve"][i]["max_drift"] for r in paired),
+                "max_drift_last": float(np.mean([r["curve"][i]["max_drift_last"] for r in paired])),
+            }
+        )
+    return {"curve": points}
 
 
 def _se(values: list[float]) -> float | None:
@@ -232,27 +335,156 @@ def _pm(value: float | None, se: float | None, fmt: str) -> str:
 def table(runs: list[dict]) -> str:
     lines = [
         "| tokens/step | workers | seq/worker | loss rate | policy | seeds | val ppl | seed sd % | ppl change % "
-        "| grad rel error | grad bias | received | max drift |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| grad rel error | predicted | noise share | grad bias | received | max drift |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         lines.append(
             f"| {r['tokens_per_step']} | {r['workers']} | {r['sequences_per_worker']} | {r['loss_rate']:.2f} | {r['policy']} "
             f"| {len(r['seeds'])} | {r['val_ppl']:.3f} | {_pm(r['val_ppl_sd_pct'], None, '.2f')} "
             f"| {_pm(r['ppl_change_pct'], r['ppl_change_se'], '+.2f')} "
-            f"| {_pm(r['grad_rel_error'], r['grad_rel_error_se'], '.4f')} | {_pm(r['grad_bias'], r['grad_bias_se'], '+.4f')} "
+            f"| {_pm(r['grad_rel_error'], r['grad_rel_error_se'], '.4f')} "
+            f"| {_pm(r['grad_rel_error_predicted'], r['grad_rel_error_predicted_se'], '.4f')} "
+            f"| {_pm(r['grad_noise_share'], r['grad_noise_share_se'], '.3f')} | {_pm(r['grad_bias'], r['grad_bias_se'], '+.4f')} "
             f"| {r['received_fraction']:.3f} | {r['max_drift']:.2e} |"
         )
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, pretrained: dict[str, list[dict]] | None = None) -> None:
+    """The study's figure, by the axis it varies: validation curves (``--eval-every``), a
+    pretrained start, the split of a fixed number of tokens per step among workers, or the
+    tokens per step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lossy = [r for r in runs if r["policy"] != "reliable" and r["ppl_change_pct"] is not None]
+    workers_at = {}
+    for r in runs:
+        workers_at.setdefault(r["tokens_per_step"], set()).add(r["workers"])
+    split = [t for t, ws in workers_at.items() if len(ws) > 1]
+    if any("curve" in r for r in lossy):
+        fig = _plot_curves(plt, lossy)
+    elif pretrained:
+        fig = _plot_pretrained(plt, lossy, pretrained)
+    elif split:
+        fig = _plot_split(plt, [r for r in runs if r["tokens_per_step"] == max(split)])
+    else:
+        fig = _plot_sizes(plt, lossy)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _paper_line(ax) -> None:
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.axhline(PAPER_PCT, color="red", lw=0.9, ls="--", label="paper: 0.8% at 10% (LLaMA-2 7B, 64 GPUs)")
+
+
+def _plot_curves(plt, lossy: list[dict]):
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for r in lossy:
+        label = f"{r['policy']} p={r['loss_rate']:g}, P={r['workers']} x {r['sequences_per_worker']}"
+        steps = [c["step"] for c in r["curve"]]
+        change = np.asarray([c["ppl_change_pct"] for c in r["curve"]])
+        se = np.asarray([c["ppl_change_se"] or 0.0 for c in r["curve"]])
+        (line,) = ax0.plot(steps, change, marker="o", ms=3, label=label)
+        ax0.fill_between(steps, change - se, change + se, color=line.get_color(), alpha=0.2)
+        ax1.plot(steps, [c["max_drift"] for c in r["curve"]], marker="o", ms=3, color=line.get_color(), label=label)
+        ax1.plot(steps, [c["max_drift_last"] for c in r["curve"]], ls=":", color=line.get_color())
+    _paper_line(ax0)
+    ax0.set(xlabel="step", ylabel="val perplexity change vs reliable (%)", title="the cost along training (mean ± SE)")
+    ax1.set(
+        xlabel="step",
+        ylabel="max |replica spread| of an element",
+        yscale="log",
+        title="drift: largest since the point before (solid), at the point (dotted)",
+    )
+    for ax in (ax0, ax1):
+        ax.legend(fontsize=7)
+    return fig
+
+
+def _plot_pretrained(plt, lossy: list[dict], pretrained: dict[str, list[dict]]):
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for batch, curve in pretrained.items():
+        ax0.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], marker="o", ms=3, label=f"batch {batch}")
+    ax0.set(xlabel="pretraining step", ylabel="val loss (nats)", title="the reliable pretraining the runs start from")
+    ax0.legend(fontsize=7)
+    names = [f"{r['policy']} p={r['loss_rate']:g}\nP={r['workers']} x {r['sequences_per_worker']}" for r in lossy]
+    x = np.arange(len(lossy))
+    ax1.bar(x, [r["ppl_change_pct"] for r in lossy], yerr=[r["ppl_change_se"] or 0.0 for r in lossy], capsize=4)
+    for i, r in enumerate(lossy):
+        ax1.plot([i] * len(r["ppl_change_per_seed"]), r["ppl_change_per_seed"], "k.", ms=4)
+    _paper_line(ax1)
+    ax1.set_xticks(x, names, fontsize=8)
+    ax1.set(
+        ylabel="val perplexity change vs reliable (%)", title="from the pretrained start (mean ± SE, seeds as dots)"
+    )
+    ax1.legend(fontsize=7)
+    return fig
+
+
+def _plot_split(plt, runs: list[dict]):
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.4))
+    workers = sorted({r["workers"] for r in runs})
+    ticks = [f"{w} x {runs[0]['batch_size'] // w}" for w in workers]
+    lossy = [r for r in runs if r["policy"] != "reliable" and r["ppl_change_pct"] is not None]
+    for rate, policy in dict.fromkeys((r["loss_rate"], r["policy"]) for r in lossy):
+        rs = sorted((r for r in lossy if (r["loss_rate"], r["policy"]) == (rate, policy)), key=lambda r: r["workers"])
+        ws, label = [r["workers"] for r in rs], f"{policy} p={rate:g}"
+        line = ax0.errorbar(
+            ws,
+            [r["ppl_change_pct"] for r in rs],
+            yerr=[r["ppl_change_se"] or 0.0 for r in rs],
+            marker="o",
+            capsize=3,
+            label=label,
+        )
+        color = line.lines[0].get_color()
+        ax1.errorbar(
+            ws,
+            [r["grad_rel_error"] for r in rs],
+            yerr=[r["grad_rel_error_se"] or 0.0 for r in rs],
+            marker="o",
+            capsize=3,
+            color=color,
+            label=f"{label}, measured",
+        )
+        pred = [(w, r["grad_rel_error_predicted"]) for w, r in zip(ws, rs) if r["grad_rel_error_predicted"] is not None]
+        if pred:
+            ax1.plot(*zip(*pred), "x", ms=9, color=color, label=f"{label}, predicted from the noise share")
+    shares = [(r["workers"], r["grad_noise_share"]) for r in runs if r["grad_noise_share"] is not None]
+    for policy in dict.fromkeys(r["policy"] for r in runs):
+        pts = sorted(
+            (r["workers"], r["grad_noise_share"])
+            for r in runs
+            if r["policy"] == policy and r["grad_noise_share"] is not None
+        )
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=policy)
+    _paper_line(ax0)
+    ax0.set(
+        ylabel="val perplexity change vs reliable (%)",
+        title=f"{runs[0]['tokens_per_step']:,} tokens per step, split (mean ± SE)",
+    )
+    ax1.set(ylabel="||estimate - mean|| / ||mean||", title="aggregated gradient's error per step")
+    ax2.set(
+        ylabel="sum |g_i - mean|^2 / (P^2 |mean|^2)",
+        title="noise share of the mean gradient" + ("" if shares else " (not recorded)"),
+    )
+    for ax in (ax0, ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xticks(workers, ticks)
+        ax.minorticks_off()
+        ax.set_xlabel("workers x sequences per worker")
+        ax.legend(fontsize=7)
+    return fig
+
+
+def _plot_sizes(plt, lossy: list[dict]):
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.4))
     for n, (rate, policy) in enumerate(dict.fromkeys((r["loss_rate"], r["policy"]) for r in lossy)):
         rs = sorted(
@@ -300,8 +532,7 @@ def plot(runs: list[dict], path: Path) -> None:
                     textcoords="offset points",
                     xytext=(5, 8),
                 )
-    ax0.axhline(0.0, color="grey", lw=0.8)
-    ax0.axhline(PAPER_PCT, color="red", lw=0.9, ls="--", label="paper: 0.8% at 10% (LLaMA-2 7B, 64 GPUs)")
+    _paper_line(ax0)
     ax0.set(
         ylabel="val perplexity change vs reliable (%)",
         title="cost of packet loss at equal steps (mean ± SE, paired seeds)",
@@ -316,30 +547,39 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.minorticks_off()
         ax.set_xlabel("tokens per step")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
-def write(json_path: Path, common: dict, commands: list[str], raw: list[dict], wall: float, final: bool) -> list[dict]:
-    """Write the per-run records (.raw.json), the summary (json, md) and, at the end, the figure."""
+def write(
+    json_path: Path,
+    common: dict,
+    commands: list[str],
+    raw: list[dict],
+    wall: float,
+    final: bool,
+    pretrained: dict[str, list[dict]] | None = None,
+) -> list[dict]:
+    """Write the per-run records (.raw.json), the summary (json, md) and, at the end, the figure.
+    ``pretrained``: the pretraining's validation curve per global batch (with ``--pretrain``)."""
     runs = summarise(raw)
     json_path.parent.mkdir(parents=True, exist_ok=True)
+    extra = {"pretrained_curves": pretrained} if pretrained else {}
     result = {
         "date": date.today().isoformat(),
         "wall_s": wall,
         "complete": final,
         "config": common,
         "commands": commands,
+        **extra,
         "runs": runs,
     }
     json_path.write_text(json.dumps(result, indent=1) + "\n")
     json_path.with_suffix(".raw.json").write_text(
-        json.dumps({"config": common, "commands": commands, "wall_s": wall, "runs": raw}) + "\n"
+        json.dumps({"config": common, "commands": commands, "wall_s": wall, **extra, "runs": raw}) + "\n"
     )
     json_path.with_suffix(".md").write_text(table(runs) + "\n")
     if final or len(raw) % 6 == 0:
-        plot(runs, json_path.with_suffix(".png"))
+        plot(runs, json_path.with_suffix(".png"), pretrained)
     return runs
 
 
@@ -387,6 +627,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--resync-every", type=int, default=0)
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument(
+        "--eval-every", type=int, default=0, help="with --simulate: a validation point every N steps (the curve)"
+    )
+    p.add_argument(
+        "--pretrain",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="with --simulate: every run starts from a model trained reliably for STEPS steps (0: from scratch)",
+    )
+    p.add_argument("--pretrain-seed", type=int, default=1000, help="the pretraining's seed (batches, initialisation)")
+    p.add_argument(
         "--json",
         type=Path,
         help="results JSON; .md, .png and .raw.json go next to it "
@@ -411,15 +662,24 @@ def main(argv: list[str] | None = None) -> dict:
         parts = [json.loads(path.read_text()) for path in args.merge]
         if any(part["config"] != parts[0]["config"] for part in parts):
             p.error("--merge: the parts ran with different settings")
-        raw = [r for part in parts for r in part["runs"]]
+        # a run stored twice (a part rerun with more figures): the later part's record
+        keyed = {
+            (r["batch_size"], r["workers"], r["loss_rate"], r["policy"], r["seed"]): r
+            for part in parts
+            for r in part["runs"]
+        }
+        raw = list(keyed.values())
         commands = [c for part in parts for c in part["commands"]] + [
             shlex.join(["python", "experiments/packet_loss.py", *argv])
         ]
-        runs = write(args.json, parts[0]["config"], commands, raw, sum(part["wall_s"] for part in parts), final=True)
+        wall = sum(part["wall_s"] for part in parts)
+        runs = write(args.json, parts[0]["config"], commands, raw, wall, True, parts[0].get("pretrained_curves"))
         print(table(runs))
         return {"config": parts[0]["config"], "runs": runs}
     if args.quick:
         args.runs, args.simulate, args.seeds, args.steps, args.eval_windows = ["16:4"], False, [0], 40, 32
+    if (args.eval_every or args.pretrain) and not args.simulate:
+        p.error("--eval-every and --pretrain need --simulate")
     common = {
         "preset": args.preset,
         "model": _overrides(args.model),
@@ -434,6 +694,11 @@ def main(argv: list[str] | None = None) -> dict:
         "baseline_rate": max(args.rates),
         "simulated": args.simulate,
     }
+    # only when asked for, so that the settings of the studies before them still compare equal
+    if args.eval_every:
+        common["eval_every"] = args.eval_every
+    if args.pretrain:
+        common["pretrain"] = {"steps": args.pretrain, "seed": args.pretrain_seed}
     corpus = load_corpus("stdlib", max_bytes=common["max_bytes"])
     common["model_config"] = asdict(
         model_config(
@@ -457,7 +722,7 @@ def main(argv: list[str] | None = None) -> dict:
     jobs = list({tuple(j.items()): j for j in jobs}.values())
     json_path = args.json or RESULTS / ("packet_loss_quick.json" if args.quick else "packet_loss.json")
     command = shlex.join(["python", "experiments/packet_loss.py", *argv])
-    raw, wall, commands = [], 0.0, [command]
+    raw, wall, commands, pretrained = [], 0.0, [command], {}
     if args.add_to:
         raw_path = json_path.with_suffix(".raw.json")
         if not raw_path.exists():
@@ -466,6 +731,7 @@ def main(argv: list[str] | None = None) -> dict:
         if stored["config"] != common:
             p.error(f"--add-to: the stored study ran with {stored['config']}, this one would run with {common}")
         raw, wall, commands = stored["runs"], stored["wall_s"], [*stored["commands"], command]
+        pretrained = stored.get("pretrained_curves", {})
         done = {(r["batch_size"], r["workers"], r["loss_rate"], r["policy"], r["seed"]) for r in raw}
         jobs = [j for j in jobs if (j["batch_size"], j["workers"], j["loss_rate"], j["policy"], j["seed"]) not in done]
     print(
@@ -473,9 +739,20 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     if args.simulate:
+        starts = {}
+        for b in dict.fromkeys(j["batch_size"] for j in jobs) if args.pretrain else ():
+            t0 = time.perf_counter()
+            starts[b], pretrained[str(b)] = pretrain(common, b)
+            print(
+                f"  pretrained start, batch {b}: val loss {pretrained[str(b)][-1]['val_loss']:.4f} "
+                f"after {args.pretrain} steps ({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
         for job in jobs:
             t0 = time.perf_counter()
-            res = simulate(run_config(common, job), job["workers"], corpus)
+            res = simulate(
+                run_config(common, job), job["workers"], corpus, starts.get(job["batch_size"]), args.eval_every
+            )
             raw.append({**job, **_compact(res), "wall_s": time.perf_counter() - t0})
             wall += raw[-1]["wall_s"]
             print(
@@ -484,7 +761,7 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{np.mean(res['history']['grad_rel_error']):.4f} ({raw[-1]['wall_s']:.0f}s)",
                 flush=True,
             )
-            write(json_path, common, commands, raw, wall, final=False)
+            write(json_path, common, commands, raw, wall, False, pretrained)
     for workers in dict.fromkeys(j["workers"] for j in jobs if not args.simulate):
         t0 = time.perf_counter()
         mine = [j for j in jobs if j["workers"] == workers]
@@ -495,8 +772,8 @@ def main(argv: list[str] | None = None) -> dict:
             )[0]
         ]
         wall += time.perf_counter() - t0
-        write(json_path, common, commands, raw, wall, final=False)
-    runs = write(json_path, common, commands, raw, wall, final=True)
+        write(json_path, common, commands, raw, wall, False, pretrained)
+    runs = write(json_path, common, commands, raw, wall, True, pretrained)
     print(table(runs))
     print(f"wrote {json_path} (+ .md, .png, .raw.json); {wall / 60:.1f} min of runs in all")
     return {"config": common, "runs": runs}
