@@ -13,6 +13,13 @@ against the reliable run of the same seed (same initialisation, batches and pack
         --json experiments/results/packet_loss_scaling_parts/seed$s.json & done; wait
     python experiments/packet_loss.py --merge experiments/results/packet_loss_scaling_parts/seed{0,1,2}.raw.json \
         --json experiments/results/packet_loss_scaling.json
+    # why the cost grows (docs/studies.md): 8,192 tokens per step split 64 x 2, 16 x 8, 4 x 32; a pretrained
+    # start (--pretrain STEPS: train() reliably first); 4x the steps with a validation curve (--eval-every)
+    C="--simulate --rates 0.1 --seq-len 64 --eval-windows 128 --model n_layers=1"
+    python experiments/packet_loss.py $C --runs 128:64 128:16 128:4 --steps 250 --json experiments/results/packet_loss_split.json
+    python experiments/packet_loss.py $C --runs 128:64 --steps 250 --pretrain 2000 --json experiments/results/packet_loss_pretrained.json
+    python experiments/packet_loss.py $C --runs 128:4 --policies unbiased --steps 1000 --eval-every 50 \
+        --json experiments/results/packet_loss_length.json
 
 ``--runs B:P ...``: global batch B (sequences per step; tokens per step = B x seq_len) over P
 workers (B / P sequences each). Without ``--simulate`` a run is the training loop itself
@@ -29,6 +36,10 @@ local gradients), ``grad_bias`` (<estimate - mean, mean> / ||mean||^2), the deli
 fraction and the replicas' drift. Per configuration: the perplexity change against the
 reliable run of the same seed, the mean of the per-seed paired changes with its standard
 error, and the gradient figures averaged over steps, with standard errors over seeds.
+
+Beside the measured error, ``grad_rel_error_predicted`` is what the policy's error should be in
+expectation over the loss pattern given the step's gradients, and ``noise_share`` the part of
+the mean gradient's square norm that is sampling noise (``moe.parallel.lossy.data_parallel``).
 
 Writes ``--json`` (``{"config", "commands", "runs": [{"workers", "tokens_per_step",
 "loss_rate", "policy", "seeds", "ppl_change_pct", "ppl_change_se", "grad_rel_error", ...}]}``),
@@ -279,6 +290,7 @@ def summarise(raw: list[dict]) -> list[dict]:
                     f"{k}_se": _se(per_seed[k].tolist()) if k in per_seed else None
                     for k in ("grad_rel_error", "grad_rel_error_predicted", "grad_noise_share", "grad_bias")
                 },
+                **_noise_share(per_seed.get("grad_noise_share"), workers),
                 **_curve_summary(rs, base_curve, (batch, workers)),
                 "val_ppl_sd_pct": _sd_pct([math.exp(r["val_loss"]) for r in rs]),
                 "max_drift": float(max(max(r["history"]["max_drift"]) for r in rs)),
@@ -287,6 +299,15 @@ def summarise(raw: list[dict]) -> list[dict]:
             }
         )
     return runs
+
+
+def _noise_share(per_seed: np.ndarray | None, workers: int) -> dict:
+    """The noise share Var(mean) / |mean|^2 over the seeds (mean, SE): the step's
+    ``grad_noise_share`` is (P - 1) / P of it in expectation (``moe.parallel.lossy``)."""
+    if per_seed is None:
+        return {"noise_share": None, "noise_share_se": None}
+    share = per_seed * workers / (workers - 1)
+    return {"noise_share": float(share.mean()), "noise_share_se": _se(share.tolist())}
 
 
 def _curve_summary(rs: list[dict], base_curve: dict, size: tuple[int, int]) -> dict:
@@ -345,7 +366,7 @@ def table(runs: list[dict]) -> str:
             f"| {_pm(r['ppl_change_pct'], r['ppl_change_se'], '+.2f')} "
             f"| {_pm(r['grad_rel_error'], r['grad_rel_error_se'], '.4f')} "
             f"| {_pm(r['grad_rel_error_predicted'], r['grad_rel_error_predicted_se'], '.4f')} "
-            f"| {_pm(r['grad_noise_share'], r['grad_noise_share_se'], '.3f')} | {_pm(r['grad_bias'], r['grad_bias_se'], '+.4f')} "
+            f"| {_pm(r['noise_share'], r['noise_share_se'], '.3f')} | {_pm(r['grad_bias'], r['grad_bias_se'], '+.4f')} "
             f"| {r['received_fraction']:.3f} | {r['max_drift']:.2e} |"
         )
     return "\n".join(lines)
@@ -371,6 +392,9 @@ def plot(runs: list[dict], path: Path, pretrained: dict[str, list[dict]] | None 
         fig = _plot_pretrained(plt, lossy, pretrained)
     elif split:
         fig = _plot_split(plt, [r for r in runs if r["tokens_per_step"] == max(split)])
+    elif len({(r["tokens_per_step"], r["workers"]) for r in lossy}) == 1:
+        fig, ax = plt.subplots(figsize=(6.5, 4.4))
+        _bars(ax, lossy)
     else:
         fig = _plot_sizes(plt, lossy)
     fig.tight_layout()
@@ -413,18 +437,22 @@ def _plot_pretrained(plt, lossy: list[dict], pretrained: dict[str, list[dict]]):
         ax0.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], marker="o", ms=3, label=f"batch {batch}")
     ax0.set(xlabel="pretraining step", ylabel="val loss (nats)", title="the reliable pretraining the runs start from")
     ax0.legend(fontsize=7)
+    _bars(ax1, lossy)
+    ax1.set_title("from the pretrained start (mean ± SE, seeds as dots)")
+    return fig
+
+
+def _bars(ax, lossy: list[dict]) -> None:
+    """The perplexity change of each lossy configuration of one point: mean ± SE, seeds as dots."""
     names = [f"{r['policy']} p={r['loss_rate']:g}\nP={r['workers']} x {r['sequences_per_worker']}" for r in lossy]
     x = np.arange(len(lossy))
-    ax1.bar(x, [r["ppl_change_pct"] for r in lossy], yerr=[r["ppl_change_se"] or 0.0 for r in lossy], capsize=4)
+    ax.bar(x, [r["ppl_change_pct"] for r in lossy], yerr=[r["ppl_change_se"] or 0.0 for r in lossy], capsize=4)
     for i, r in enumerate(lossy):
-        ax1.plot([i] * len(r["ppl_change_per_seed"]), r["ppl_change_per_seed"], "k.", ms=4)
-    _paper_line(ax1)
-    ax1.set_xticks(x, names, fontsize=8)
-    ax1.set(
-        ylabel="val perplexity change vs reliable (%)", title="from the pretrained start (mean ± SE, seeds as dots)"
-    )
-    ax1.legend(fontsize=7)
-    return fig
+        ax.plot([i] * len(r["ppl_change_per_seed"]), r["ppl_change_per_seed"], "k.", ms=4)
+    _paper_line(ax)
+    ax.set_xticks(x, names, fontsize=8)
+    ax.set(ylabel="val perplexity change vs reliable (%)", title="the cost at this point (mean ± SE, seeds as dots)")
+    ax.legend(fontsize=7)
 
 
 def _plot_split(plt, runs: list[dict]):
@@ -456,12 +484,10 @@ def _plot_split(plt, runs: list[dict]):
         pred = [(w, r["grad_rel_error_predicted"]) for w, r in zip(ws, rs) if r["grad_rel_error_predicted"] is not None]
         if pred:
             ax1.plot(*zip(*pred), "x", ms=9, color=color, label=f"{label}, predicted from the noise share")
-    shares = [(r["workers"], r["grad_noise_share"]) for r in runs if r["grad_noise_share"] is not None]
+    shares = [(r["workers"], r["noise_share"]) for r in runs if r["noise_share"] is not None]
     for policy in dict.fromkeys(r["policy"] for r in runs):
         pts = sorted(
-            (r["workers"], r["grad_noise_share"])
-            for r in runs
-            if r["policy"] == policy and r["grad_noise_share"] is not None
+            (r["workers"], r["noise_share"]) for r in runs if r["policy"] == policy and r["noise_share"] is not None
         )
         if pts:
             ax2.plot(*zip(*pts), marker="o", label=policy)

@@ -42,11 +42,12 @@ Every rank but the owner loses a packet with probability p, independently of the
 * reweighted: (p / q) sum_{r != j} |g_r^(j)|^2 / P^2.
 
 Summed over the shards and divided by |mean|^2. For many workers the unbiased figure tends to
-sqrt(p / q * noise share), where the **noise share** ``grad_noise_share`` = sum_i |d_i|^2 /
-(P^2 |mean|^2) estimates the part of the mean gradient's square norm that is sampling noise
-(its variance over |mean|^2): averaging what arrived loses only the workers' noise, never the
-signal they share, and at a fixed number of sequences per step that share is the same however
-they are split among workers.
+sqrt(p / q * grad_noise_share), with ``grad_noise_share`` = sum_i |d_i|^2 / (P^2 |mean|^2):
+averaging what arrived loses only the workers' noise, never the signal they share. Its
+expectation is (P - 1) / P times the **noise share** Var(mean) / |mean|^2, the part of the mean
+gradient's square norm that is sampling noise, which at a fixed number of sequences per step
+is the same however they are split among workers (``experiments/packet_loss.py`` reports the
+noise share, P / (P - 1) times the figure).
 
 **Policies.** For one packet of shard j let m_i in {0, 1} say whether rank i's packet arrived
 (m_j = 1: the owner's own never travels) and M = sum_i m_i.
