@@ -498,7 +498,7 @@ def _plot_split(plt, runs: list[dict]):
     )
     ax1.set(ylabel="||estimate - mean|| / ||mean||", title="aggregated gradient's error per step")
     ax2.set(
-        ylabel="sum |g_i - mean|^2 / (P^2 |mean|^2)",
+        ylabel="Var(mean) / |mean|^2, from the workers' spread",
         title="noise share of the mean gradient" + ("" if shares else " (not recorded)"),
     )
     for ax in (ax0, ax1, ax2):
