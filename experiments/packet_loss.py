@@ -455,6 +455,12 @@ def _bars(ax, lossy: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
+def _errorbar(ax, x: list, rs: list[dict], key: str, se_key: str | None = None, **kwargs):
+    """``key`` of each summary in ``rs`` against ``x``, with its standard error (``key_se``) as the bar."""
+    se_key = se_key or f"{key}_se"
+    return ax.errorbar(x, [r[key] for r in rs], yerr=[r[se_key] or 0.0 for r in rs], marker="o", capsize=3, **kwargs)
+
+
 def _plot_split(plt, runs: list[dict]):
     fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(16, 4.4))
     workers = sorted({r["workers"] for r in runs})
@@ -463,24 +469,9 @@ def _plot_split(plt, runs: list[dict]):
     for rate, policy in dict.fromkeys((r["loss_rate"], r["policy"]) for r in lossy):
         rs = sorted((r for r in lossy if (r["loss_rate"], r["policy"]) == (rate, policy)), key=lambda r: r["workers"])
         ws, label = [r["workers"] for r in rs], f"{policy} p={rate:g}"
-        line = ax0.errorbar(
-            ws,
-            [r["ppl_change_pct"] for r in rs],
-            yerr=[r["ppl_change_se"] or 0.0 for r in rs],
-            marker="o",
-            capsize=3,
-            label=label,
-        )
+        line = _errorbar(ax0, ws, rs, "ppl_change_pct", "ppl_change_se", label=label)
         color = line.lines[0].get_color()
-        ax1.errorbar(
-            ws,
-            [r["grad_rel_error"] for r in rs],
-            yerr=[r["grad_rel_error_se"] or 0.0 for r in rs],
-            marker="o",
-            capsize=3,
-            color=color,
-            label=f"{label}, measured",
-        )
+        _errorbar(ax1, ws, rs, "grad_rel_error", color=color, label=f"{label}, measured")
         pred = [(w, r["grad_rel_error_predicted"]) for w, r in zip(ws, rs) if r["grad_rel_error_predicted"] is not None]
         if pred:
             ax1.plot(*zip(*pred), "x", ms=9, color=color, label=f"{label}, predicted from the noise share")
@@ -517,23 +508,9 @@ def _plot_sizes(plt, lossy: list[dict]):
             (r for r in lossy if (r["loss_rate"], r["policy"]) == (rate, policy)), key=lambda r: r["tokens_per_step"]
         )
         label, tokens = f"{policy} p={rate:g}", [r["tokens_per_step"] for r in rs]
-        ax0.errorbar(
-            tokens,
-            [r["ppl_change_pct"] for r in rs],
-            yerr=[r["ppl_change_se"] or 0.0 for r in rs],
-            marker="o",
-            capsize=3,
-            label=label,
-        )
+        _errorbar(ax0, tokens, rs, "ppl_change_pct", "ppl_change_se", label=label)
         for ax, key in ((ax1, "grad_rel_error"), (ax2, "grad_bias")):
-            ax.errorbar(
-                tokens,
-                [r[key] for r in rs],
-                yerr=[r[f"{key}_se"] or 0.0 for r in rs],
-                marker="o",
-                capsize=3,
-                label=label,
-            )
+            _errorbar(ax, tokens, rs, key, label=label)
         if policy == "naive":
             ax2.plot(
                 tokens,
