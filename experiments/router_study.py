@@ -17,7 +17,9 @@ keyed by a hash of its full config, so a row already in the results JSON is neve
 ``--update`` adds the rows that are missing (an interrupted study resumes the same way). The
 results JSON (default ``experiments/results/router_study.json``) holds every row's config,
 seed, command and measurements; the markdown table and the figure beside it are drawn from
-the JSON alone (``--replot``). Rows run in ``--workers`` processes, one thread each, and the
+the JSON alone (``--replot``), and so, once expert choice's selection pool has been swept
+(``--routers pool``), are a second table and ``<name>_pool.png``: each pool against ``topk_aux``
+trained with the same batch, paired by seed. Rows run in ``--workers`` processes, one thread each, and the
 JSON is rewritten after every row.
 
 Equal compute: every MoE router's options set a mean number of experts per token
@@ -311,6 +313,52 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+POOL_ROUTERS = ("expert_choice", "expert_choice_batch", "expert_choice_batch_b48")
+POOL_CONTROL = "topk_aux"
+"""The pool sweep: expert choice selecting from a sequence, the batch, a 4x larger batch (at equal
+tokens per step), each against ``topk_aux`` trained with the same batch (``topk_aux_b48``)."""
+
+
+def pool_tokens(row: dict) -> int:
+    """Tokens one expert-choice selection ranks: a sequence (T) or the whole batch (B x T)."""
+    data = row["config"]["data"]
+    return data["seq_len"] * (data["batch_size"] if row["router_options"].get("group") == "batch" else 1)
+
+
+def pool_sweep(rows: list[dict]) -> list[dict]:
+    """Per corpus x size x pool router: its batch and pool size, the losses (mean ± se over
+    seeds) and the causal-loss difference from ``topk_aux`` at the same batch size, paired by seed."""
+    out = []
+    for corpus, size in sorted({(r["corpus"], r["size"]) for r in rows}):
+        panel = [r for r in rows if (r["corpus"], r["size"]) == (corpus, size)]
+        for label in POOL_ROUTERS:
+            mine = {r["seed"]: r for r in panel if r["router"] == label}
+            if not mine:
+                continue
+            first = next(iter(mine.values()))
+            batch = first["config"]["data"]["batch_size"]
+            control = {
+                r["seed"]: r
+                for r in panel
+                if r["router_name"] == "topk"
+                and r["router_options"] == ROUTERS[POOL_CONTROL][1]
+                and r["config"]["data"]["batch_size"] == batch
+            }
+            s = {"corpus": corpus, "size": size, "router": label, "batch_size": batch, "pool": pool_tokens(first)}
+            s["seeds"] = sorted(mine)
+            for k in ("teacher_forced_loss", "causal_loss", "leakage_gap"):
+                s[k], s[k + "_se"] = mean_se([r[k] for r in mine.values()])
+            paired = sorted(mine.keys() & control.keys())
+            if paired:
+                s["control"] = next(iter(control.values()))["router"]
+                for k in ("teacher_forced_loss", "causal_loss"):
+                    diff = [mine[i][k] - control[i][k] for i in paired]
+                    s[k + "_vs_control"], s[k + "_vs_control_se"] = mean_se(diff)
+                s["control_n"] = len(paired)
+            out.append(s)
+    return out
+
+
 def markdown(result: dict) -> str:
     lines = [
         f"Router study ({len(result['rows'])} rows, {result['wall_time_s'] / 60:.0f} min of runs). Losses in nats on "
@@ -340,6 +388,30 @@ def markdown(result: dict) -> str:
             f"{f(s, 'teacher_forced_loss')} | {f(s, 'causal_loss')} | {f(s, 'leakage_gap')} | {f(s, 'max_vio', 3)} | "
             f"{s['dead_experts']} | {f(s, 'active_experts_mean', 2)} | {s['tokens_per_s']:,.0f} | {vs} |"
         )
+    sweep = pool_sweep(result["rows"])
+    if sweep:
+        lines += [
+            "",
+            "Expert choice's selection pool: each expert ranks the tokens of a sequence or of the whole batch; "
+            "a 4x larger batch takes a quarter of the steps (equal tokens). vs top-k = difference from topk_aux "
+            "trained with the same batch, paired by seed (teacher-forced and causal).",
+            "",
+            "| corpus | size | router | batch | pool (tokens) | seeds | teacher-forced | causal | gap | "
+            "vs top-k, teacher-forced | vs top-k, causal |",
+            "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for s in sweep:
+            vs = [
+                f"{s[k + '_vs_control']:+.4f} ± {s[k + '_vs_control_se']:.4f} (n {s['control_n']})"
+                if "control" in s
+                else "no control"
+                for k in ("teacher_forced_loss", "causal_loss")
+            ]
+            lines.append(
+                f"| {s['corpus']} | {s['size']} | {s['router']} | {s['batch_size']} | {s['pool']:,} | "
+                f"{len(s['seeds'])} | {f(s, 'teacher_forced_loss')} | {f(s, 'causal_loss')} | "
+                f"{f(s, 'leakage_gap')} | {vs[0]} | {vs[1]} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -399,6 +471,47 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_pool(sweep: list[dict], path: Path) -> None:
+    """Expert choice's losses against its selection pool, each minus topk_aux at the same batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(s["corpus"], s["size"]) for s in sweep})
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        sub = sorted(
+            (s for s in sweep if (s["corpus"], s["size"]) == panel and "control" in s), key=lambda s: s["pool"]
+        )
+        for k, label, color in (
+            ("teacher_forced_loss", "teacher-forced", "tab:gray"),
+            ("causal_loss", "causal (decoded)", "tab:blue"),
+        ):
+            ax.errorbar(
+                [s["pool"] for s in sub],
+                [s[k + "_vs_control"] for s in sub],
+                yerr=[2 * s[k + "_vs_control_se"] for s in sub],
+                marker="o",
+                capsize=3,
+                label=label,
+                color=color,
+            )
+        for s in sub:
+            ax.annotate(f"batch {s['batch_size']}", (s["pool"], s["causal_loss_vs_control"]), fontsize=7)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set(
+            title=f"{panel[0]}, {panel[1]}: expert choice - topk_aux, same batch",
+            xlabel="selection pool (tokens)",
+            ylabel="loss difference, nats (±2 se, paired)",
+        )
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def render(result: dict, json_path: Path) -> str:
     tmp = json_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
@@ -407,6 +520,9 @@ def render(result: dict, json_path: Path) -> str:
     json_path.with_suffix(".md").write_text(table)
     if result["rows"]:
         plot(result, json_path.with_suffix(".png"))
+    sweep = [s for s in pool_sweep(result["rows"]) if "control" in s]
+    if len({s["pool"] for s in sweep}) > 1:
+        plot_pool(sweep, json_path.with_name(json_path.stem + "_pool.png"))
     return table
 
 

