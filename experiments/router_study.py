@@ -16,11 +16,13 @@ A study is a list of rows (corpus x size x router x seed); each row is one ``Tra
 keyed by a hash of its full config, so a row already in the results JSON is never rerun:
 ``--update`` adds the rows that are missing (an interrupted study resumes the same way). The
 results JSON (default ``experiments/results/router_study.json``) holds every row's config,
-seed, command and measurements; the markdown table and the figure beside it are drawn from
-the JSON alone (``--replot``), and so, once expert choice's selection pool has been swept
-(``--routers pool``), are a second table and ``<name>_pool.png``: each pool against ``topk_aux``
-trained with the same batch, paired by seed. Rows run in ``--workers`` processes, one thread each, and the
-JSON is rewritten after every row.
+seed, command, measurements and the SHA-256 of the tokens it trained on (``data_sha256``; an
+``--update`` whose corpus differs from the one stored rows trained on stops). The markdown
+table and the figure beside it are drawn from the JSON alone (``--replot``), and so, once
+expert choice's selection pool has been swept (``--routers pool``), are a second table and
+``<name>_pool.png``: each pool against ``topk_aux`` trained with the same batch, paired by
+seed. Rows run in ``--workers`` processes, one thread each, and the JSON is rewritten after
+every row.
 
 Equal compute: every MoE router's options set a mean number of experts per token
 (``Router.nominal_experts_per_token``); times the expert width it must equal the dense
@@ -213,19 +215,43 @@ def check_compute(labels: list[str], sizes: list[str], allow_unequal: bool) -> N
                 )
 
 
-def check_row(fields: dict, checked: set) -> None:
+def data_sha256(corpus) -> str:
+    """SHA-256 of what a row trains and validates on: the vocabulary size and every token id of
+    both splits (int64, in order), read a million positions at a time."""
+    digest = hashlib.sha256(str(corpus.vocab_size).encode())
+    for split in (corpus.train, corpus.val):
+        n = split.numel()
+        for start in range(0, n, 1 << 20):
+            digest.update(split[torch.arange(start, min(n, start + (1 << 20)))].long().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_row(fields: dict, checked: dict) -> str:
     """The row's config validates and its corpus holds a window of seq_len + 1 tokens in both
-    splits (each corpus loaded once): a bad row stops the study before any training starts."""
+    splits (each corpus loaded once): a bad row stops the study before any training starts.
+    Returns the corpus's :func:`data_sha256`."""
     from moe.training import TrainConfig
 
     try:
         data = TrainConfig.flat(**fields).data
         key = json.dumps(dataclasses.asdict(data), sort_keys=True)
         if key not in checked:
-            data.load()
-            checked.add(key)
+            checked[key] = data_sha256(data.load())
     except ValueError as e:
         raise StudyError(str(e)) from None
+    return checked[key]
+
+
+def check_data(spec: dict, rows: list[dict]) -> None:
+    """Stored rows of the spec's corpus that recorded their data must have trained on the same
+    tokens: otherwise new rows would be compared with rows of another corpus under one name."""
+    for r in rows:
+        if r["corpus"] == spec["corpus"] and r.get("data_sha256", spec["data_sha256"]) != spec["data_sha256"]:
+            raise StudyError(
+                f"corpus {spec['corpus']!r} is not the data the stored rows trained on (sha256 "
+                f"{spec['data_sha256'][:12]} now, {r['data_sha256'][:12]} in row {r['key']}): prepare it as they "
+                "did, or start a new results file with --json"
+            )
 
 
 def run_row(spec: dict) -> dict:
@@ -239,7 +265,7 @@ def run_row(spec: dict) -> dict:
     late = hist[len(hist) - max(1, len(hist) // 10) :]
     model = res.model
     return {
-        **{k: spec[k] for k in ("key", "corpus", "size", "router", "seed", "commit")},
+        **{k: spec[k] for k in ("key", "corpus", "size", "router", "seed", "commit", "data_sha256")},
         "router_name": spec["fields"]["router"] if spec["router"] != "dense" else "dense",
         "router_options": spec["fields"]["router_options"] if spec["router"] != "dense" else {},
         "active_params": model.num_parameters(active=True),
@@ -566,7 +592,7 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
     command = "python experiments/router_study.py " + " ".join(sys.argv[1:])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     commit = commit.stdout.strip()
-    todo, checked = [], set()
+    todo, checked = [], {}
     for seed in args.seeds:  # seed-major: a study stopped early has every router at its first seeds
         for corpus in corpora:
             for size in sizes:
@@ -574,7 +600,8 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
                     fields = row_config(corpus, size, label, seed, args.quick)
                     spec = {"corpus": corpus, "size": size, "router": label, "seed": seed, "fields": fields}
                     spec["key"] = row_key(spec)
-                    check_row(fields, checked)
+                    spec["data_sha256"] = check_row(fields, checked)
+                    check_data(spec, result["rows"])
                     if spec["key"] not in done:
                         todo.append({**spec, "command": command, "commit": commit})
     return json_path, result, todo

@@ -3,11 +3,14 @@ rows and reruns none, and bad requests stop in one line with exit 2."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 
 import pytest
 from helpers import ROOT
+
+from moe.training import TrainConfig
 
 sys.path.insert(0, str(ROOT / "experiments"))  # importable by name, also in the study's spawned workers
 import router_study as study  # noqa: E402
@@ -38,6 +41,9 @@ def test_quick_study_writes_rows_and_update_adds_without_rerunning(tmp_path):
         assert all(k in r for k in FIELDS), sorted(set(FIELDS) - set(r))
         assert r["config"]["model"]["router"] == r["router_name"] and r["config"]["seed"] == 0
         assert r["causal_method"] == "cache" and r["leakage_gap"] == pytest.approx(0.0, abs=1e-6)
+    corpus = TrainConfig.flat(**study.row_config("stdlib-bytes", "quick", "topk_aux", 0, True)).data.load()
+    tokens = b"".join(split.long().numpy().tobytes() for split in (corpus.train, corpus.val))
+    assert {r["data_sha256"] for r in first["rows"]} == {hashlib.sha256(b"256" + tokens).hexdigest()}
     assert path.with_suffix(".md").read_text().count("| stdlib-bytes | quick |") == 2
     assert path.with_suffix(".png").stat().st_size > 10_000
     stored = json.loads(path.read_text())["rows"]
@@ -83,6 +89,17 @@ def test_an_existing_study_is_only_added_to_with_update(tmp_path, capsys):
     with pytest.raises(SystemExit):
         study.main([*QUICK, "--json", str(path)])
     assert "pass --update" in capsys.readouterr().err
+
+
+def test_an_update_on_other_data_than_the_stored_rows_stops(tmp_path, capsys):
+    path = tmp_path / "s.json"
+    stored = {"key": "0123456789abcdef", "corpus": "stdlib-bytes", "data_sha256": "f" * 64}
+    path.write_text(json.dumps({"rows": [stored], "wall_time_s": 0.0}))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main([*QUICK, "--update", "--json", str(path)])
+    assert exit_info.value.code == 2
+    assert "not the data the stored rows trained on" in capsys.readouterr().err
+    assert json.loads(path.read_text())["rows"] == [stored]  # nothing trained, nothing written
 
 
 def test_every_study_router_has_the_dense_compute():
