@@ -491,7 +491,8 @@ def plot(result: dict, path: Path) -> None:
             if hist and sum(hist):
                 ax.plot(range(len(hist)), [h / sum(hist) for h in hist], marker="o", label=s["router"])
         ax.set(title="experts per token (eval)", xlabel="experts", ylabel="fraction of token-layer pairs")
-        ax.legend(fontsize=7)
+        if ax.lines:  # a panel of dense rows only has no experts to draw
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
