@@ -385,6 +385,12 @@ def pool_sweep(rows: list[dict]) -> list[dict]:
     return out
 
 
+def pm(value: float, se: float, digits: int = 4, sign: bool = False) -> str:
+    """``value ± se``, or the value alone where one seed gives no standard error (NaN)."""
+    v = f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+    return v if math.isnan(se) else f"{v} ± {se:.{digits}f}"
+
+
 def markdown(result: dict) -> str:
     lines = [
         f"Router study ({len(result['rows'])} rows, {result['wall_time_s'] / 60:.0f} min of runs). Losses in nats on "
@@ -398,16 +404,15 @@ def markdown(result: dict) -> str:
     ]
 
     def f(s, k, digits=4):
-        se = s[k + "_se"]
-        return f"{s[k]:.{digits}f}" + ("" if math.isnan(se) else f" ± {se:.{digits}f}")
+        return pm(s[k], s[k + "_se"], digits)
 
     for s in summarise(result["rows"]):
         vs = ""
         if "paired_diff" in s:
             se = s["paired_diff_se"]
             z = s["paired_diff"] / se if se and not math.isnan(se) else float("nan")
-            vs = f"{s['paired_diff']:+.4f} ± {se:.4f} vs {s['baseline']}" + (
-                f" (z {z:+.1f})" if not math.isnan(z) else ""
+            vs = f"{pm(s['paired_diff'], se, sign=True)} vs {s['baseline']}" + (
+                f" (z {z:+.1f})" if not math.isnan(z) else f" ({s['paired_n']} seed)"
             )
         lines.append(
             f"| {s['corpus']} | {s['size']} | {s['router']} | {len(s['seeds'])} | {s['active_params']:,} | "
@@ -428,7 +433,7 @@ def markdown(result: dict) -> str:
         ]
         for s in sweep:
             vs = [
-                f"{s[k + '_vs_control']:+.4f} ± {s[k + '_vs_control_se']:.4f} (n {s['control_n']})"
+                f"{pm(s[k + '_vs_control'], s[k + '_vs_control_se'], sign=True)} (n {s['control_n']})"
                 if "control" in s
                 else "no control"
                 for k in ("teacher_forced_loss", "causal_loss")
