@@ -503,6 +503,14 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def pool_panels(sweep: list[dict]) -> list[tuple[str, str]]:
+    """The corpus x size panels of the sweep that hold more than one pool size."""
+    pools: dict[tuple[str, str], set[int]] = {}
+    for s in sweep:
+        pools.setdefault((s["corpus"], s["size"]), set()).add(s["pool"])
+    return sorted(panel for panel, sizes in pools.items() if len(sizes) > 1)
+
+
 def plot_pool(sweep: list[dict], path: Path) -> None:
     """Expert choice's losses against its selection pool, each minus topk_aux at the same batch."""
     import matplotlib
@@ -510,7 +518,7 @@ def plot_pool(sweep: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(s["corpus"], s["size"]) for s in sweep})
+    panels = pool_panels(sweep)
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         sub = sorted(
@@ -553,7 +561,7 @@ def render(result: dict, json_path: Path) -> str:
     if result["rows"]:
         plot(result, json_path.with_suffix(".png"))
     sweep = [s for s in pool_sweep(result["rows"]) if "control" in s]
-    if len({s["pool"] for s in sweep}) > 1:
+    if pool_panels(sweep):
         plot_pool(sweep, json_path.with_name(json_path.stem + "_pool.png"))
     return table
 
