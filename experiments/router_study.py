@@ -296,9 +296,24 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return m, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
 
 
+def paired_t(diffs: list[float]) -> tuple[float, float]:
+    """The paired t-test of differences (one per seed) against zero: the statistic (mean / standard
+    error) and its two-sided p with n - 1 degrees of freedom; NaN for one pair or no spread."""
+    if len(diffs) < 2 or statistics.stdev(diffs) == 0:
+        return float("nan"), float("nan")
+    try:
+        from scipy import stats
+    except ImportError:
+        raise StudyError("the study's t-tests need scipy: pip install 'scipy>=1.10'") from None
+
+    test = stats.ttest_1samp(diffs, 0.0)
+    return float(test.statistic), float(test.pvalue)
+
+
 def summarise(rows: list[dict]) -> list[dict]:
     """One entry per corpus x size x router: means and standard errors over seeds, and the
-    causal-loss difference from the better dropless top-k baseline, paired by seed."""
+    causal-loss difference from the better dropless top-k baseline, paired by seed, with its
+    paired t-test."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["corpus"], r["size"], r["router"]), []).append(r)
@@ -335,7 +350,10 @@ def summarise(rows: list[dict]) -> list[dict]:
         diffs = [mine[k] - theirs[k] for k in sorted(mine.keys() & theirs.keys())]
         if diffs:
             d, se = mean_se(diffs)
-            s.update(baseline=best["router"], paired_diff=d, paired_diff_se=se, paired_n=len(diffs))
+            t, p = paired_t(diffs)
+            s.update(
+                baseline=best["router"], paired_diff=d, paired_diff_se=se, paired_n=len(diffs), paired_t=t, paired_p=p
+            )
     return out
 
 
@@ -396,7 +414,8 @@ def markdown(result: dict) -> str:
         f"Router study ({len(result['rows'])} rows, {result['wall_time_s'] / 60:.0f} min of runs). Losses in nats on "
         "the same validation positions, mean ± standard error over seeds; causal = what KV-cache decoding computes; "
         "gap = causal - teacher-forced; MaxVio = global (the validation set, eval mode); experts/token measured "
-        "in eval; vs best top-k = causal-loss difference from the better dropless top-k baseline, paired by seed.",
+        "in eval; vs best top-k = causal-loss difference from the better dropless top-k baseline, paired by seed, "
+        "with the paired t statistic and its two-sided p (seeds - 1 degrees of freedom).",
         "",
         "| corpus | size | router | seeds | active params | teacher-forced | causal | gap | MaxVio | dead | "
         "experts/token | tokens/s | vs best top-k (causal) |",
@@ -409,10 +428,9 @@ def markdown(result: dict) -> str:
     for s in summarise(result["rows"]):
         vs = ""
         if "paired_diff" in s:
-            se = s["paired_diff_se"]
-            z = s["paired_diff"] / se if se and not math.isnan(se) else float("nan")
-            vs = f"{pm(s['paired_diff'], se, sign=True)} vs {s['baseline']}" + (
-                f" (z {z:+.1f})" if not math.isnan(z) else f" ({s['paired_n']} seed)"
+            t, p, n = s["paired_t"], s["paired_p"], s["paired_n"]
+            vs = f"{pm(s['paired_diff'], s['paired_diff_se'], sign=True)} vs {s['baseline']}" + (
+                f" (t {t:+.1f}, p {p:.2g}, {n} seeds)" if not math.isnan(t) else f" ({n} seed{'s' * (n > 1)})"
             )
         lines.append(
             f"| {s['corpus']} | {s['size']} | {s['router']} | {len(s['seeds'])} | {s['active_params']:,} | "

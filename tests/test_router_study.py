@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 
 import pytest
@@ -159,3 +160,24 @@ def test_the_pool_sweep_pairs_each_pool_with_top_k_at_the_same_batch(tmp_path):
     assert sweep["expert_choice_batch_b48"]["causal_loss_vs_control"] == pytest.approx(3.91 - 3.9)  # its b48 control
     table = study.markdown({"rows": rows, "wall_time_s": 60.0})
     assert "| c | s | expert_choice_batch_b48 | 48 | 3,072 | 1 |" in table
+
+
+def test_the_table_states_each_challengers_paired_t_test():
+    # seeds' causal differences from topk_lossfree: -0.03, -0.01, +0.01 (the better baseline by mean)
+    rows = [
+        *(_row("topk_aux", i, 12, 3.5, 3.5) for i in (0, 1, 2)),
+        *(_row("topk_lossfree", i, 12, x, x) for i, x in enumerate((3.40, 3.45, 3.50))),
+        *(_row("top_p", i, 12, x, x) for i, x in enumerate((3.37, 3.44, 3.51))),
+        _row("remoe", 0, 12, 3.0, 3.0),  # one seed: no test
+        *(_row("dense", i, 12, x + 0.02, x + 0.02) for i, x in enumerate((3.40, 3.45, 3.50))),  # no spread
+    ]
+    summary = {s["router"]: s for s in study.summarise(rows)}
+    top_p = summary["top_p"]
+    assert top_p["baseline"] == "topk_lossfree" and top_p["paired_n"] == 3
+    t = -0.01 / (0.02 / 3**0.5)  # mean / (sd / sqrt(n))
+    assert top_p["paired_t"] == pytest.approx(t)
+    assert top_p["paired_p"] == pytest.approx(1 - abs(t) / (2 + t * t) ** 0.5)  # Student's t, 2 df, in closed form
+    assert all(math.isnan(summary[r][k]) for r in ("remoe", "dense") for k in ("paired_t", "paired_p"))
+    table = study.markdown({"rows": rows, "wall_time_s": 60.0})
+    assert "-0.0100 ± 0.0115 vs topk_lossfree (t -0.9, p 0.48, 3 seeds)" in table
+    assert "+0.0200 ± 0.0000 vs topk_lossfree (3 seeds)" in table and "(1 seed)" in table
