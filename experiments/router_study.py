@@ -311,12 +311,14 @@ def paired_t(diffs: list[float]) -> tuple[float, float]:
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """One entry per corpus x size x router: means and standard errors over seeds, and the
-    causal-loss difference from the better dropless top-k baseline, paired by seed, with its
-    paired t-test."""
+    """One entry per corpus x size x router outside the pool sweep (which has its own table):
+    means and standard errors over seeds, and the difference from the better dropless top-k
+    baseline (by mean causal loss), paired by seed, in causal loss with its paired t-test and in
+    teacher-forced loss."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["corpus"], r["size"], r["router"]), []).append(r)
+        if r["router"] not in SETS["pool"]:
+            groups.setdefault((r["corpus"], r["size"], r["router"]), []).append(r)
     out = []
     for (corpus, size, router), rs in groups.items():
         s = {"corpus": corpus, "size": size, "router": router, "seeds": sorted(r["seed"] for r in rs)}
@@ -337,23 +339,17 @@ def summarise(rows: list[dict]) -> list[dict]:
         if not base or s["router"] in BASELINES:
             continue
         best = min(base, key=lambda b: b["causal_loss"])
-        mine = {
-            r["seed"]: r["causal_loss"]
-            for r in rows
-            if (r["corpus"], r["size"], r["router"]) == tuple(s[k] for k in ("corpus", "size", "router"))
-        }
-        theirs = {
-            r["seed"]: r["causal_loss"]
-            for r in rows
-            if (r["corpus"], r["size"], r["router"]) == (s["corpus"], s["size"], best["router"])
-        }
-        diffs = [mine[k] - theirs[k] for k in sorted(mine.keys() & theirs.keys())]
-        if diffs:
-            d, se = mean_se(diffs)
-            t, p = paired_t(diffs)
-            s.update(
-                baseline=best["router"], paired_diff=d, paired_diff_se=se, paired_n=len(diffs), paired_t=t, paired_p=p
-            )
+        mine = {r["seed"]: r for r in groups[s["corpus"], s["size"], s["router"]]}
+        theirs = {r["seed"]: r for r in groups[s["corpus"], s["size"], best["router"]]}
+        paired = sorted(mine.keys() & theirs.keys())
+        if not paired:
+            continue
+        diffs = [mine[i]["causal_loss"] - theirs[i]["causal_loss"] for i in paired]
+        d, se = mean_se(diffs)
+        t, p = paired_t(diffs)
+        d_tf, se_tf = mean_se([mine[i]["teacher_forced_loss"] - theirs[i]["teacher_forced_loss"] for i in paired])
+        s.update(baseline=best["router"], paired_diff=d, paired_diff_se=se, paired_n=len(paired))
+        s.update(paired_t=t, paired_p=p, paired_diff_tf=d_tf, paired_diff_tf_se=se_tf)
     return out
 
 
@@ -415,7 +411,8 @@ def markdown(result: dict) -> str:
         "the same validation positions, mean ± standard error over seeds; causal = what KV-cache decoding computes; "
         "gap = causal - teacher-forced; MaxVio = global (the validation set, eval mode); experts/token measured "
         "in eval; vs best top-k = causal-loss difference from the better dropless top-k baseline, paired by seed, "
-        "with the paired t statistic and its two-sided p (seeds - 1 degrees of freedom).",
+        "with the paired t statistic and its two-sided p (seeds - 1 degrees of freedom). The pool sweep's arms are in "
+        "the second table.",
         "",
         "| corpus | size | router | seeds | active params | teacher-forced | causal | gap | MaxVio | dead | "
         "experts/token | tokens/s | vs best top-k (causal) |",
@@ -465,6 +462,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Per corpus x size: the losses; each challenger minus the better top-k, paired by seed; the
+    experts each token used."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -472,53 +471,68 @@ def plot(result: dict, path: Path) -> None:
 
     summary = summarise(result["rows"])
     panels = sorted({(s["corpus"], s["size"]) for s in summary})
-    fig, axes = plt.subplots(len(panels), 2, figsize=(13, 4 * len(panels)), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 3, figsize=(19, 4.2 * len(panels)), squeeze=False)
     for i, panel in enumerate(panels):
         sub = sorted((s for s in summary if (s["corpus"], s["size"]) == panel), key=lambda s: s["causal_loss"])
-        ax = axes[i][0]
-        x = list(range(len(sub)))
-        ax.bar(
-            [v - 0.2 for v in x],
-            [s["teacher_forced_loss"] for s in sub],
-            0.4,
-            label="teacher-forced",
-            yerr=[2 * (s["teacher_forced_loss_se"] or 0) for s in sub],
-            color="tab:gray",
-        )
-        ax.bar(
-            [v + 0.2 for v in x],
-            [s["causal_loss"] for s in sub],
-            0.4,
-            label="causal (decoded)",
-            yerr=[2 * (s["causal_loss_se"] or 0) for s in sub],
-            color="tab:blue",
-        )
-        lo = min(min(s["teacher_forced_loss"], s["causal_loss"]) for s in sub)
-        hi = max(max(s["teacher_forced_loss"], s["causal_loss"]) for s in sub)
-        ax.set_ylim(lo - 0.02, hi + 0.02)
-        ax.set_xticks(x, [s["router"] for s in sub], rotation=30, ha="right", fontsize=8)
-        ax.set(title=f"{panel[0]}, {panel[1]}: validation loss (±2 se over seeds)", ylabel="nats")
-        ax.legend(fontsize=8)
-        ax = axes[i][1]
-        for s in sub:
-            hist = [
-                sum(col)
-                for col in zip(
-                    *[
-                        r["active_experts_hist"]
-                        for r in result["rows"]
-                        if (r["corpus"], r["size"], r["router"]) == (*panel, s["router"])
-                    ]
-                )
-            ]
-            if hist and sum(hist):
-                ax.plot(range(len(hist)), [h / sum(hist) for h in hist], marker="o", label=s["router"])
-        ax.set(title="experts per token (eval)", xlabel="experts", ylabel="fraction of token-layer pairs")
-        if ax.lines:  # a panel of dense rows only has no experts to draw
-            ax.legend(fontsize=7)
+        plot_losses(axes[i][0], sub, panel)
+        plot_paired(axes[i][1], [s for s in sub if "paired_diff" in s], panel)
+        plot_experts(axes[i][2], sub, result["rows"], panel)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_losses(ax, sub: list[dict], panel: tuple[str, str]) -> None:
+    x = list(range(len(sub)))
+    for k, label, color, shift in (
+        ("teacher_forced_loss", "teacher-forced", "tab:gray", -0.2),
+        ("causal_loss", "causal (decoded)", "tab:blue", 0.2),
+    ):
+        err = [0 if math.isnan(s[k + "_se"]) else 2 * s[k + "_se"] for s in sub]
+        ax.bar([v + shift for v in x], [s[k] for s in sub], 0.4, label=label, yerr=err, color=color)
+    lo = min(min(s["teacher_forced_loss"], s["causal_loss"]) for s in sub)
+    hi = max(max(s["teacher_forced_loss"], s["causal_loss"]) for s in sub)
+    ax.set_ylim(lo - 0.02, hi + 0.02)
+    ax.set_xticks(x, [s["router"] for s in sub], rotation=30, ha="right", fontsize=8)
+    ax.set(title=f"{panel[0]}, {panel[1]}: validation loss (±2 se over seeds)", ylabel="nats")
+    ax.legend(fontsize=8)
+
+
+def plot_paired(ax, sub: list[dict], panel: tuple[str, str]) -> None:
+    """Each challenger minus the better top-k, paired by seed: causal (what decoding gets) and
+    teacher-forced; a leak shows as the distance between the two."""
+    if not sub:
+        ax.set_axis_off()
+        ax.set_title(f"{panel[0]}, {panel[1]}: no top-k baseline to pair with", fontsize=9)
+        return
+    y = list(range(len(sub)))
+    for k, label, color, shift in (
+        ("paired_diff_tf", "teacher-forced", "tab:gray", 0.15),
+        ("paired_diff", "causal (decoded)", "tab:blue", -0.15),
+    ):
+        err = [0 if math.isnan(s[k + "_se"]) else 2 * s[k + "_se"] for s in sub]
+        ax.errorbar([s[k] for s in sub], [v + shift for v in y], xerr=err, fmt="o", capsize=3, color=color, label=label)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(y, [f"{s['router']} (n {s['paired_n']})" for s in sub], fontsize=8)
+    ax.invert_yaxis()
+    baselines = " / ".join(sorted({s["baseline"] for s in sub}))
+    ax.set(title=f"minus {baselines}, paired by seed (±2 se)", xlabel="loss difference, nats (< 0: better)")
+    ax.legend(fontsize=8)
+
+
+def plot_experts(ax, sub: list[dict], rows: list[dict], panel: tuple[str, str]) -> None:
+    for s in sub:
+        hists = [
+            r["active_experts_hist"] for r in rows if (r["corpus"], r["size"], r["router"]) == (*panel, s["router"])
+        ]
+        hist = [sum(col) for col in zip(*hists)]
+        if hist and sum(hist):
+            ax.plot(range(len(hist)), [h / sum(hist) for h in hist], marker="o", label=s["router"])
+    if not ax.lines:  # dense rows only: no experts to draw
+        ax.set_axis_off()
+        return
+    ax.set(title="experts per token (eval)", xlabel="experts", ylabel="fraction of token-layer pairs")
+    ax.legend(fontsize=7)
 
 
 def pool_panels(sweep: list[dict]) -> list[tuple[str, str]]:

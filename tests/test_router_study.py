@@ -132,6 +132,7 @@ def _row(label: str, seed: int, batch: int, tf: float, causal: float) -> dict:
         "max_vio": 0.1,
         "dead_experts": 0,
         "active_experts_mean": 2.0,
+        "active_experts_hist": [0, 0, 10],
         "tokens_per_s": 1000.0,
         "config": {"data": {"seq_len": 64, "batch_size": batch}},
     }
@@ -160,6 +161,10 @@ def test_the_pool_sweep_pairs_each_pool_with_top_k_at_the_same_batch(tmp_path):
     assert sweep["expert_choice_batch_b48"]["causal_loss_vs_control"] == pytest.approx(3.91 - 3.9)  # its b48 control
     table = study.markdown({"rows": rows, "wall_time_s": 60.0})
     assert "| c | s | expert_choice_batch_b48 | 48 | 3,072 | 1 |" in table
+    # the sweep's arms are the second table's: the main table and figure hold the routers at the recipe's batch
+    assert {s["router"] for s in study.summarise(rows)} == {"topk_aux", "expert_choice"}
+    study.plot({"rows": rows}, tmp_path / "study.png")
+    assert (tmp_path / "study.png").stat().st_size > 0
 
 
 def test_the_table_states_each_challengers_paired_t_test():
@@ -169,6 +174,7 @@ def test_the_table_states_each_challengers_paired_t_test():
         *(_row("topk_lossfree", i, 12, x, x) for i, x in enumerate((3.40, 3.45, 3.50))),
         *(_row("top_p", i, 12, x, x) for i, x in enumerate((3.37, 3.44, 3.51))),
         _row("remoe", 0, 12, 3.0, 3.0),  # one seed: no test
+        *(_row("expert_choice", i, 12, x - 0.05, x + 0.02 * i) for i, x in enumerate((3.40, 3.45, 3.50))),
         *(_row("dense", i, 12, x + 0.02, x + 0.02) for i, x in enumerate((3.40, 3.45, 3.50))),  # no spread
     ]
     summary = {s["router"]: s for s in study.summarise(rows)}
@@ -178,6 +184,8 @@ def test_the_table_states_each_challengers_paired_t_test():
     assert top_p["paired_t"] == pytest.approx(t)
     assert top_p["paired_p"] == pytest.approx(1 - abs(t) / (2 + t * t) ** 0.5)  # Student's t, 2 df, in closed form
     assert all(math.isnan(summary[r][k]) for r in ("remoe", "dense") for k in ("paired_t", "paired_p"))
+    ec = summary["expert_choice"]  # teacher-forced 0.05 ahead on every seed, causal 0, 0.02, 0.04 behind
+    assert (ec["paired_diff_tf"], ec["paired_diff"]) == (pytest.approx(-0.05), pytest.approx(0.02))
     table = study.markdown({"rows": rows, "wall_time_s": 60.0})
     assert "-0.0100 ± 0.0115 vs topk_lossfree (t -0.9, p 0.48, 3 seeds)" in table
     assert "+0.0200 ± 0.0000 vs topk_lossfree (3 seeds)" in table and "(1 seed)" in table
