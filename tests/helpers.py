@@ -56,10 +56,16 @@ def train_on_two_processes(args: list[str], timeout_s: float) -> list[tuple[str,
 
 
 def identity_router(name: str, num_experts: int, **options) -> moe.Router:
-    """A router whose gate is the identity, so the input features *are* the logits."""
+    """A router whose gate is the identity, so the input features *are* the logits. A null-expert
+    gate reads one feature per row, halved and of alternating sign: like the identity, exact
+    however the matmul sums, where a random gate's last bit depends on how many rows the CPU's
+    kernel is given (a decoded chunk of 3 rows against the full 69)."""
     r = moe.build_router(name, d_model=num_experts, num_experts=num_experts, **options).double()
     with torch.no_grad():
         r.gate.weight.copy_(torch.eye(num_experts))
+        if getattr(r, "null_experts", 0):
+            w, m = r.null_gate.weight, torch.arange(r.null_experts)
+            w.zero_()[m, m % num_experts] = torch.where(m % 2 == 0, 0.5, -0.5).to(w.dtype)
     return r
 
 
