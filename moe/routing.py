@@ -34,6 +34,15 @@ from torch import Tensor, nn
 
 from moe.checks import positive_int
 
+ROUTER_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+    "bf16": torch.bfloat16,
+    "input": None,
+}
+"""``Router(router_dtype=...)`` -> the dtype router logits are computed in (None: the input's);
+Megatron-Core's ``moe_router_dtype`` offers fp32 and fp64."""
+
 
 @dataclass
 class Routing:
@@ -118,6 +127,20 @@ class Routing:
         """int64 [E + 1]: how many tokens were routed to 0, 1, ..., E experts (no host read)."""
         return count_indices(self.experts_per_token(), self.num_experts + 1)
 
+    def slots(self) -> Tensor:
+        """int64 [N, K]: each token's experts in the order of its kept assignments, -1 in the slots
+        it does not fill; K = the most experts one token got (at least 1, read on the host). The
+        form ``moe.RoutingRecord`` keeps and :meth:`Router.replay` takes."""
+        kept = self.compact()
+        count_N = count_indices(kept.token, self.num_tokens)
+        order_A = torch.argsort(kept.token, stable=True)
+        token_A = kept.token[order_A]
+        slot_A = torch.arange(token_A.numel(), device=token_A.device) - (count_N.cumsum(0) - count_N)[token_A]
+        k = max(int(count_N.max()), 1) if self.num_tokens else 1
+        expert_NK = torch.full((self.num_tokens, k), -1, dtype=torch.long, device=token_A.device)
+        expert_NK[token_A, slot_A] = kept.expert[order_A]
+        return expert_NK
+
 
 @dataclass(frozen=True)
 class Claims:
@@ -159,6 +182,11 @@ class Router(nn.Module):
     ``E * sum_e f_e * P_e`` (f_e: fraction of assignments to e, P_e: mean router probability),
     ``z_loss_coef`` the router z-loss ``mean(logsumexp(logits)^2)``.
 
+    ``router_dtype`` says in which dtype the gate's logits (and so the scores, the choices and
+    the combine weights) are computed, whatever the model's dtype (:data:`ROUTER_DTYPES`):
+    "fp32" (default; fp64 for an fp64 input), "fp64", "bf16", or "input" (the model's own,
+    which reproduces a low-precision router's flipped near-ties).
+
     ``check_finite`` raises a ValueError on NaN/inf router logits. It reads a tensor value on
     the host (a GPU->CPU synchronisation on every call), so it is off by default; None (the
     default) turns it on iff the environment variable ``MOE_DEBUG`` is ``1`` when the router is
@@ -172,6 +200,9 @@ class Router(nn.Module):
     """
 
     name: str = ""
+    routing_hook = None
+    """None (route as usual), or a callable with :meth:`route_tokens`' signature that routes in its
+    place: ``moe.record_routing`` and ``moe.replay_routing`` set one per router while they run."""
     stats_group = None
     """Process group over which the load-balancing loss counts assignments (set by data- or
     expert-parallel training, see ``moe.parallel.share_router_statistics``): with equal
@@ -186,12 +217,16 @@ class Router(nn.Module):
         aux_loss_coef: float = 0.01,
         z_loss_coef: float = 1e-3,
         check_finite: bool | None = None,
+        router_dtype: str = "fp32",
     ) -> None:
         super().__init__()
         positive_int("d_model", d_model)
         positive_int("num_experts", num_experts)
         if aux_loss_coef < 0 or z_loss_coef < 0:
             raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {aux_loss_coef}, {z_loss_coef}")
+        if router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"router_dtype must be one of {', '.join(ROUTER_DTYPES)}, got {router_dtype!r}")
+        self.router_dtype = router_dtype
         self.d_model = d_model
         self.num_experts = num_experts
         self.aux_loss_coef = aux_loss_coef
@@ -243,29 +278,59 @@ class Router(nn.Module):
         those rows in a full-sequence forward, and the state advances by T."""
         check_input(x_BTD, self.d_model)
         b, t, _ = x_BTD.shape
-        logits_NE = self.gate(x_BTD.reshape(b * t, -1))
-        if logits_NE.dtype in (torch.float16, torch.bfloat16):
-            logits_NE = logits_NE.float()  # route in at least fp32: low-precision ties flip decisions
+        logits_NE = self.score_logits(self.gate, x_BTD.reshape(b * t, -1))
         if self.check_finite and not torch.isfinite(logits_NE).all():
             raise ValueError(
                 f"{type(self).__name__}: router logits contain NaN or inf "
                 f"(input has {int((~torch.isfinite(x_BTD)).sum())} non-finite values)"
             )
-        if decode_state is None:
-            return self.route(logits_NE, x_BTD, (b, t))
-        reason = self.decode_support()
-        if reason is not None:
-            raise ValueError(reason)
-        if decode_state.batch_size != b:
-            raise ValueError(
-                f"decode state is for batch size {decode_state.batch_size}, got input of shape {tuple(x_BTD.shape)}"
-            )
-        routing = self.route_decode(logits_NE, x_BTD, (b, t), decode_state)
-        decode_state.position += t
+        if decode_state is not None:
+            reason = self.decode_support()
+            if reason is not None:
+                raise ValueError(reason)
+            if decode_state.batch_size != b:
+                raise ValueError(
+                    f"decode state is for batch size {decode_state.batch_size}, got input of shape {tuple(x_BTD.shape)}"
+                )
+        route = self.route_tokens if self.routing_hook is None else self.routing_hook
+        routing = route(logits_NE, x_BTD, (b, t), decode_state)
+        if decode_state is not None:
+            decode_state.position += t
         return routing
+
+    def score_logits(self, linear: nn.Linear, x_ND: Tensor) -> Tensor:
+        """``linear(x)`` computed in the dtype ``router_dtype`` names (input and weight cast to it,
+        autocast off), as Megatron-Core's ``router_gating_linear`` does: a low-precision model
+        then ranks its experts on fp32 (or fp64) scores, not on logits rounded to bf16."""
+        dtype = ROUTER_DTYPES[self.router_dtype]
+        if dtype is None:  # "input": whatever the model computes in (autocast included)
+            return linear(x_ND)
+        dtype = torch.promote_types(dtype, x_ND.dtype) if self.router_dtype == "fp32" else dtype
+        with torch.autocast(x_ND.device.type, enabled=False):
+            return F.linear(x_ND.to(dtype), linear.weight.to(dtype))
+
+    def route_tokens(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], decode_state: DecodeState | None
+    ) -> Routing:
+        """The router's own choice: :meth:`route`, or :meth:`route_decode` with a decode state."""
+        if decode_state is None:
+            return self.route(logits_NE, x_BTD, batch_shape)
+        return self.route_decode(logits_NE, x_BTD, batch_shape, decode_state)
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         raise NotImplementedError
+
+    def replay(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
+    ) -> Routing:
+        """Route with given choices (``moe.replay_routing``): token n goes to the experts
+        ``expert_NK[n]`` (int64 [N, K], -1 = an empty slot), whatever the scores say, with the
+        combine weights this router's formula gives them from the current ``logits_NE`` (so the
+        gate still gets a gradient), and the aux loss and statistics a forward that chose them
+        would have. ``decoding``: the tokens are a decoded chunk (no statistics are kept). Every
+        built-in router implements it; with the weights unchanged since the choices were recorded
+        it returns the recorded forward's routing bit for bit."""
+        raise NotImplementedError(f"{type(self).__name__} cannot replay recorded routing")
 
     def route_decode(
         self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
@@ -352,7 +417,19 @@ class TokenLocalRouter(Router):
     ) -> Routing:
         return self._route(logits_NE, batch_shape, record=False)
 
-    def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
+    def replay(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
+    ) -> Routing:
+        """The routing ``_route`` builds around the given choices: the router's own weight formula
+        and aux loss at them; a training forward's statistics come from the current scores
+        (thresholds) or from the choices (experts per token), as in a forward that made them."""
+        chosen_NE = slots_mask(expert_NK, logits_NE.shape[1])
+        return self._route(logits_NE, batch_shape, record=self.training and not decoding, chosen_NE=chosen_NE)
+
+    def _route(
+        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
+    ) -> Routing:
+        """``chosen_NE`` (bool [N, E]): route token n to the experts it marks instead of choosing."""
         raise NotImplementedError
 
     def _track_active_experts(self) -> None:
@@ -419,6 +496,46 @@ def count_indices(index_A: Tensor, size: int, include_A: Tensor | None = None) -
     the host to size its output), no device synchronisation."""
     ones_A = torch.ones_like(index_A) if include_A is None else include_A.long()
     return torch.zeros(size, dtype=torch.long, device=index_A.device).index_add_(0, index_A, ones_A)
+
+
+def slot_pairs(expert_NK: Tensor) -> tuple[Tensor, Tensor]:
+    """(token_A, slot_A) of the filled slots (expert id >= 0) of ``expert_NK``, token-major."""
+    return (expert_NK >= 0).nonzero(as_tuple=True)
+
+
+def slots_mask(expert_NK: Tensor, num_experts: int) -> Tensor:
+    """bool [N, E]: the (token, expert) pairs named by ``expert_NK`` (-1 slots name none)."""
+    token_A, slot_A = slot_pairs(expert_NK)
+    mask_NE = torch.zeros(expert_NK.shape[0], num_experts, dtype=torch.bool, device=expert_NK.device)
+    mask_NE[token_A, expert_NK[token_A, slot_A]] = True
+    return mask_NE
+
+
+def slot_weights(probs_NX: Tensor, expert_NK: Tensor, normalize: bool, over_NJ: Tensor | None = None) -> Tensor:
+    """float [N, K]: the scores ``probs_NX`` of the experts in ``expert_NK``'s slots (0 in empty
+    ones), divided with ``normalize`` by their sum over the token's slots, or over the experts
+    ``over_NJ`` when given (routers whose record lacks some choices: dropped, null). Top-k's
+    combine weights, given the choices (``Router.replay``; R3, arXiv 2510.11370)."""
+    weight_NK = torch.where(expert_NK >= 0, probs_NX.gather(1, expert_NK.clamp_min(0)), 0.0)
+    if not normalize:
+        return weight_NK
+    mass_NK = weight_NK if over_NJ is None else probs_NX.gather(1, over_NJ)
+    return weight_NK / mass_NK.sum(-1, keepdim=True).clamp_min(1e-20)
+
+
+def weights_given_choices(
+    expert_NK: Tensor, choice_NJ: Tensor, weight_NJ: Tensor, probs_NX: Tensor, normalize: bool
+) -> Tensor:
+    """float [N, K]: combine weights of the experts in ``expert_NK``'s slots for a router whose
+    record lacks some of its choices (capacity drops, null experts). ``choice_NJ`` and
+    ``weight_NJ`` are the router's current choices and their weights (normalised over them):
+    a given expert among them keeps its own weight (the router's tensor itself, so a replay with
+    unchanged weights is its forward bit for bit, gradients included); another gets its score,
+    normalised (``normalize``) over the current choices as the router normalises them."""
+    match_NKJ = expert_NK.unsqueeze(-1) == choice_NJ.unsqueeze(1)
+    own_NK = weight_NJ.gather(1, match_NKJ.int().argmax(-1))
+    other_NK = slot_weights(probs_NX, expert_NK, normalize, over_NJ=choice_NJ)
+    return torch.where(match_NKJ.any(-1), own_NK, other_NK)
 
 
 def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_experts: int):

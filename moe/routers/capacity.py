@@ -54,7 +54,9 @@ from moe.routing import (
     capacity_per_group,
     rank_within_segments,
     register_router,
+    slot_pairs,
     sort_into_segments,
+    weights_given_choices,
 )
 
 
@@ -156,6 +158,34 @@ class CapacityRouter(TokenChoiceBase):
         self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
     ) -> Routing:
         return self._route(logits_NE, batch_shape, state)
+
+    def replay(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
+    ) -> Routing:
+        """The given experts kept, nothing dropped. The record holds the kept experts only, so
+        weights are normalised (``normalize``) over the token's current top-k choices, before
+        drops as in :meth:`route` (a dropped choice keeps losing its share; see
+        ``moe.routing.weights_given_choices``), and the Switch loss counts those choices. A
+        decode state's kept counts are left as they were."""
+        n, k = logits_NE.shape[0], self.top_k
+        probs_NE, choice_NK, weight_NK = self.select(logits_NE)
+        token_A, slot_A = slot_pairs(expert_NK)
+        expert_A = expert_NK[token_A, slot_A]
+        self.record_load(expert_A)
+        stats = self._stats(expert_A, n * k)
+        group_size = batch_shape[1] if self.group == "sequence" else n
+        capacity = capacity_per_group(self.capacity_factor, group_size, k, self.num_experts)
+        stats["capacity"] = torch.full((), capacity, device=logits_NE.device)
+        return Routing(
+            token=token_A,
+            expert=expert_A,
+            weight=weights_given_choices(expert_NK, choice_NK, weight_NK, probs_NE, self.normalize)[token_A, slot_A],
+            num_tokens=n,
+            num_experts=self.num_experts,
+            aux_loss=self._aux_loss(logits_NE, probs_NE, choice_NK.reshape(-1)),
+            stats=stats,
+            batch_shape=batch_shape,
+        )
 
     def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], state: CapacityDecodeState | None) -> Routing:
         """Route B sequences of T tokens; with ``state`` (prefix scope only) they are positions

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.routers.expert_choice import ExpertChoiceRouter
-from moe.routing import Claims, DecodeState, Routing, register_router
+from moe.routing import Claims, DecodeState, Routing, register_router, slots_mask
 
 
 @register_router("ec_predictor")
@@ -66,6 +66,20 @@ class ExpertChoicePredictorRouter(ExpertChoiceRouter):
         return self.route(logits_NE, x_BTD, batch_shape)  # eval mode only: the predictor reads one token
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        return self._route(logits_NE, x_BTD, batch_shape)
+
+    def replay(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
+    ) -> Routing:
+        """The given pairs weighted by their current softmax scores; in training the predictor
+        still learns what expert choice on the current scores would pick (its target is not a
+        choice of the routing but a statistic of the scores)."""
+        return self._route(logits_NE, x_BTD, batch_shape, slots_mask(expert_NK, logits_NE.shape[1]))
+
+    def _route(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], chosen_NE: Tensor | None = None
+    ) -> Routing:
+        """``chosen_NE`` (bool [N, E]): route to the pairs it marks instead of choosing."""
         n, e = logits_NE.shape
         probs_NE = F.softmax(logits_NE, dim=-1)
         pred_logits_NE = self.predictor(x_BTD.reshape(n, -1).detach()).to(probs_NE.dtype)
@@ -75,9 +89,12 @@ class ExpertChoicePredictorRouter(ExpertChoiceRouter):
             target_NE[token_A, expert_A] = 1.0
             bce = F.binary_cross_entropy_with_logits(pred_logits_NE, target_NE)
             aux = self._z_loss(logits_NE) + self.predictor_loss_coef * bce
+            if chosen_NE is not None:
+                token_A, expert_A = self.chosen_pairs(probs_NE, chosen_NE, batch_shape)
             routing = self.make_routing(logits_NE, probs_NE, token_A, expert_A, batch_shape, aux=aux)
             agree = ((pred_logits_NE.detach() > 0) == (target_NE > 0)).float().mean()
             routing.stats["predictor_accuracy"] = agree
             return routing
-        token_A, expert_A = (pred_logits_NE > 0).nonzero(as_tuple=True)
+        chosen_NE = pred_logits_NE > 0 if chosen_NE is None else chosen_NE
+        token_A, expert_A = chosen_NE.nonzero(as_tuple=True)
         return self.make_routing(logits_NE, probs_NE, token_A, expert_A, batch_shape, aux=self._z_loss(logits_NE))

@@ -94,9 +94,11 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
         average_E = self.ema_sum / self.ema_weight.clamp_min(torch.finfo(torch.float64).tiny)
         return torch.where(self.ema_weight > 0, average_E, 1.0 / self.num_experts)
 
-    def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
+    def _route(
+        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
+    ) -> Routing:
         probs_NE = softmax_or_sigmoid(logits_NE, self.score)
-        mask_NE = probs_NE.detach() >= self.threshold.to(probs_NE.dtype)
+        mask_NE = probs_NE.detach() >= self.threshold.to(probs_NE.dtype) if chosen_NE is None else chosen_NE
         token_A, expert_A = mask_NE.nonzero(as_tuple=True)
         if record:
             self._record_cutoffs(probs_NE.detach(), batch_shape)

@@ -14,7 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.routing import Claims, Router, Routing, capacity_per_group, register_router, served_stats
+from moe.routing import (
+    Claims,
+    Router,
+    Routing,
+    capacity_per_group,
+    register_router,
+    served_stats,
+    slots_mask,
+    sort_into_segments,
+)
 
 
 @register_router("expert_choice")
@@ -64,10 +73,29 @@ class ExpertChoiceRouter(Router):
         expert_A = torch.arange(e, device=probs_NE.device).view(1, e, 1).expand(g, e, c).reshape(-1)
         return token_A, expert_A, c
 
+    def chosen_pairs(self, probs_NE: Tensor, chosen_NE: Tensor, batch_shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
+        """(token_A, expert_A) of the pairs ``chosen_NE`` marks, in :meth:`expert_choice`'s order
+        (group, expert, decreasing score), so that a replayed routing runs the experts' rows in
+        the order of the routing it was recorded from."""
+        b, t = batch_shape
+        token_A, expert_A = chosen_NE.nonzero(as_tuple=True)
+        group_A = token_A // t if self.group == "sequence" else torch.zeros_like(token_A)
+        score_A = probs_NE.detach()[token_A, expert_A].double()
+        order_A, _, _ = sort_into_segments(group_A * probs_NE.shape[1] + expert_A, -score_A)
+        return token_A[order_A], expert_A[order_A]
+
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n, e = logits_NE.shape
         probs_NE = F.softmax(logits_NE, dim=-1)
         token_A, expert_A, c = self.expert_choice(probs_NE, batch_shape)
+        return self.make_routing(logits_NE, probs_NE, token_A, expert_A, batch_shape, aux=self._z_loss(logits_NE))
+
+    def replay(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
+    ) -> Routing:
+        """The given (token, expert) pairs, each weighted by its current softmax score."""
+        probs_NE = F.softmax(logits_NE, dim=-1)
+        token_A, expert_A = self.chosen_pairs(probs_NE, slots_mask(expert_NK, logits_NE.shape[1]), batch_shape)
         return self.make_routing(logits_NE, probs_NE, token_A, expert_A, batch_shape, aux=self._z_loss(logits_NE))
 
     def make_routing(

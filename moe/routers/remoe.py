@@ -65,10 +65,12 @@ class ReLURouter(TokenLocalRouter):
     def nominal_experts_per_token(self) -> float:
         return self.top_k
 
-    def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
+    def _route(
+        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
+    ) -> Routing:
         n, e = logits_NE.shape
         gates_NE = F.relu(logits_NE)
-        active_NE = gates_NE.detach() > 0
+        active_NE = gates_NE.detach() > 0 if chosen_NE is None else chosen_NE  # a replayed expert may gate 0
         token_A, expert_A = active_NE.nonzero(as_tuple=True)
         if record:
             self._record_active(active_NE)

@@ -18,7 +18,10 @@ from moe.routing import (
     dropped_fraction,
     register_router,
     served_stats,
+    slot_pairs,
+    slot_weights,
     softmax_or_sigmoid,
+    weights_given_choices,
 )
 
 
@@ -145,6 +148,43 @@ class TopKRouter(TokenChoiceBase):
             num_experts=self.num_experts,
             aux_loss=self._aux_loss(logits_NE, probs_NE, expert_A),
             stats=self._stats(expert_A, n * self.top_k),
+            batch_shape=batch_shape,
+        )
+
+    def replay(
+        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
+    ) -> Routing:
+        """R3's formula (arXiv 2510.11370; Megatron-Core ``RouterReplay.get_replay_topk``): the
+        given experts' current scores, renormalised over them (``normalize``); the Switch loss
+        counts them. With null experts the record holds the real ones only, so their weights are
+        normalised over the token's current k choices (its null choices keep their share, as in
+        :meth:`route`; see ``moe.routing.weights_given_choices``) and the Switch loss counts the
+        current null choices beside them."""
+        n = logits_NE.shape[0]
+        token_A, slot_A = slot_pairs(expert_NK)
+        expert_A = expert_NK[token_A, slot_A]
+        if self.null_experts:
+            null_NM = self.null_gate(x_BTD.reshape(n, -1)).to(logits_NE.dtype)
+            logits_NX = torch.cat([logits_NE, null_NM], 1)
+            probs_NX, choice_NJ, weight_NJ = self.select(logits_NX)
+            weight_NK = weights_given_choices(expert_NK, choice_NJ, weight_NJ, probs_NX, self.normalize)
+            counted_A = torch.cat([expert_A, choice_NJ[choice_NJ >= self.num_experts]])
+            stats = served_stats(token_A, expert_A, n, self.num_experts)
+            stats["null_fraction"] = dropped_fraction(expert_A.numel(), n * self.top_k, logits_NE.device)
+            logits_NE, probs_NE = logits_NX, probs_NX
+        else:
+            probs_NE = softmax_or_sigmoid(logits_NE, self.gate_fn)
+            weight_NK = slot_weights(probs_NE, expert_NK, self.normalize)
+            counted_A, stats = expert_A, self._stats(expert_A, n * self.top_k)
+            self.record_load(expert_A)
+        return Routing(
+            token=token_A,
+            expert=expert_A,
+            weight=weight_NK[token_A, slot_A],
+            num_tokens=n,
+            num_experts=self.num_experts,
+            aux_loss=self._aux_loss(logits_NE, probs_NE, counted_A),
+            stats=stats,
             batch_shape=batch_shape,
         )
 

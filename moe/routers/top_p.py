@@ -73,14 +73,12 @@ class TopPRouter(TokenLocalRouter):
     def nominal_experts_per_token(self) -> float | None:
         return self.target_experts
 
-    def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool) -> Routing:
+    def _route(
+        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
+    ) -> Routing:
         n, e = logits_NE.shape
         probs_NE = F.softmax(logits_NE, dim=-1)
-        sorted_NE, order_NE = torch.sort(probs_NE.detach(), dim=-1, descending=True, stable=True)
-        before_NE = sorted_NE.cumsum(-1) - sorted_NE  # mass of the experts ranked above
-        keep_sorted_NE = before_NE < self.p.to(sorted_NE.dtype)
-        keep_sorted_NE[:, self.max_k :] = False
-        keep_NE = torch.zeros_like(keep_sorted_NE).scatter_(1, order_NE, keep_sorted_NE)
+        keep_NE = self._top_p(probs_NE.detach()) if chosen_NE is None else chosen_NE
         token_A, expert_A = keep_NE.nonzero(as_tuple=True)
         weight_NE = probs_NE
         if self.normalize:  # dense, then gathered: (token, expert) pairs are distinct, so no backward sums into one row
@@ -99,6 +97,14 @@ class TopPRouter(TokenLocalRouter):
             stats={**served_stats(token_A, expert_A, n, e), "p": self.p.clone()},
             batch_shape=batch_shape,
         )
+
+    def _top_p(self, probs_NE: Tensor) -> Tensor:
+        """bool [N, E]: each token's most probable experts until their mass reaches p (at most max_k)."""
+        sorted_NE, order_NE = torch.sort(probs_NE, dim=-1, descending=True, stable=True)
+        before_NE = sorted_NE.cumsum(-1) - sorted_NE  # mass of the experts ranked above
+        keep_sorted_NE = before_NE < self.p.to(sorted_NE.dtype)
+        keep_sorted_NE[:, self.max_k :] = False
+        return torch.zeros_like(keep_sorted_NE).scatter_(1, order_NE, keep_sorted_NE)
 
     @torch.no_grad()
     def update_after_step(self) -> None:
