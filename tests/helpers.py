@@ -69,6 +69,26 @@ def identity_router(name: str, num_experts: int, **options) -> moe.Router:
     return r
 
 
+def small_lm(
+    router: str, options: dict, dtype: torch.dtype = torch.float32, vocab_size: int = 32, max_seq_len: int = 32
+):
+    """A two-block MoETransformer (d 16, 4 experts of width 16) routing with ``router``, in ``dtype``."""
+    from moe.model import ModelConfig, MoETransformer
+
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        moe_d_ff=16,
+        num_experts=4,
+        router=router,
+        router_options=options,
+        max_seq_len=max_seq_len,
+    )
+    return MoETransformer(cfg, init_seed=1).to(dtype)
+
+
 def naive_moe(layer: moe.MoELayer, x_BTD: torch.Tensor, routing: moe.Routing) -> torch.Tensor:
     """y[n] += w * SwiGLU_e(x[n]) for every kept assignment, one at a time."""
     b, t, d = x_BTD.shape

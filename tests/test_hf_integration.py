@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import moe  # noqa: E402
 from moe import list_routers  # noqa: E402
+from moe.agreement import agreement_figures  # noqa: E402
 from moe.audit import audit  # noqa: E402
 from moe.audit import cli as audit_cli  # noqa: E402
 from moe.data import load_corpus  # noqa: E402
@@ -228,6 +229,47 @@ def test_generate_outside_decoding_misroutes_a_prefix_capacity_router():
     with pytest.raises(ValueError, match="not decode-consistent"):
         with decoding(swap_moe_blocks(tiny_model("olmoe-tiny"), "expert_choice"), batch_size=2):
             pass
+
+
+def test_hf_causal_lm_decodes_through_its_cache():
+    # a prefix-scoped capacity router: its decode state (kept counts) must follow the cache
+    model = HFCausalLM(
+        swap_moe_blocks(tiny_model("olmoe-tiny", norm=True), "capacity", capacity_scope="prefix", capacity_factor=0.5)
+    )
+    ids = torch.randint(0, V, (2, 10))
+    cache = model.init_cache(2)
+    with torch.no_grad():
+        chunks = [model(ids[:, :4], cache=cache).logits] + [
+            model(ids[:, t : t + 1], cache=cache).logits for t in range(4, 10)
+        ]
+        full = model(ids).logits
+    assert cache.length == 10 and all(b.decode_state is None for b in model.hf.modules() if isinstance(b, HFMoEBlock))
+    assert_rel_close(torch.cat(chunks, 1), full, 1e-5, "cached chunks vs full forward")
+    with pytest.raises(ValueError, match="not decode-consistent"):
+        HFCausalLM(swap_moe_blocks(tiny_model("olmoe-tiny"), "expert_choice")).init_cache(2)
+
+
+def test_a_transformers_generation_replays_into_the_training_forward_and_has_agreement_figures():
+    swapped = swap_moe_blocks(tiny_model("qwen3-moe-tiny", norm=True), "topk")
+    prompt = torch.randint(0, V, (2, 5))
+    with decoding(swapped, batch_size=2), moe.record_routing(swapped) as record:
+        seq, step_logits = generate_with_logits(swapped, prompt, 8)
+    assert (record.batch_size, record.length, record.num_layers) == (2, 12, 2)
+    model = HFCausalLM(swapped)
+    with torch.no_grad():
+        for block in swapped.modules():  # the trainer's gates moved on: only replay keeps the sampled routing
+            if isinstance(block, HFMoEBlock):
+                block.moe.router.gate.weight.add_(0.5 * torch.randn_like(block.moe.router.gate.weight))
+    with torch.no_grad(), moe.replay_routing(model, record), moe.record_routing(model) as seen:
+        model(seq[:, :-1])
+    assert torch.equal(seen.experts, record.experts)
+    with torch.no_grad(), moe.record_routing(model) as own:
+        model(seq[:, :-1])
+    assert not torch.equal(own.experts, record.experts), "the moved gates must route differently"
+    figures = agreement_figures(model, seq[:, :-1])
+    assert figures["decode"].share == 1.0 and figures["decode"].compared == "KV-cache decoding, one token at a time"
+    assert figures["chunked_prefill"].share == 1.0 and figures["batch"].share == 1.0
+    assert all(0.0 <= f.share <= 1.0 for f in figures.values())
 
 
 def test_swap_errors():

@@ -14,9 +14,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import small_lm
 
 import moe
-from moe.model import ModelConfig, MoETransformer
+from moe.model import MoETransformer
 from moe.parallel import ExpertParallel, load_full_state_dict
 from moe.parallel.launch import ok_values, run_local
 from moe.routing import Routing
@@ -41,18 +42,7 @@ V, E = 32, 4
 
 
 def tiny(router: str, options: dict, dtype=torch.float64, max_seq_len: int = 32) -> MoETransformer:
-    cfg = ModelConfig(
-        vocab_size=V,
-        d_model=16,
-        n_layers=2,
-        n_heads=2,
-        moe_d_ff=16,
-        num_experts=E,
-        router=router,
-        router_options=options,
-        max_seq_len=max_seq_len,
-    )
-    return MoETransformer(cfg, init_seed=1).to(dtype)
+    return small_lm(router, options, dtype, V, max_seq_len)
 
 
 def forward_and_grads(model, idx, targets):

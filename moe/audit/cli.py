@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also print the per-probe table of every target (and, for --target, of its probes)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--no-agreement",
+        action="store_true",
+        help="--target: skip the routing agreement figures of a model (full forward vs decoding, batch, chunked "
+        "prefill, bf16; the bf16 ones run a copy of the model); the built-in suite never measures them",
+    )
     return p
 
 
@@ -226,6 +232,7 @@ def _audit_builtins(args: argparse.Namespace, modes: tuple[str, ...]) -> list[Au
                 seed=args.seed,
                 name=bt.name,
                 forward_timeout=args.forward_timeout,
+                agreement=False,
             )
         )
     bar.close()
@@ -263,6 +270,7 @@ def _audit_user_target(args: argparse.Namespace, modes: tuple[str, ...]) -> Audi
         output=args.output,
         forward_timeout=args.forward_timeout,
         progress=progress,
+        agreement=not args.no_agreement,
     )
 
 

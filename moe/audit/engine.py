@@ -28,6 +28,7 @@ from torch import Tensor
 
 import moe.audit.probes  # noqa: F401  (registers the built-in probes)
 from moe.audit.advice import router_mechanism
+from moe.audit.agreement import target_agreement
 from moe.audit.calibration import calibrate
 from moe.audit.comparator import Comparator, Misaligned, per_comparison_alpha
 from moe.audit.context import ProbeContext, Sampler, calibration_inputs
@@ -54,6 +55,7 @@ def audit(
     probes: tuple[Probe, ...] | list[Probe] | None = None,
     forward_timeout: float | None = FORWARD_TIMEOUT_S,
     progress: Callable[[str], None] | None = None,
+    agreement: bool = True,
 ) -> AuditReport:
     """Audit ``target`` on inputs shaped like ``example`` and return an :class:`AuditReport`.
 
@@ -70,6 +72,8 @@ def audit(
     level is derived from those that compare forwards. ``forward_timeout``: seconds one forward
     may take (None: no limit; enforced in the main thread on POSIX, see :mod:`moe.audit.runner`);
     past it the target is not audited. ``progress``: called with one line per probe run.
+    ``agreement``: for a model target (token ids in, this package's routers inside), also measure
+    the routing agreement figures (:mod:`moe.agreement`) into ``report.agreement``.
 
     Train mode runs the target as a training step does: ``module.train()`` with gradients
     enabled and a float input that requires them; eval mode: ``module.eval()`` under
@@ -100,6 +104,8 @@ def audit(
                 report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
             if report.error is not None:
                 break
+        if agreement and report.error is None:
+            report.agreement = target_agreement(at, example)
     if report.error is None and not any(p.ran for p in report.probes if p.kind == "future" and p.compares_forwards):
         failures = [e for p in report.probes for e in p.errors]
         report.error = "no future-perturbation probe ran" + (f": {failures[0]}" if failures else "")

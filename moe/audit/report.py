@@ -136,6 +136,11 @@ class AuditReport:
     updated_buffers: list[str] = field(default_factory=list)
     """Buffers the target's forwards change (the audit restores them before every forward: state
     carried from one call to the next, not a leak within a call)."""
+    agreement: dict[str, dict] | None = None
+    """A model target's routing agreement figures (:mod:`moe.agreement`, eval mode): per figure
+    (``decode``, ``batch``, ...) the two paths compared and the share of (token, layer) pairs
+    routed to the same expert set, or ``{"skipped": why}``; ``{"error": ...}`` if they could not
+    be measured; None for other targets (or ``audit(..., agreement=False)``)."""
 
     @property
     def regime(self) -> str:
@@ -252,6 +257,7 @@ class AuditReport:
         lines += [f"  {line}" for line in advice(self)]
         lines.append(f"  judged: {self._how_judged()}")
         lines += [f"  {line}" for line in self._probe_notes()]
+        lines += [f"  {line}" for line in agreement_lines(self.agreement)]
         return "\n".join(lines)
 
     def _probe_notes(self) -> list[str]:
@@ -363,6 +369,7 @@ class AuditReport:
             "routing_flips": self.routing_flips,
             "mechanisms": self.mechanisms,
             "updated_buffers": self.updated_buffers,
+            "agreement": self.agreement,
             "seconds": round(self.seconds, 4),
             "probes": [p.to_dict() for p in self.probes],
         }
@@ -402,6 +409,24 @@ class AuditReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def agreement_lines(agreement: dict[str, dict] | None) -> list[str]:
+    """The summary's lines of a report's ``agreement`` (none when there is none)."""
+    if agreement is None:
+        return []
+    if "error" in agreement:
+        return [f"routing agreement not measured: {agreement['error']}"]
+    lines = ["routing agreement (eval; share of (token, layer) pairs routed to the same expert set):"]
+    for name, f in agreement.items():
+        if "skipped" in f:
+            lines.append(f"  {name}: not measured: {f['skipped']}")
+        else:
+            lines.append(
+                f"  {name}: {100 * f['share']:.1f}% of {f['pairs']} pairs ({100 * f['tokens_all_layers']:.1f}% of "
+                f"tokens in every layer): {f['reference']} vs {f['compared']}"
+            )
+    return lines
 
 
 def reports_to_json(reports: list[AuditReport], indent: int | None = 2) -> str:

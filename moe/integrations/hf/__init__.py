@@ -20,11 +20,19 @@ from moe.integrations.hf.blocks import (
     swap_moe_blocks,
     swapped_routings,
 )
-from moe.integrations.hf.causal_lm import TINY_CONFIGS, HFCausalLM, build_hf_model, load_hf_model, tiny_config
+from moe.integrations.hf.causal_lm import (
+    TINY_CONFIGS,
+    HFCache,
+    HFCausalLM,
+    build_hf_model,
+    load_hf_model,
+    tiny_config,
+)
 
 __all__ = [
     "FAMILIES",
     "Family",
+    "HFCache",
     "HFCausalLM",
     "HFMoEBlock",
     "TINY_CONFIGS",

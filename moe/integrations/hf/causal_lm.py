@@ -7,6 +7,7 @@ Shape legend: B batch, T sequence, V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 
 from moe.integrations.hf.blocks import HFMoEBlock, swap_moe_blocks, swapped_routings
 from moe.lm import ModelOutput, check_token_ids, lm_loss
+from moe.routing import DecodeState
 
 TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "mixtral-tiny": ("mixtral", {"num_local_experts": 4, "intermediate_size": 64}),
@@ -103,14 +105,34 @@ def load_hf_model(spec: str, vocab_size: int, seed: int = 0, weights: bool = Tru
     return model
 
 
+@dataclass
+class HFCache:
+    """What :class:`HFCausalLM` decodes with: transformers' own cache of the positions seen so
+    far and every swapped block's router decode state (the fields ``moe.lm.check_token_ids``
+    reads of ``moe.lm.KVCache``). Made by :meth:`HFCausalLM.init_cache`, updated by each forward."""
+
+    batch_size: int
+    """B."""
+    max_len: int
+    """Positions the cache may hold."""
+    router_states: list[DecodeState]
+    """Per swapped block, in module order."""
+    past: object = None
+    """transformers' cache (its ``cache`` argument and output) from the last forward; None before the first."""
+    length: int = 0
+    """Positions filled."""
+
+
 class HFCausalLM(nn.Module):
     """``out = HFCausalLM(swapped)(idx_BT, targets_BT)``: a transformers causal LM whose MoE
     blocks were swapped (:func:`swap_moe_blocks`), with ``moe.model.MoETransformer``'s calling
-    convention, so this package's training loop, evaluation and audit take it as they take
-    ours. ``out.loss`` is the mean next-token cross-entropy against ``targets_BT`` (already
-    shifted, as the loop gives them), ``out.aux_loss`` the sum of the swapped blocks'
-    ``Routing.aux_loss``, ``out.routings`` their routings in block order. No KV cache: every
-    call is a full forward of the given tokens.
+    convention, so this package's training loop, evaluation, audit and agreement figures take
+    it as they take ours. ``out.loss`` is the mean next-token cross-entropy against ``targets_BT``
+    (already shifted, as the loop gives them), ``out.aux_loss`` the sum of the swapped blocks'
+    ``Routing.aux_loss``, ``out.routings`` their routings in block order. Without ``cache`` every
+    call is a full forward of the given tokens; with one (``cache = model.init_cache(B)``) a call
+    takes the next tokens of the cached sequences, through transformers' KV cache and the
+    routers' decode states, as :class:`MoETransformer` decodes.
     """
 
     def __init__(self, hf_model: nn.Module) -> None:
@@ -119,16 +141,52 @@ class HFCausalLM(nn.Module):
             raise ValueError("HFCausalLM needs a model whose MoE blocks were swapped (swap_moe_blocks)")
         self.hf = hf_model
 
-    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None) -> ModelOutput:
-        check_token_ids(idx_BT)
-        for m in self.hf.modules():
-            if isinstance(m, HFMoEBlock):
-                m.routing = None
-        logits_BTV = self.hf(input_ids=idx_BT, use_cache=False).logits
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: HFCache | None = None) -> ModelOutput:
+        check_token_ids(idx_BT, None, cache)
+        blocks = self._swapped()
+        for m in blocks:
+            m.routing = None
+        if cache is None:
+            logits_BTV = self.hf(input_ids=idx_BT, use_cache=False).logits
+        else:
+            before = [m.decode_state for m in blocks]
+            try:
+                for m, state in zip(blocks, cache.router_states):
+                    m.decode_state = state
+                out = self.hf(input_ids=idx_BT, cache=cache.past, use_cache=True)
+            finally:
+                for m, state in zip(blocks, before):
+                    m.decode_state = state
+            logits_BTV, cache.past = out.logits, out.cache
+            cache.length += idx_BT.shape[1]
         routings = swapped_routings(self.hf)
         aux = sum((r.aux_loss for r in routings), logits_BTV.new_zeros((), dtype=torch.float32))
         loss = None if targets_BT is None else lm_loss(logits_BTV, targets_BT)
         return ModelOutput(logits=logits_BTV, aux_loss=aux, routings=routings, loss=loss)
+
+    def _swapped(self) -> list[HFMoEBlock]:
+        return [m for m in self.hf.modules() if isinstance(m, HFMoEBlock)]
+
+    def decode_support(self) -> str | None:
+        """None if every swapped block's router can decode in the current mode, else why not."""
+        for i, m in enumerate(self._swapped()):
+            reason = m.moe.router.decode_support()
+            if reason is not None:
+                return f"MoE block {i}: {reason}"
+        return None
+
+    def init_cache(self, batch_size: int, max_len: int | None = None) -> HFCache:
+        """An empty cache for ``batch_size`` sequences of at most ``max_len`` positions (default:
+        the config's ``max_position_embeddings``); ValueError if a router cannot decode."""
+        reason = self.decode_support()
+        if reason is not None:
+            raise ValueError(reason)
+        limit = getattr(self.hf.config, "max_position_embeddings", None)
+        max_len = limit if max_len is None else max_len
+        if not isinstance(max_len, int) or max_len < 1 or (limit is not None and max_len > limit):
+            raise ValueError(f"max_len must be an integer in [1, max_position_embeddings={limit}], got {max_len!r}")
+        states = [m.moe.router.init_decode_state(batch_size) for m in self._swapped()]
+        return HFCache(batch_size, max_len, states)
 
     @property
     def blocks(self) -> nn.ModuleList:

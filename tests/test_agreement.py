@@ -1,0 +1,128 @@
+"""Routing agreement figures (moe.agreement), the router_dtype option, and the audit's "agreement".
+
+Agreement is checked against hand-made records and against constructions whose answer is known:
+logits tied in bf16 but not in fp32, a batch-grouped capacity router (whose drops depend on the
+other sequences), expert choice (whose prefix forwards differ from the full forward).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import small_lm
+from torch import nn
+
+import moe
+from moe.agreement import PATHS, agreement_figures, record_forward, routing_agreement
+from moe.audit import audit
+from moe.model import MoETransformer
+
+V = 32
+
+
+def tiny(router: str, options: dict) -> MoETransformer:
+    return small_lm(router, options, vocab_size=V)
+
+
+def test_agreement_of_two_records_by_hand():
+    # 2 sequences x 2 positions x 2 layers; slot order and padding do not matter, the set does
+    a = moe.RoutingRecord.from_engine([[[[0, 1], [2, -1]], [[3, 2], [1, 0]]], [[[1, -1], [0, 3]], [[-1, -1], [2, 1]]]])
+    b = moe.RoutingRecord.from_engine([[[[1, 0], [2, -1]], [[3, 1], [0, 1]]], [[[1, -1], [3, 0]], [[0, -1], [2, 1]]]])
+    # differing (token, layer) pairs: (seq0, pos1, layer0) {2,3} vs {1,3}; (seq1, pos1, layer0) {} vs {0}
+    got = routing_agreement(a, b, "a", "b")
+    assert (got.share, got.pairs) == (6 / 8, 8)
+    assert got.per_layer == [2 / 4, 4 / 4]
+    assert got.tokens_all_layers == 2 / 4
+    assert got.line().startswith("a vs b: 75.0% of 8 (token, layer) pairs (50.0% of tokens in every layer)")
+    with pytest.raises(ValueError, match="different tokens"):
+        routing_agreement(a, a.rows(0, 1))
+
+
+class TiedInBf16(nn.Module):
+    """Token ids -> a top-1 router over two experts whose logits 256 + a and 256 + b differ by
+    2^-6 in fp32 but round to the same bf16 value (its spacing at 256 is 2): every weight and
+    embedding is exact in bf16, so only the precision of the router's own computation decides."""
+
+    def __init__(self, router_dtype: str = "fp32") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4, 3)
+        self.layer = moe.MoELayer(3, 4, 2, router="topk", top_k=1, router_dtype=router_dtype)
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.tensor([[2**-6, 0, 256], [0, 2**-6, 256], [2**-5, 0, 256], [0, 2**-5, 256]]))
+            self.layer.router.gate.weight.copy_(torch.tensor([[1.0, 0, 1], [0, 1.0, 1]]))
+
+    def forward(self, idx_BT):
+        return self.layer(self.embed(idx_BT))
+
+
+def test_router_dtype_computes_the_scores_in_the_dtype_it_names():
+    x = torch.randn(5, 8).to(torch.bfloat16)
+    router = moe.build_router("topk", d_model=8, num_experts=4).to(torch.bfloat16)
+    exact = x.double() @ router.gate.weight.double().T  # bf16 inputs multiply exactly in fp64
+    fp32 = router.score_logits(router.gate, x)
+    assert fp32.dtype == torch.float32 and (fp32.double() - exact).abs().max() < 1e-5
+    router.router_dtype = "fp64"
+    assert torch.equal(router.score_logits(router.gate, x), exact)
+    router.router_dtype = "input"
+    assert torch.equal(router.score_logits(router.gate, x), F.linear(x, router.gate.weight))
+    # the default leaves an fp32 model's bits as they were, and keeps an fp64 one in fp64
+    router32 = moe.build_router("topk", d_model=8, num_experts=4)
+    assert torch.equal(router32.score_logits(router32.gate, x.float()), router32.gate(x.float()))
+    assert router32.double().score_logits(router32.gate, x.double()).dtype == torch.float64
+    with pytest.raises(ValueError, match="router_dtype must be one of"):
+        moe.build_router("topk", d_model=8, num_experts=4, router_dtype="fp8")
+
+
+def test_router_dtype_agreement_figure_on_logits_tied_in_bf16():
+    idx = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]])
+    figures = agreement_figures(TiedInBf16(), idx, paths=("bf16_router", "bf16_model", "bf16_model_fp32_router"))
+    # in bf16 both experts score alike, so one of each token pair (truth: expert 0 / expert 1) flips
+    assert figures["bf16_router"].share == 0.5 and figures["bf16_model"].share == 0.5
+    assert figures["bf16_model_fp32_router"].share == 1.0
+    assert figures["bf16_model"].compared == "bf16 weights, router in bf16"
+    # the same through the option itself: a bf16 model routes like the fp32 one with the default router
+    model = TiedInBf16().to(torch.bfloat16)
+    with torch.no_grad():
+        fp32_router = record_forward(model, idx)
+        model.layer.router.router_dtype = "input"
+        bf16_router = record_forward(model, idx)
+    reference = record_forward(TiedInBf16(), idx)
+    assert routing_agreement(reference, fp32_router).share == 1.0
+    assert routing_agreement(reference, bf16_router).share == 0.5
+
+
+def test_decode_batch_and_chunked_prefill_figures():
+    idx = torch.randint(0, V, (3, 12))
+    topk = agreement_figures(tiny("topk", {"top_k": 2}), idx, paths=("decode", "batch", "chunked_prefill"))
+    assert all(f.share == 1.0 and f.pairs == 3 * 12 * 2 for f in topk.values()), topk
+    assert topk["decode"].compared == "KV-cache decoding, one token at a time"
+    assert topk["chunked_prefill"].compared == "prefill in chunks of 3"
+    leaky = agreement_figures(tiny("expert_choice", {"capacity_factor": 1.0}), idx, paths=("decode", "chunked_prefill"))
+    assert leaky["decode"].share < 0.9 and "forward of its prefix" in leaky["decode"].compared
+    assert leaky["chunked_prefill"].startswith("no chunked prefill: MoE block 0")
+    pooled = tiny("capacity", {"top_k": 2, "capacity_factor": 0.5, "group": "batch", "capacity_scope": "prefix"})
+    figures = agreement_figures(pooled, idx, paths=("batch", "chunked_prefill"), chunk=5)
+    assert figures["batch"].share < 0.9  # the drops depend on the other sequences ...
+    assert figures["chunked_prefill"].share == 1.0  # ... but not on how the prompt is cut
+    assert agreement_figures(pooled, idx[:1], paths=("batch",))["batch"].startswith("one sequence")
+    with pytest.raises(ValueError, match="unknown agreement paths"):
+        agreement_figures(pooled, idx, paths=("fp8",))
+
+
+def test_the_audit_reports_agreement_for_model_targets_only():
+    report = audit(tiny("topk", {"top_k": 2}), torch.randint(0, V, (2, 6)), modes=("eval",), trials=1)
+    assert sorted(report.agreement) == sorted(PATHS)
+    assert report.agreement["decode"]["share"] == 1.0 and report.agreement["decode"]["pairs"] == 24
+    assert json.loads(report.to_json())["targets"][0]["agreement"] == report.agreement
+    summary = report.summary()
+    assert "routing agreement (eval; share of (token, layer) pairs routed to the same expert set):" in summary
+    assert (
+        "  decode: 100.0% of 24 pairs (100.0% of tokens in every layer): full forward vs KV-cache decoding" in summary
+    )
+    router = moe.build_router("topk", d_model=8, num_experts=4)
+    assert audit(router, torch.randn(2, 6, 8), modes=("eval",), trials=1).agreement is None
+    quiet = audit(tiny("topk", {}), torch.randint(0, V, (2, 6)), modes=("eval",), trials=1, agreement=False)
+    assert quiet.agreement is None and "routing agreement" not in quiet.summary()
