@@ -126,3 +126,14 @@ def test_the_audit_reports_agreement_for_model_targets_only():
     assert audit(router, torch.randn(2, 6, 8), modes=("eval",), trials=1).agreement is None
     quiet = audit(tiny("topk", {}), torch.randint(0, V, (2, 6)), modes=("eval",), trials=1, agreement=False)
     assert quiet.agreement is None and "routing agreement" not in quiet.summary()
+
+
+def test_router_dtype_is_a_router_option_of_the_model_and_the_trainer():
+    from moe.training import config_from_args, model_config
+
+    cfg = config_from_args(["--router", "topk", "--router-option", "router_dtype=fp64", "--steps", "1"])
+    model = MoETransformer(model_config(cfg.model, V))
+    assert [r.router_dtype for r in model.routers()] == ["fp64"] * model.cfg.n_layers
+    assert MoETransformer(model_config(config_from_args(["--steps", "1"]).model, V)).routers()[0].router_dtype == "fp32"
+    with pytest.raises(ValueError, match="router_dtype must be one of"):
+        config_from_args(["--router-option", "router_dtype=fp8", "--steps", "1"])

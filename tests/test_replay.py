@@ -254,6 +254,8 @@ def test_replay_under_expert_parallelism_equals_one_process():
     with moe.replay_routing(model, record):
         out = model(idx, targets)
     out.loss.backward()
+    with torch.no_grad():
+        assert (model(idx).logits - out.logits).abs().max() > 1e-3, "replay must change the routing here"
     halves = [record.rows(0, 2).experts, record.rows(2, 4).experts]
     per_rank = ok_values(run_local(_expert_parallel_worker, 2, model.state_dict(), idx, targets, halves))
     logits = torch.cat([r["logits"] for r in per_rank])
