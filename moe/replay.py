@@ -4,7 +4,7 @@
         seq = model.generate(prompt, 64)
     with moe.replay_routing(model, record):        # the training forward of the same tokens
         out = model(seq[:, :-1], seq[:, 1:])       # routes each token to its recorded experts
-    (out.loss + out.aux_loss).backward()           # the gates still get gradients
+        (out.loss + out.aux_loss).backward()       # the gates still get gradients
 
 This is Rollout Routing Replay (R3, arXiv 2510.11370; Megatron-Core's ``RouterReplay``,
 ``moe_enable_routing_replay``): a reinforcement-learning trainer computes its forward with the
@@ -22,7 +22,8 @@ from the state's position. Under expert parallelism each rank records and replay
 tokens (routing happens before the exchange). A transformers model generates through
 ``moe.integrations.hf.decoding``, which gives each router its position; a generation that runs
 past ``max_seq_len`` re-forwards a cropped window from position 0 and cannot be recorded as one
-sequence.
+sequence. Under activation checkpointing the backward reruns block forwards: run it inside
+``replay_routing`` too.
 """
 
 from __future__ import annotations

@@ -263,3 +263,21 @@ def test_replay_under_expert_parallelism_equals_one_process():
     for layer, r in enumerate(model.routers()):  # each rank's gate gradient of its half: their sum is the whole
         grad = per_rank[0]["gate_grad"][layer] / 2 + per_rank[1]["gate_grad"][layer] / 2
         assert (grad - r.gate.weight.grad).abs().max() < 1e-10, f"layer {layer}"
+
+
+def test_replay_under_activation_checkpointing_with_the_backward_inside():
+    from moe.parallel.recompute import apply_activation_checkpointing
+
+    model = tiny("topk", {"top_k": 2})
+    idx, targets = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 8))
+    engine = perturbed_gates(model)
+    with torch.no_grad(), moe.record_routing(engine) as record:
+        engine(idx)
+    with moe.replay_routing(model, record):
+        _, want = forward_and_grads(model, idx, targets)
+    checkpointed = copy.deepcopy(model)
+    apply_activation_checkpointing(checkpointed.blocks, "full")  # the backward reruns each block's forward
+    with moe.replay_routing(checkpointed, record):
+        _, got = forward_and_grads(checkpointed, idx, targets)
+    for g, h in zip(want, got):
+        assert (g is None) == (h is None) and (g is None or torch.equal(g, h)), (g - h).abs().max()
