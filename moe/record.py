@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moe.routing import Routing, count_indices
+
 
 class RoutingRecord:
     """Each token's experts in each MoE layer: :attr:`experts`, int32 [B, S, L, K] (-1 = empty slot).
@@ -184,6 +186,21 @@ class RoutingRecord:
                 out[:, position : position + chunk.shape[1], layer, : chunk.shape[2]] = chunk
                 out[:, position : position + chunk.shape[1], layer, chunk.shape[2] :] = -1
         return out
+
+
+def routing_slots(routing: Routing) -> Tensor:
+    """int64 [N, K]: each token's experts in the order of its kept assignments, -1 in the slots
+    it does not fill; K = the most experts one token got (at least 1, read on the host): the
+    form a record keeps and ``Router.replay`` takes."""
+    kept = routing.compact()
+    count_N = count_indices(kept.token, routing.num_tokens)
+    order_A = torch.argsort(kept.token, stable=True)
+    token_A = kept.token[order_A]
+    slot_A = torch.arange(token_A.numel(), device=token_A.device) - (count_N.cumsum(0) - count_N)[token_A]
+    k = max(int(count_N.max()), 1) if routing.num_tokens else 1
+    expert_NK = torch.full((routing.num_tokens, k), -1, dtype=torch.long, device=token_A.device)
+    expert_NK[token_A, slot_A] = kept.expert[order_A]
+    return expert_NK
 
 
 def _checked_array(a, what: str) -> Tensor:

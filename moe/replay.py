@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 from torch import Tensor, nn
 
-from moe.record import RoutingRecord
+from moe.record import RoutingRecord, routing_slots
 from moe.routing import DecodeState, Router, Routing
 
 
@@ -58,7 +58,7 @@ class RoutingTap:
             expert_NK = self.source.choices(self.layer, batch_shape, position).to(logits_NE.device)
             routing = self.router.replay(logits_NE, x_BTD, batch_shape, expert_NK, decoding=decode_state is not None)
         if self.records:
-            slots_NK = routing.slots()
+            slots_NK = routing_slots(routing)
             for record in self.records:
                 record.write(self.layer, slots_NK, batch_shape, position)
         return routing

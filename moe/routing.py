@@ -127,20 +127,6 @@ class Routing:
         """int64 [E + 1]: how many tokens were routed to 0, 1, ..., E experts (no host read)."""
         return count_indices(self.experts_per_token(), self.num_experts + 1)
 
-    def slots(self) -> Tensor:
-        """int64 [N, K]: each token's experts in the order of its kept assignments, -1 in the slots
-        it does not fill; K = the most experts one token got (at least 1, read on the host). The
-        form ``moe.RoutingRecord`` keeps and :meth:`Router.replay` takes."""
-        kept = self.compact()
-        count_N = count_indices(kept.token, self.num_tokens)
-        order_A = torch.argsort(kept.token, stable=True)
-        token_A = kept.token[order_A]
-        slot_A = torch.arange(token_A.numel(), device=token_A.device) - (count_N.cumsum(0) - count_N)[token_A]
-        k = max(int(count_N.max()), 1) if self.num_tokens else 1
-        expert_NK = torch.full((self.num_tokens, k), -1, dtype=torch.long, device=token_A.device)
-        expert_NK[token_A, slot_A] = kept.expert[order_A]
-        return expert_NK
-
 
 @dataclass(frozen=True)
 class Claims:
@@ -509,33 +495,6 @@ def slots_mask(expert_NK: Tensor, num_experts: int) -> Tensor:
     mask_NE = torch.zeros(expert_NK.shape[0], num_experts, dtype=torch.bool, device=expert_NK.device)
     mask_NE[token_A, expert_NK[token_A, slot_A]] = True
     return mask_NE
-
-
-def slot_weights(probs_NX: Tensor, expert_NK: Tensor, normalize: bool, over_NJ: Tensor | None = None) -> Tensor:
-    """float [N, K]: the scores ``probs_NX`` of the experts in ``expert_NK``'s slots (0 in empty
-    ones), divided with ``normalize`` by their sum over the token's slots, or over the experts
-    ``over_NJ`` when given (routers whose record lacks some choices: dropped, null). Top-k's
-    combine weights, given the choices (``Router.replay``; R3, arXiv 2510.11370)."""
-    weight_NK = torch.where(expert_NK >= 0, probs_NX.gather(1, expert_NK.clamp_min(0)), 0.0)
-    if not normalize:
-        return weight_NK
-    mass_NK = weight_NK if over_NJ is None else probs_NX.gather(1, over_NJ)
-    return weight_NK / mass_NK.sum(-1, keepdim=True).clamp_min(1e-20)
-
-
-def weights_given_choices(
-    expert_NK: Tensor, choice_NJ: Tensor, weight_NJ: Tensor, probs_NX: Tensor, normalize: bool
-) -> Tensor:
-    """float [N, K]: combine weights of the experts in ``expert_NK``'s slots for a router whose
-    record lacks some of its choices (capacity drops, null experts). ``choice_NJ`` and
-    ``weight_NJ`` are the router's current choices and their weights (normalised over them):
-    a given expert among them keeps its own weight (the router's tensor itself, so a replay with
-    unchanged weights is its forward bit for bit, gradients included); another gets its score,
-    normalised (``normalize``) over the current choices as the router normalises them."""
-    match_NKJ = expert_NK.unsqueeze(-1) == choice_NJ.unsqueeze(1)
-    own_NK = weight_NJ.gather(1, match_NKJ.int().argmax(-1))
-    other_NK = slot_weights(probs_NX, expert_NK, normalize, over_NJ=choice_NJ)
-    return torch.where(match_NKJ.any(-1), own_NK, other_NK)
 
 
 def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_experts: int):

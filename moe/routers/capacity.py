@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moe.routers.replayed import weights_given_choices
 from moe.routers.token_choice import TokenChoiceBase
 from moe.routing import (
     Claims,
@@ -56,7 +57,6 @@ from moe.routing import (
     register_router,
     slot_pairs,
     sort_into_segments,
-    weights_given_choices,
 )
 
 
@@ -165,7 +165,7 @@ class CapacityRouter(TokenChoiceBase):
         """The given experts kept, nothing dropped. The record holds the kept experts only, so
         weights are normalised (``normalize``) over the token's current top-k choices, before
         drops as in :meth:`route` (a dropped choice keeps losing its share; see
-        ``moe.routing.weights_given_choices``), and the Switch loss counts those choices. A
+        ``moe.routers.replayed.weights_given_choices``), and the Switch loss counts those choices. A
         decode state's kept counts are left as they were."""
         n, k = logits_NE.shape[0], self.top_k
         probs_NE, choice_NK, weight_NK = self.select(logits_NE)

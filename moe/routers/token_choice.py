@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from moe.checks import nonnegative_int
+from moe.routers.replayed import slot_weights, weights_given_choices
 from moe.routing import (
     Claims,
     DecodeState,
@@ -19,9 +20,7 @@ from moe.routing import (
     register_router,
     served_stats,
     slot_pairs,
-    slot_weights,
     softmax_or_sigmoid,
-    weights_given_choices,
 )
 
 
@@ -158,7 +157,7 @@ class TopKRouter(TokenChoiceBase):
         given experts' current scores, renormalised over them (``normalize``); the Switch loss
         counts them. With null experts the record holds the real ones only, so their weights are
         normalised over the token's current k choices (its null choices keep their share, as in
-        :meth:`route`; see ``moe.routing.weights_given_choices``) and the Switch loss counts the
+        :meth:`route`; see ``moe.routers.replayed.weights_given_choices``) and the Switch loss counts the
         current null choices beside them."""
         n = logits_NE.shape[0]
         token_A, slot_A = slot_pairs(expert_NK)
