@@ -27,6 +27,7 @@ models under runs/routing_agreement_quick, results in experiments/results/routin
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing
 import statistics
@@ -150,8 +151,14 @@ def measure_batch(model, idx_BT) -> dict:
     from moe.agreement import cast_parameters, router_dtype, routing_agreement, run_decoding, run_forward
 
     tf, dec = run_forward(model, idx_BT), run_decoding(model, idx_BT)
-    logits = {"fp32_tf": tf.logits, "fp32_decode": dec.logits}
-    agreement = {"fp32_tf_vs_fp32_decode": routing_agreement(tf.record, dec.record)}
+    # the trainer's forward in training mode (only ec_predictor routes otherwise there); on a copy,
+    # since training forwards gather router statistics
+    tf_train = run_forward(copy.deepcopy(model).train(), idx_BT)
+    logits = {"fp32_tf": tf.logits, "fp32_decode": dec.logits, "fp32_tf_train": tf_train.logits}
+    agreement = {
+        "fp32_tf_vs_fp32_decode": routing_agreement(tf.record, dec.record),
+        "fp32_tf_train_vs_fp32_decode": routing_agreement(tf_train.record, dec.record),
+    }
     half = cast_parameters(model, torch.bfloat16)
     for name, dtype in BF16_PATHS.items():
         with router_dtype(half, dtype):
@@ -160,6 +167,7 @@ def measure_batch(model, idx_BT) -> dict:
             replayed = run_forward(model, idx_BT)
         logits[f"{name}_decode"], logits[f"fp32_replay_{name}"] = served.logits, replayed.logits
         agreement[f"fp32_tf_vs_{name}_decode"] = routing_agreement(tf.record, served.record)
+        agreement[f"fp32_tf_train_vs_{name}_decode"] = routing_agreement(tf_train.record, served.record)
         agreement[f"fp32_decode_vs_{name}_decode"] = routing_agreement(dec.record, served.record)
         agreement[f"replayed_vs_{name}_decode"] = routing_agreement(replayed.record, served.record)
     return {"how": dec.how, "logits": logits, "agreement": agreement}
@@ -225,20 +233,23 @@ def markdown(result: dict) -> str:
     r0 = rows[0]
     lines = [
         f"Routing agreement ({r0['windows']} validation windows of {r0['seq_len']} tokens, batches of "
-        f"{r0['batch_size']}; one seed per router; all in eval mode). Agreement = share of (token, layer) pairs routed "
+        f"{r0['batch_size']}; one seed per router; eval mode but for the training-mode column, where ec_predictor "
+        "routes by expert choice). Agreement = share of (token, layer) pairs routed "
         "to the same expert set; (all layers) = share of tokens routed alike in every layer. fp32 TF = the fp32 "
         "teacher-forced forward; decode = one token at a time through the KV cache (expert choice: each token in the "
         "forward of its prefix); bf16 = bf16 weights with the router in bf16; bf16/fp32 router = bf16 weights, router "
         "in fp32.",
         "",
         "| router | fp32 TF vs fp32 decode | bf16 decode vs fp32 decode | bf16 decode vs fp32 TF (all layers) | "
-        "bf16/fp32 router decode vs fp32 decode | bf16/fp32 router decode vs fp32 TF (all layers) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "bf16 decode vs fp32 TF, training mode | bf16/fp32 router decode vs fp32 decode | "
+        "bf16/fp32 router decode vs fp32 TF (all layers) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['router']} | {pct(r, 'fp32_tf_vs_fp32_decode')} | {pct(r, 'fp32_decode_vs_bf16_decode')} | "
             f"{pct(r, 'fp32_tf_vs_bf16_decode')} ({pct(r, 'fp32_tf_vs_bf16_decode', 'tokens_all_layers')}) | "
+            f"{pct(r, 'fp32_tf_train_vs_bf16_decode')} | "
             f"{pct(r, 'fp32_decode_vs_bf16_fp32_router_decode')} | {pct(r, 'fp32_tf_vs_bf16_fp32_router_decode')} "
             f"({pct(r, 'fp32_tf_vs_bf16_fp32_router_decode', 'tokens_all_layers')}) |"
         )
