@@ -218,7 +218,7 @@ class Router(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         self.check_finite = os.environ.get("MOE_DEBUG") == "1" if check_finite is None else bool(check_finite)
-        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.gate = GateLinear(d_model, num_experts)
         nn.init.normal_(self.gate.weight, std=d_model**-0.5)
 
     # -- claims -------------------------------------------------------------------------
@@ -264,7 +264,7 @@ class Router(nn.Module):
         those rows in a full-sequence forward, and the state advances by T."""
         check_input(x_BTD, self.d_model)
         b, t, _ = x_BTD.shape
-        logits_NE = self.score_logits(self.gate, x_BTD.reshape(b * t, -1))
+        logits_NE = self.score_logits(x_BTD.reshape(b * t, -1))
         if self.check_finite and not torch.isfinite(logits_NE).all():
             raise ValueError(
                 f"{type(self).__name__}: router logits contain NaN or inf "
@@ -284,16 +284,14 @@ class Router(nn.Module):
             decode_state.position += t
         return routing
 
-    def score_logits(self, linear: nn.Linear, x_ND: Tensor) -> Tensor:
-        """``linear(x)`` computed in the dtype ``router_dtype`` names (input and weight cast to it,
-        autocast off), as Megatron-Core's ``router_gating_linear`` does: a low-precision model
-        then ranks its experts on fp32 (or fp64) scores, not on logits rounded to bf16."""
+    def score_logits(self, x_ND: Tensor) -> Tensor:
+        """The gate's logits [N, E] in the dtype ``router_dtype`` names (:class:`GateLinear`): a
+        low-precision model then ranks its experts on fp32 (or fp64) scores, not on logits
+        already rounded to bf16."""
         dtype = ROUTER_DTYPES[self.router_dtype]
-        if dtype is None:  # "input": whatever the model computes in (autocast included)
-            return linear(x_ND)
-        dtype = torch.promote_types(dtype, x_ND.dtype) if self.router_dtype == "fp32" else dtype
-        with torch.autocast(x_ND.device.type, enabled=False):
-            return F.linear(x_ND.to(dtype), linear.weight.to(dtype))
+        if dtype is not None and self.router_dtype == "fp32":
+            dtype = torch.promote_types(dtype, x_ND.dtype)
+        return self.gate(x_ND, dtype=dtype)
 
     def route_tokens(
         self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], decode_state: DecodeState | None
@@ -377,6 +375,22 @@ class Router(nn.Module):
             f"d_model={self.d_model}, num_experts={self.num_experts}, causal_train={c.causal_train}, "
             f"causal_eval={c.causal_eval}, batch_invariant={c.batch_invariant}"
         )
+
+
+class GateLinear(nn.Linear):
+    """A router's bias-free gate: ``gate(x_ND, dtype=d)`` is ``x W^T`` computed in ``d``, input
+    and weight cast to it and autocast off, as Megatron-Core's ``router_gating_linear`` computes
+    in its ``moe_router_dtype``; ``dtype=None``: as ``nn.Linear`` computes (autocast included). A
+    module call either way, so forward hooks on the gate see the logits."""
+
+    def __init__(self, d_model: int, num_experts: int) -> None:
+        super().__init__(d_model, num_experts, bias=False)
+
+    def forward(self, x_ND: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        if dtype is None:
+            return super().forward(x_ND)
+        with torch.autocast(x_ND.device.type, enabled=False):
+            return F.linear(x_ND.to(dtype), self.weight.to(dtype))
 
 
 class TokenLocalRouter(Router):

@@ -62,18 +62,25 @@ def test_router_dtype_computes_the_scores_in_the_dtype_it_names():
     x = torch.randn(5, 8).to(torch.bfloat16)
     router = moe.build_router("topk", d_model=8, num_experts=4).to(torch.bfloat16)
     exact = x.double() @ router.gate.weight.double().T  # bf16 inputs multiply exactly in fp64
-    fp32 = router.score_logits(router.gate, x)
+    fp32 = router.score_logits(x)
     assert fp32.dtype == torch.float32 and (fp32.double() - exact).abs().max() < 1e-5
     router.router_dtype = "fp64"
-    assert torch.equal(router.score_logits(router.gate, x), exact)
+    assert torch.equal(router.score_logits(x), exact)
     router.router_dtype = "input"
-    assert torch.equal(router.score_logits(router.gate, x), F.linear(x, router.gate.weight))
+    assert torch.equal(router.score_logits(x), F.linear(x, router.gate.weight))
     # the default leaves an fp32 model's bits as they were, and keeps an fp64 one in fp64
     router32 = moe.build_router("topk", d_model=8, num_experts=4)
-    assert torch.equal(router32.score_logits(router32.gate, x.float()), router32.gate(x.float()))
-    assert router32.double().score_logits(router32.gate, x.double()).dtype == torch.float64
+    assert torch.equal(router32.score_logits(x.float()), router32.gate(x.float()))
+    assert router32.double().score_logits(x.double()).dtype == torch.float64
     with pytest.raises(ValueError, match="router_dtype must be one of"):
         moe.build_router("topk", d_model=8, num_experts=4, router_dtype="fp8")
+    # hooks on the gate (the trainer's router entropy, the audit) see the logits in the router's dtype
+    seen = []
+    router.gate.register_forward_hook(lambda _m, _i, logits: seen.append(logits.dtype))
+    for dtype in ("fp32", "input"):
+        router.router_dtype = dtype
+        router(x.view(1, 5, 8))
+    assert seen == [torch.float32, torch.bfloat16]
 
 
 def test_router_dtype_agreement_figure_on_logits_tied_in_bf16():
