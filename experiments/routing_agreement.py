@@ -148,7 +148,7 @@ def measure_router(label: str, seed: int, num_windows: int, batch_size: int, qui
 def measure_batch(model, idx_BT) -> dict:
     """Records, agreements and logits of one batch of windows along every path."""
     import moe
-    from moe.agreement import cast_parameters, router_dtype, routing_agreement, run_decoding, run_forward
+    from moe.agreement import cast_parameters, router_dtype, run_decoding, run_forward
 
     tf, dec = run_forward(model, idx_BT), run_decoding(model, idx_BT)
     # the trainer's forward in training mode (only ec_predictor routes otherwise there); on a copy,
@@ -156,8 +156,8 @@ def measure_batch(model, idx_BT) -> dict:
     tf_train = run_forward(copy.deepcopy(model).train(), idx_BT)
     logits = {"fp32_tf": tf.logits, "fp32_decode": dec.logits, "fp32_tf_train": tf_train.logits}
     agreement = {
-        "fp32_tf_vs_fp32_decode": routing_agreement(tf.record, dec.record),
-        "fp32_tf_train_vs_fp32_decode": routing_agreement(tf_train.record, dec.record),
+        "fp32_tf_vs_fp32_decode": compare(tf.record, dec.record),
+        "fp32_tf_train_vs_fp32_decode": compare(tf_train.record, dec.record),
     }
     half = cast_parameters(model, torch.bfloat16)
     for name, dtype in BF16_PATHS.items():
@@ -166,21 +166,35 @@ def measure_batch(model, idx_BT) -> dict:
         with moe.replay_routing(model, served.record):
             replayed = run_forward(model, idx_BT)
         logits[f"{name}_decode"], logits[f"fp32_replay_{name}"] = served.logits, replayed.logits
-        agreement[f"fp32_tf_vs_{name}_decode"] = routing_agreement(tf.record, served.record)
-        agreement[f"fp32_tf_train_vs_{name}_decode"] = routing_agreement(tf_train.record, served.record)
-        agreement[f"fp32_decode_vs_{name}_decode"] = routing_agreement(dec.record, served.record)
-        agreement[f"replayed_vs_{name}_decode"] = routing_agreement(replayed.record, served.record)
+        agreement[f"fp32_tf_vs_{name}_decode"] = compare(tf.record, served.record)
+        agreement[f"fp32_tf_train_vs_{name}_decode"] = compare(tf_train.record, served.record)
+        agreement[f"fp32_decode_vs_{name}_decode"] = compare(dec.record, served.record)
+        agreement[f"replayed_vs_{name}_decode"] = compare(replayed.record, served.record)
     return {"how": dec.how, "logits": logits, "agreement": agreement}
 
 
-def merge(parts: list) -> dict:
-    """Agreements of equal-sized batches as one: pair- and token-weighted means."""
-    pairs = sum(p.pairs for p in parts)
+def compare(a, b) -> tuple:
+    """(the agreement of two records of a batch, each window's share of agreeing (token, layer) pairs)."""
+    from moe.agreement import routing_agreement
+
+    return routing_agreement(a, b), [
+        routing_agreement(a.rows(i, i + 1), b.rows(i, i + 1)).share for i in range(a.batch_size)
+    ]
+
+
+def merge(parts: list[tuple]) -> dict:
+    """Agreements of equal-sized batches as one: pair- and token-weighted means, and the standard
+    error of the share over windows (each window's routing is one draw; pairs within it are not
+    independent)."""
+    whole = [p for p, _ in parts]
+    windows = torch.tensor([share for _, shares in parts for share in shares], dtype=torch.float64)
+    pairs = sum(p.pairs for p in whole)
     return {
-        "share": sum(p.share * p.pairs for p in parts) / pairs,
+        "share": sum(p.share * p.pairs for p in whole) / pairs,
+        "share_se": (windows.std() / windows.numel() ** 0.5).item(),
         "pairs": pairs,
-        "per_layer": [statistics.fmean(layer) for layer in zip(*(p.per_layer for p in parts))],
-        "tokens_all_layers": statistics.fmean(p.tokens_all_layers for p in parts),
+        "per_layer": [statistics.fmean(layer) for layer in zip(*(p.per_layer for p in whole))],
+        "tokens_all_layers": statistics.fmean(p.tokens_all_layers for p in whole),
     }
 
 
@@ -223,7 +237,8 @@ def measure_all(args: argparse.Namespace) -> dict:
 
 def markdown(result: dict) -> str:
     def pct(row, key, field="share"):
-        return f"{100 * row['agreement'][key][field]:.2f}%"
+        a = row["agreement"][key]
+        return f"{100 * a[field]:.2f}%" + (f" ± {100 * a['share_se']:.2f}" if field == "share" else "")
 
     def gap(row, key):
         m, se = row["logprob_gap"][key]
@@ -235,7 +250,8 @@ def markdown(result: dict) -> str:
         f"Routing agreement ({r0['windows']} validation windows of {r0['seq_len']} tokens, batches of "
         f"{r0['batch_size']}; one seed per router; eval mode but for the training-mode column, where ec_predictor "
         "routes by expert choice). Agreement = share of (token, layer) pairs routed "
-        "to the same expert set; (all layers) = share of tokens routed alike in every layer. fp32 TF = the fp32 "
+        "to the same expert set (± standard error over windows); (all layers) = share of tokens routed alike in every "
+        "layer. fp32 TF = the fp32 "
         "teacher-forced forward; decode = one token at a time through the KV cache (expert choice: each token in the "
         "forward of its prefix); bf16 = bf16 weights with the router in bf16; bf16/fp32 router = bf16 weights, router "
         "in fp32.",
