@@ -69,6 +69,17 @@ def identity_router(name: str, num_experts: int, **options) -> moe.Router:
     return r
 
 
+def assignments(routing: moe.Routing) -> list[tuple[int, int]]:
+    """The kept (token, expert) pairs of a routing, sorted."""
+    return sorted(zip(routing.token.tolist(), routing.expert.tolist()))
+
+
+def hand_logits(*rows, batch: int = 1) -> torch.Tensor:
+    """float64 [batch, T, E] from rows of E logits (for an :func:`identity_router`)."""
+    x = torch.tensor(rows, dtype=torch.float64)
+    return x.view(batch, -1, x.shape[-1])
+
+
 def naive_moe(layer: moe.MoELayer, x_BTD: torch.Tensor, routing: moe.Routing) -> torch.Tensor:
     """y[n] += w * SwiGLU_e(x[n]) for every kept assignment, one at a time."""
     b, t, d = x_BTD.shape
@@ -97,6 +108,8 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("remoe", {}),
     ("top_p", {"target_experts": 2}),
     ("topk", {"top_k": 2, "null_experts": 2}),
+    ("quantile", {"top_k": 2}),
+    ("seq_topk", {"top_k": 2}),
 ]
 
 
