@@ -264,6 +264,7 @@ def run_eval(s: Session) -> dict:
         e.causal_stride,
         e.eval_batch_size,
         s.info.device,
+        causal_batch_size=e.causal_batch_size,
     )
 
 
