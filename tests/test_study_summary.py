@@ -16,7 +16,9 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import router_study as study  # noqa: E402
 
 
-def row(router: str, seed: int, causal: float, tf: float | None = None, corpus: str = "c", size: str = "s") -> dict:
+def row(
+    router: str, seed: int, causal: float, tf: float | None = None, corpus: str = "c", size: str = "s", dead: int = 0
+) -> dict:
     tf = causal if tf is None else tf
     return {
         "corpus": corpus,
@@ -30,7 +32,7 @@ def row(router: str, seed: int, causal: float, tf: float | None = None, corpus: 
         "active_experts_mean": 2.0,
         "tokens_per_s": 1000.0,
         "active_params": 1000,
-        "dead_experts": 0,
+        "dead_experts": dead,
     }
 
 
@@ -81,3 +83,10 @@ def test_the_baseline_is_the_better_top_k_by_causal_loss():
         assert s["baseline"] == winner, (corpus, s["baseline"])
         assert s["paired_diff"] == pytest.approx(0.055, abs=1e-12)  # 3.65 - 3.60, 3.66 - 3.60
         assert s["paired_diff_tf"] == pytest.approx(-0.05, abs=1e-12)  # 3.50 - 3.55, not 3.50 - 3.40
+
+
+def test_dead_experts_are_the_worst_seeds():
+    """The table's dead-expert count of a router is the most any of its seeds left dead (a
+    failure of one seed is not averaged away)."""
+    rows = [row("remoe", i, 3.6, dead=d) for i, d in enumerate((0, 2, 1))]
+    assert by_router(rows)["remoe"]["dead_experts"] == 2

@@ -1,4 +1,9 @@
-"""The packet-loss study's noise share (experiments/packet_loss.py ``summarise``): a step's
+"""The packet-loss study's summary (experiments/packet_loss.py ``summarise``).
+
+The perplexity change of a lossy run is paired by seed with the reliable run of the same seed:
+100 (exp(val_loss - reliable val_loss) - 1) per seed, then mean and standard error.
+
+The noise share: a step's
 ``grad_noise_share`` = sum_i |g_i - mean|^2 / (P^2 |mean|^2) is (P - 1) / P times the noise
 share Var(mean) / |mean|^2 in expectation (moe.parallel.lossy.data_parallel), so the study
 reports P / (P - 1) times each seed's mean over steps, then the mean and standard error over
@@ -16,7 +21,9 @@ import experiments.packet_loss as study
 from moe.parallel.lossy import METRICS
 
 
-def record(workers: int, seed: int, noise_share_per_step: list[float]) -> dict:
+def record(
+    workers: int, seed: int, noise_share_per_step: list[float], policy: str = "unbiased", val_loss: float = 3.0
+) -> dict:
     """One run's record as the study stores it, every other figure a constant."""
     steps = len(noise_share_per_step)
     history = {k: [0.5] * steps for k in ("loss", *METRICS)}
@@ -26,8 +33,8 @@ def record(workers: int, seed: int, noise_share_per_step: list[float]) -> dict:
         "workers": workers,
         "seed": seed,
         "loss_rate": 0.1,
-        "policy": "unbiased",
-        "val_loss": 3.0,
+        "policy": policy,
+        "val_loss": val_loss,
         "tokens_per_step": 256,
         "history": history,
         "wall_s": 1.0,
@@ -73,3 +80,21 @@ def test_noise_share_estimates_the_variance_of_the_mean_gradient(workers):
     assert abs(out["noise_share"] - truth) < 3 * se, (out["noise_share"], truth, se)
     # without the factor the figure is off by truth / P, with P / (P + 1) by more: over 6 standard errors
     assert 6 * se < truth / workers, (se, truth)
+
+
+def test_perplexity_change_is_paired_by_seed():
+    """Reliable seeds 0 and 1 end at 3.0 and 3.5, the lossy ones 0.01 and 0.02 above their own
+    seed's: changes 100 (e^0.01 - 1) = 1.00502% and 100 (e^0.02 - 1) = 2.02013%."""
+    raw = [
+        record(4, 1, [0.1], "unbiased", 3.52),
+        record(4, 0, [0.1], "reliable", 3.0),
+        record(4, 1, [0.1], "reliable", 3.5),
+        record(4, 0, [0.1], "unbiased", 3.01),
+    ]
+    runs = {r["policy"]: r for r in study.summarise(raw)}
+    changes = [100 * math.expm1(0.01), 100 * math.expm1(0.02)]
+    lossy = runs["unbiased"]
+    assert lossy["ppl_change_per_seed"] == pytest.approx(changes, rel=1e-9)
+    assert lossy["ppl_change_pct"] == pytest.approx(sum(changes) / 2, rel=1e-9)
+    assert lossy["ppl_change_se"] == pytest.approx((changes[1] - changes[0]) / 2, rel=1e-9)
+    assert runs["reliable"]["ppl_change_pct"] == 0.0
