@@ -5,14 +5,18 @@ alone; and top-p's controller ignores evaluation forwards.
 
 Every forward below has the same number of tokens, so the mean over forwards is also the mean
 over the step's tokens: the tests hold for either reading. Expert counts are set by hand through
-a router whose gate is the identity (the input features are the logits).
+a router whose gate is the identity (the input features are the logits); one test goes through
+the trainer's microbatched step.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import identity_router
+from helpers import SMALL_RUN, identity_router
+
+from moe.routers.remoe import ReLURouter
+from moe.training import TrainConfig, train
 
 E = 8
 TARGET = 2.0
@@ -72,6 +76,23 @@ def test_top_p_threshold_follows_the_mean_of_the_steps_forwards():
         r.update_after_step()
         p -= rate * direction  # more experts than the target lower p, fewer raise it
         assert float(r.p) == pytest.approx(p, abs=1e-12), (forwards, float(r.p), p)
+
+
+def test_a_step_of_two_microbatches_moves_each_layers_coefficient_by_its_mean():
+    """Through the trainer: one step of two microbatches. ReMoE routes each token alone, so the
+    step's per-layer mean experts per token (the training record's ``active_experts_layers``,
+    counted from the routings) is also the mean over the two microbatches; each layer's
+    coefficient must move by the sign of that mean minus the target. The target sits between
+    each layer's mean and twice it, so the sum of the two microbatches' means is on the other side."""
+    init, rate, target = 1e-3, 2.0, 2.5
+    options = {"top_k": target, "l1_rate": rate, "l1_init": init}
+    run = train(
+        TrainConfig.flat(**{**SMALL_RUN, "steps": 1, "microbatches": 2}, router="remoe", router_options=options)
+    )
+    means = run.history[0]["active_experts_layers"]
+    assert all(target / 2 < m < target for m in means), means  # the case separates mean from sum
+    coefs = [float(m.l1_coef) for m in run.model.modules() if isinstance(m, ReLURouter)]
+    assert coefs == pytest.approx([init / rate] * len(means), rel=1e-12), (coefs, means)
 
 
 def test_top_p_controller_ignores_evaluation_forwards():
