@@ -15,7 +15,6 @@ Shapes: B=4, T=16, D=8. Only the public API: ``audit`` and its report's fields.
 from __future__ import annotations
 
 import torch
-from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for the many tiny forwards)
 from torch import Tensor, nn
 
 from moe.audit import audit
