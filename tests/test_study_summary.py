@@ -1,8 +1,9 @@
-"""The router study's summary (experiments/router_study.py ``summarise``): each challenger's
+"""The router study's summary (experiments/study_stats.py ``summarise``): each challenger's
 difference from the better dropless top-k baseline is paired by seed (the paired standard error
 and Student's t of the per-seed differences), and the better baseline is the one with the lower
 mean CAUSAL loss, the loss decoding sees, not the teacher-forced one. Rows are small dicts with
-the fields ``summarise`` reads; every expected figure is worked out by hand below."""
+the fields ``summarise`` reads (all trained with one batch size); every expected figure is
+worked out by hand below."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "experiments"))
-import router_study as study  # noqa: E402
+import study_stats as stats  # noqa: E402
 
 
 def row(
@@ -33,11 +34,12 @@ def row(
         "tokens_per_s": 1000.0,
         "active_params": 1000,
         "dead_experts": dead,
+        "config": {"data": {"batch_size": 12}, "eval": {"eval_batch_size": 64}},
     }
 
 
 def by_router(rows: list[dict], corpus: str = "c", size: str = "s") -> dict[str, dict]:
-    return {s["router"]: s for s in study.summarise(rows) if (s["corpus"], s["size"]) == (corpus, size)}
+    return {s["router"]: s for s in stats.summarise(rows) if (s["corpus"], s["size"]) == (corpus, size)}
 
 
 def test_differences_are_paired_by_seed():
