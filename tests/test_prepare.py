@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from extras import need
 
-pytest.importorskip("tokenizers")
+need("tokenizers", "data")
 
 from prepared import documents, prepare, sentences, stream, write_texts  # noqa: E402
 
@@ -86,7 +87,7 @@ def test_jsonl_and_parquet_documents_with_a_tokenizer_file(trained, tmp_path):
     with (tmp_path / "in" / "a.jsonl").open("w") as f:
         for d in docs[:4]:
             f.write(json.dumps({"id": 1, "body": d}) + "\n\n")  # blank lines are skipped
-    pa = pytest.importorskip("pyarrow")
+    pa = need("pyarrow", "data")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"body": docs[4:], "n": list(range(3))}), tmp_path / "in" / "b.parquet")
@@ -100,7 +101,7 @@ def test_jsonl_and_parquet_documents_with_a_tokenizer_file(trained, tmp_path):
 
 
 def test_hugging_face_tokenizer_folder_with_and_without_tokenizer_json(trained, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "hf")
     texts, _, out = trained
     tok = load_tokenizer_file(str(out / "tokenizer.json"))
     tok.add_special_tokens(["</s>"])

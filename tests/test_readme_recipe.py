@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from extras import need
 from helpers import ROOT, SUBPROCESS_ENV
 
-pytest.importorskip("tokenizers")
+need("tokenizers", "data")
 
 SHORTER = {"--steps 2000": "--steps 20 --seq-len 64 --batch-size 4 --eval-windows 2 --eval-batch-size 2 --no-progress"}
 """The recipe's budget, cut for the test (nothing else of its commands changes)."""
