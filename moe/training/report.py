@@ -127,6 +127,12 @@ class RunReport:
         if every and (step % every == 0 or step == self.cfg.optimizer.steps):
             self.say(log_line(record))
 
+    def interrupted(self) -> None:
+        """Ctrl-C stopped the run: the progress bar ends its line, the wandb run ends as failed."""
+        self.bar.close()
+        if self.run is not None:
+            self.run.finish(exit_code=130)
+
     def close(self, final_eval: dict) -> None:
         self.bar.close()
         if self.run is not None:
