@@ -181,8 +181,11 @@ def test_generate_prints_text_decoded_by_the_tokenizer(data, tmp_path):
     corpus = load_corpus(data)
     model = generate.load_export(str(tmp_path / "model.pt"))
     ids = torch.tensor([corpus.encode(prompt)])
-    want = corpus.decode(model.generate(ids, 12, temperature=0)[0])
-    assert proc.stdout == want + "\n" and want.startswith(prompt) and len(corpus.encode(want)) > ids.shape[1]
+    new = model.generate(ids, 12, temperature=0)[0, ids.shape[1] :]
+    want = (
+        f"--- prompt: {ids.shape[1]} tokens given ---\n{prompt}\n--- sample: 12 new tokens ---\n{corpus.decode(new)}\n"
+    )
+    assert proc.stdout == want and corpus.decode(new)
     wrong = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "generate.py"), str(tmp_path / "model.pt")],
         env=SUBPROCESS_ENV,
