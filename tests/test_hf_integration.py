@@ -284,6 +284,16 @@ def test_swapped_olmoe_trains_with_the_loop(router, options):
     assert abs(res.final_eval["leakage_gap"]) < 1e-5
 
 
+@pytest.mark.parametrize(
+    "spec, architecture", [("olmoe-tiny", "OlmoeForCausalLM"), ("qwen2-moe-tiny", "Qwen2MoeForCausalLM")]
+)
+def test_the_banner_names_the_transformers_model(spec, architecture, capsys):
+    corpus = load_corpus("stdlib", 0.1, 100_000)
+    train(TrainConfig.flat(hf_model=spec, steps=1, **{**HF_RUN, "log_every": 1}), corpus)
+    banner = capsys.readouterr().out.splitlines()[0]
+    assert f"model: transformers {architecture} ({spec}), " in banner, banner
+
+
 def test_swapped_model_resumes_exactly_from_a_checkpoint(tmp_path):
     # the swapped blocks' router state (ec_threshold's thresholds) lives in the checkpoint too
     corpus = load_corpus("stdlib", 0.1, 100_000)

@@ -176,6 +176,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
         corpus,
         total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters(),
         place.layout if info.world_size > 1 else None,
+        place.model.architecture if cfg.model.hf_model else None,
     )
     for line in resumed:
         report.say(line)
