@@ -46,6 +46,13 @@ class EvalConfig:
             positive_int("causal_batch_size", self.causal_batch_size)
 
 
+def format_difference(value: float, digits: int = 4, plus: bool = True) -> str:
+    """A difference of losses (a leakage gap) as text: ``digits`` decimals, signed (``+`` too when
+    ``plus``), but one that rounds to zero is ``0.0000``, without a sign (never ``-0.0000``)."""
+    text = f"{value:+.{digits}f}" if plus else f"{value:.{digits}f}"
+    return text.lstrip("+-") if float(text) == 0 else text
+
+
 def autocast(device: torch.device):
     """bf16 autocast on CUDA; nothing (fp32) elsewhere."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()

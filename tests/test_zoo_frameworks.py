@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from extras import reason
 from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for the many tiny forwards)
 
 from moe.audit.zoo import FRAMEWORKS, audit_framework, zoo_markdown
@@ -149,7 +150,7 @@ def test_every_configuration_has_an_expectation_and_three_frameworks_at_least():
 def _check(name: str) -> None:
     fc = next(f for f in FRAMEWORKS if f.name == name)
     if installed(fc.library) is None:
-        pytest.skip(f"{fc.library} is not installed")
+        pytest.skip(reason(fc.library, "zoo-frameworks"))
     row = audit_framework(fc)
     exp = EXPECTED[name]
     assert row.error is None, f"{name}: {row.error}"

@@ -151,7 +151,8 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
     try:
         cal = calibrate(runner, example, calibration_inputs(example, session.sampler, session.seed))
     except TargetFailure as e:
-        return f"the target failed on the example in {mode} mode ({e})"
+        what = "its output breaks the audit's contract" if isinstance(e.error, AuditUsageError) else "the target failed"
+        return f"{what} on the example in {mode} mode ({e})"
     report.nonfinite[mode] = cal.nonfinite
     if not cal.comparable:
         return f"nothing to compare in {mode} mode: all {cal.nonfinite} entries of the example's output are NaN or inf"

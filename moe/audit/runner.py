@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe.audit.target import AuditTarget, Outputs, raise_site
+from moe.audit.target import AuditTarget, AuditUsageError, Outputs, raise_site
 
 Draws = tuple[tuple[str, tuple[int, ...]], ...]
 """The random draws of one forward, in order: (aten op, shape of what it drew)."""
@@ -40,7 +40,10 @@ class TargetFailure(Exception):
 
     def __init__(self, shape: tuple[int, ...], error: BaseException) -> None:
         self.shape, self.error, self.where = shape, error, raise_site(error)
-        super().__init__(f"input of shape {shape}: {type(error).__name__}: {error} (raised at {self.where})")
+        if isinstance(error, AuditUsageError):  # the target ran; what it returned is not auditable: no site to show
+            super().__init__(f"input of shape {shape}: {error}")
+        else:
+            super().__init__(f"input of shape {shape}: {type(error).__name__}: {error} (raised at {self.where})")
 
 
 class TargetTimeout(Exception):

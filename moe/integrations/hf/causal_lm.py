@@ -140,6 +140,15 @@ class HFCausalLM(nn.Module):
         """All parameters (shared ones once)."""
         return sum(p.numel() for p in self.parameters())
 
+    @property
+    def architecture(self) -> str:
+        """The wrapped model's transformers class (``OlmoeForCausalLM``), named by its config's
+        model type (the class itself is renamed once FSDP2 shards it)."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model_type = self.hf.config.model_type
+        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)
+
 
 def build_hf_model(
     spec: str,
