@@ -67,6 +67,8 @@ from study_report import SMOKE, registration_lines, render
 from study_stats import StudyError, registered_verdict, require_scipy
 from tqdm import tqdm
 
+from moe.eval import evaluate, format_difference
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 DATA_DIR = ROOT / "runs" / "router_study" / "data"
@@ -297,7 +299,6 @@ def check_data(spec: dict, rows: list[dict]) -> None:
 def run_row(spec: dict) -> dict:
     """Train and evaluate one row (in a worker process)."""
     torch.set_num_threads(1)
-    from moe.eval import evaluate
     from moe.training import TrainConfig, train
 
     cfg = TrainConfig.flat(**spec["fields"])
@@ -539,7 +540,7 @@ def run_rows(todo: list[dict], result: dict, json_path: Path, workers: int) -> N
             result["wall_time_s"] += r["train_time_s"]
             tqdm.write(
                 f"{r['corpus']} {r['size']} {r['router']:<24} seed {r['seed']}  tf {r['teacher_forced_loss']:.4f}  "
-                f"causal {r['causal_loss']:.4f}  gap {r['leakage_gap']:+.4f}  experts {r['active_experts_mean']:.2f}  "
+                f"causal {r['causal_loss']:.4f}  gap {format_difference(r['leakage_gap'])}  experts {r['active_experts_mean']:.2f}  "
                 f"{r['tokens_per_s']:,.0f} tok/s",
                 file=sys.stderr,
             )

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from study_stats import ALPHA, pool_sweep, summarise, t_halfwidth
 
+from moe.eval import format_difference
+
 SMOKE = (
     "SMOKE TEST (--quick): a tiny model trained for a few steps on a few seeds, to check that the study runs; "
     "its losses and ranking mean nothing about the routers."
@@ -17,7 +19,7 @@ SMOKE = (
 
 def pm(value: float, se: float, digits: int = 4, sign: bool = False) -> str:
     """``value ± se``, or the value alone where one seed gives no standard error (NaN)."""
-    v = f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+    v = format_difference(value, digits, plus=sign)
     return v if math.isnan(se) else f"{v} ± {se:.{digits}f}"
 
 
