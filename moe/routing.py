@@ -319,7 +319,12 @@ class Router(nn.Module):
         return self.aux_loss_coef > 0 or self.seq_aux_loss_coef > 0 or self.global_aux_loss_coef > 0
 
     def _aux_loss(
-        self, logits_NE: Tensor, probs_NX: Tensor, expert_A: Tensor, token_A: Tensor, batch_shape: tuple[int, int]
+        self,
+        logits_NE: Tensor,
+        probs_NX: Tensor,
+        expert_A: Tensor,
+        token_A: Tensor | None = None,
+        batch_shape: tuple[int, int] | None = None,
     ) -> Tensor:
         """The load-balancing losses over the X columns of ``probs_NX`` (the E experts, or E
         plus null experts), counting the assignments (``token_A``, ``expert_A``), plus the
@@ -335,6 +340,8 @@ class Router(nn.Module):
         * sequence (``seq_aux_loss_coef``): f and P of each of the B sequences, the mean of the
           B losses (Megatron's ``_apply_seq_aux_loss``; DeepSeek-V3's sequence-wise balance
           loss, arXiv 2412.19437 eq. 17-20). A sequence is never split, so no layout changes it.
+          It needs the assignments' tokens and the (B, T) shape: a router that does not pass
+          ``token_A`` and ``batch_shape`` refuses the option when it routes.
         * global batch (``global_aux_loss_coef``): f over the step's whole batch, P over this
           forward (Megatron's ``_apply_global_aux_loss``; arXiv 2501.11873). f is
           :attr:`global_load` when set (the counts of every microbatch and data-parallel rank,
@@ -359,6 +366,8 @@ class Router(nn.Module):
         if self.aux_loss_coef > 0:
             loss = loss + self.aux_loss_coef * x * (fractions(shared_X) * mean_X).sum()
         if self.seq_aux_loss_coef > 0:
+            if token_A is None or batch_shape is None:
+                raise ValueError(f"router {self.name!r} does not support seq_aux_loss_coef (it passes no token ids)")
             b, t = batch_shape
             count_BX = count_indices((token_A // t) * x + expert_A, b * x).view(b, x).to(probs_NX.dtype)
             mean_BX = probs_NX.view(b, t, x).mean(1)

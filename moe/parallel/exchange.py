@@ -125,6 +125,19 @@ def exchange_counts(counts_E: Tensor, group=None) -> Tensor:
     return recv.view(size, -1)
 
 
+def _local_block(experts: SwiGLUExperts, num_experts: int, group) -> tuple[int, int, int, int]:
+    """(rank, size of ``group``, start, stop of this rank's experts); ValueError unless
+    ``experts`` holds exactly that block."""
+    rank, size = group_rank_size(group)
+    start, stop = local_expert_range(num_experts, group)
+    if experts.num_experts != stop - start:
+        raise ValueError(
+            f"rank {rank} holds {experts.num_experts} experts but E={num_experts} over {size} ranks "
+            f"needs {stop - start} per rank"
+        )
+    return rank, size, start, stop
+
+
 EAGER_UNDER_COMPILE = (
     "the token exchange runs eagerly between compiled graphs: its all-to-all split sizes are read on the host"
 )
@@ -151,13 +164,7 @@ def expert_parallel_ffn(
     ``moe.experts.BACKENDS``). ``timer`` (benchmarks only) records the phases "dispatch",
     "exchange", "experts", "combine" in forward and marks their boundaries for backward.
     """
-    rank, size = group_rank_size(group)
-    start, stop = local_expert_range(num_experts, group)
-    if experts.num_experts != stop - start:
-        raise ValueError(
-            f"rank {rank} holds {experts.num_experts} experts but E={num_experts} over {size} ranks "
-            f"needs {stop - start} per rank"
-        )
+    _, size, start, stop = _local_block(experts, num_experts, group)
     n = x_ND.shape[0]
     phase = timer.phase if timer is not None else _no_phase
     mark = timer.mark if timer is not None else _no_mark
@@ -210,13 +217,8 @@ def expert_parallel_ffn_dedup(
     """:func:`expert_parallel_ffn` with each token's row sent once per rank that holds one of
     its experts (see the module docstring): U = distinct (token, rank) pairs rows each way,
     plus two int64 and one weight per assignment. Collective: every rank of ``group`` calls it."""
-    rank, size = group_rank_size(group)
-    start, stop = local_expert_range(num_experts, group)
+    _, size, start, stop = _local_block(experts, num_experts, group)
     per_rank = stop - start
-    if experts.num_experts != per_rank:
-        raise ValueError(
-            f"rank {rank} holds {experts.num_experts} experts but E={num_experts} over {size} ranks needs {per_rank}"
-        )
     n = x_ND.shape[0]
     dest_A = expert_A // per_rank
     order_S = torch.argsort(dest_A * n + token_A, stable=True)  # by destination, then token
