@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import identity_router
+from helpers import DEEPSEEK_V3_STYLE, identity_router
 
 import moe
+from moe.audit import audit
 from moe.global_balance import global_batch_loads
 from moe.layer import active_ffn_width
 from moe.model import MoETransformer, preset
@@ -296,3 +297,37 @@ def test_bad_shared_expert_options():
         moe.MoELayer(8, 6, 4, shared_expert_gate=True)
     with pytest.raises(ValueError, match="shared_expert_gate needs shared_experts > 0"):
         preset("tiny", shared_expert_gate=True)
+
+
+# -- the audit, both ways ------------------------------------------------------------------------
+AUDITED = [
+    # every feature on a causal router: the claimed safety must survive the audit
+    ("layer", "topk", {**DEEPSEEK_V3_STYLE, "aux_loss_coef": 0.01}, False),
+    ("router", "ec_threshold", {"score": "sqrtsoftplus", "route_scale": 2.0}, False),
+    ("model", "topk", {**DEEPSEEK_V3_STYLE, "pre_softmax": True, "gate": "sqrtsoftplus"}, False),
+    # the same routing with score-priority capacity: the claimed leak must be shown
+    ("layer", "capacity", {**DEEPSEEK_V3_STYLE, "priority": "score", "capacity_factor": 1.0}, True),
+]
+
+
+@pytest.mark.parametrize("kind,router,options,leaks", AUDITED, ids=lambda v: v if isinstance(v, str) else None)
+def test_features_are_audited_both_ways(kind, router, options, leaks):
+    """Shared experts (gated), groups, sigmoid / sqrt-softplus scores, the route scale, a balance
+    bias that changes choices and the three balance losses: the audit checks every claim."""
+    torch.manual_seed(0)
+    shared = {"shared_experts": 1, "shared_expert_gate": True}
+    if kind == "router":
+        target = moe.build_router(router, d_model=32, num_experts=4, **options)
+        x = torch.randn(4, 16, 32)
+    elif kind == "layer":
+        target = moe.MoELayer(32, 64, 4, router=router, **shared, **options)
+        x = torch.randn(4, 16, 32)
+    else:
+        target = MoETransformer(preset("tiny", router=router, router_options=options, **shared))
+        x = torch.randint(0, 256, (4, 16))
+    for r in target.modules():
+        if isinstance(r, moe.routers.TokenChoiceBase):
+            r.balance_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+    report = audit(target, x)
+    assert report.claims is not None and not report.violations and not report.unshown, report.table()
+    assert report.leaks == leaks, report.table()
