@@ -356,3 +356,12 @@ def test_shared_experts_decode_with_the_kv_cache_as_the_full_forward():
             full_TV = model(row[None, :-1]).logits[0]
         # fp32: attention over a different number of keys per call rounds differently, ~1e-7
         assert (logits_BSV[b, : row.numel() - 1] - full_TV).abs().max() <= 1e-5
+
+
+def test_global_balance_loss_is_refused_over_pipelined_microbatches():
+    from moe.training import TrainConfig
+
+    options = {"global_aux_loss_coef": 0.1}
+    with pytest.raises(ValueError, match="global_aux_loss_coef over several microbatches"):
+        TrainConfig.flat(router_options=options, pipeline_parallel=2, microbatches=2)
+    TrainConfig.flat(router_options=options, microbatches=2)  # the plain step counts the batch first

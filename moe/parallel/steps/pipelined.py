@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from moe.eval import autocast
-from moe.global_balance import global_balance_routers
 from moe.parallel.pipeline import Pipeline, StageModel, sync_tied_gradient, tied_groups, virtual_stages
 from moe.parallel.pipelined_lm import PipelinedLM
 from moe.parallel.steps.base import StepStrategy, register_strategy
@@ -33,11 +32,6 @@ class Pipelined(StepStrategy):
             raise ValueError(
                 "interleaved1f1b runs without data parallelism inside a stage here: use "
                 "--pipeline-schedule gpipe or 1f1b, or as many processes as pipeline stages"
-            )
-        if cfg.parallel.microbatches > 1 and global_balance_routers(place.model):
-            raise ValueError(
-                "global_aux_loss_coef with pipeline parallelism over several microbatches is not supported: "
-                "its counting forward would have to run through the pipeline (use --microbatches 1, or no pipeline)"
             )
         pp_rank, place.dp_rank = pmesh.coordinate()
         place.dp_size, place.dp_group, place.pp_group = layout.data_parallel, pmesh.dp_group, pmesh.pp_group
