@@ -286,6 +286,14 @@ def test_generate_inside_decoding_equals_the_full_forward(router, options):
     assert_rel_close(step_logits, full, 1e-5, f"{router}: generate inside decoding vs full forward")
 
 
+def test_swapped_deepseek_v3_generates_with_its_cache_as_the_full_forward():
+    model = swap_moe_blocks(deepseek_v3(), "topk")
+    prompt = torch.randint(0, V, (2, 5))
+    with decoding(model, batch_size=2):
+        seq, step_logits = generate_with_logits(model, prompt, 10)
+    assert_rel_close(step_logits, full_forward_logits(model, seq, 10), 1e-5, "deepseek-v3 generate vs full forward")
+
+
 def test_generate_outside_decoding_misroutes_a_prefix_capacity_router():
     # Each cached call routes its new token as a sequence of its own (position 0, capacity >= 1):
     # nothing is dropped, while the full forward drops. The context is what makes it exact.
