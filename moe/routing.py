@@ -350,9 +350,9 @@ class Router(nn.Module):
           Megatron instead lets microbatch i read the running mean of the counts of
           microbatches 1..i, so its loss depends on how the batch is cut; this one does not.
         """
-        loss = self._z_loss(logits_NE)
         if not self.has_balance_loss():
-            return loss
+            return self._z_loss(logits_NE)
+        loss = logits_NE.new_zeros(())
         x = probs_NX.shape[1]
         count_X = count_indices(expert_A, x).to(probs_NX.dtype)
         if self.load_counter is not None:
@@ -375,7 +375,7 @@ class Router(nn.Module):
         if self.global_aux_loss_coef > 0:
             global_X = shared_X if self.global_load is None else self.global_load.to(probs_NX.dtype)
             loss = loss + self.global_aux_loss_coef * x * (fractions(global_X) * mean_X).sum()
-        return loss
+        return loss + self._z_loss(logits_NE)
 
     def _assignment_fractions(self, expert_A: Tensor, size: int, dtype: torch.dtype) -> Tensor:
         """float [size]: the fraction of assignments to each expert, counted over ``stats_group``."""
