@@ -93,6 +93,19 @@ def naive_moe(layer: moe.MoELayer, x_BTD: torch.Tensor, routing: moe.Routing) ->
     return torch.stack(rows).view(b, t, d)
 
 
+DEEPSEEK_V3_STYLE = {
+    "top_k": 2,
+    "gate": "sigmoid",
+    "num_expert_groups": 2,
+    "num_limited_groups": 1,
+    "route_scale": 2.5,
+    "balance_rate": 0.1,
+    "seq_aux_loss_coef": 0.01,
+    "global_aux_loss_coef": 0.01,
+}
+"""Top-k routed as DeepSeek-V3 routes (sigmoid, balance bias, 2 groups of which a token keeps
+1, a route scale) with its sequence and global balance losses, for E = 4 experts."""
+
 ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("topk", {"top_k": 2}),
     ("topk", {"top_k": 1, "gate": "sigmoid"}),
@@ -110,6 +123,7 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("topk", {"top_k": 2, "null_experts": 2}),
     ("quantile", {"top_k": 2}),
     ("seq_topk", {"top_k": 2}),
+    ("topk", DEEPSEEK_V3_STYLE),
 ]
 
 

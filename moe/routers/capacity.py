@@ -163,7 +163,7 @@ class CapacityRouter(TokenChoiceBase):
         b, t = batch_shape
         n, e, k = logits_NE.shape[0], self.num_experts, self.top_k
         dev = logits_NE.device
-        probs_NE, expert_NK, weight_NK = self.select(logits_NE)
+        scores_NE, expert_NK, weight_NK = self.select(logits_NE)
 
         # Candidate assignments in token-major order: a = n*K + j.
         expert_A = expert_NK.reshape(-1)
@@ -182,7 +182,7 @@ class CapacityRouter(TokenChoiceBase):
         elif self.priority == "choice":
             priority_A = (choice_A * n + t_A * b + b_A).double()
         else:
-            priority_A = -probs_NE.detach().gather(1, expert_NK).reshape(-1).double()
+            priority_A = -scores_NE.detach().gather(1, expert_NK).reshape(-1).double()
 
         capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
         if self.capacity_scope == "group":
@@ -212,7 +212,7 @@ class CapacityRouter(TokenChoiceBase):
             weight=weight_A,
             num_tokens=n,
             num_experts=e,
-            aux_loss=self._aux_loss(logits_NE, probs_NE, expert_NK.reshape(-1)),
+            aux_loss=self.token_choice_aux_loss(logits_NE, scores_NE, batch_shape),
             stats=stats,
             batch_shape=batch_shape,
             valid=valid_A,

@@ -39,8 +39,26 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
             "head_dim": 16,
         },
     ),
+    "deepseek-v3-tiny": (
+        "deepseek_v3",
+        {
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "intermediate_size": 64,
+            "first_k_dense_replace": 0,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        },
+    ),
 }
-"""Name -> (transformers model_type, family-specific fields) of the built-in tiny random configs."""
+"""Name -> (transformers model_type, family-specific fields) of the built-in tiny random configs
+(DeepSeek-V3: 8 routed experts in 4 groups, 2 groups per token, one shared expert)."""
 
 TINY_COMMON = {
     "hidden_size": 64,
