@@ -199,6 +199,10 @@ def _grouped_ffn_backward_op(
     return grad_x_ND, grad_weight_A, dw_gate.contiguous(), dw_up.contiguous(), dw_down.contiguous()
 
 
+GROUPED_FFN_OP = torch.ops.moe_kernels.grouped_mm_moe_ffn.default
+"""The forward operator (its outputs hold the grouped GEMMs' products: what selective activation
+checkpointing keeps, ``moe.parallel.recompute``)."""
+
 _grouped_ffn_backward_op.register_fake(input_gradients_fake)
 _grouped_ffn_op.register_autograd(
     backward_through(torch.ops.moe_kernels.grouped_mm_moe_ffn_backward), setup_context=save_inputs_and_extras
