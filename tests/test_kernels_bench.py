@@ -159,24 +159,21 @@ def test_bench_kernels_rejects_unknown_shape(tmp_path):
 
 
 def test_bench_model_step_dry_run_backends_and_compiled(tmp_path):
-    """Two routers with both backends and one compiled (the whole list takes minutes in the
-    interpreter); every registered router has a configuration."""
+    """One router with both backends and compiled (the Triton interpreter takes seconds a step;
+    the whole list runs in gpu_check.sh's slow dry run); every registered router has a configuration."""
     import moe
 
     step = load_script("bench_model_step")
     assert {router for router, _ in step.ROUTERS.values()} == set(moe.list_routers())
-    argv = ["--dry-run", "--matmul-tflops", "1.0", "--routers", "topk,top_p", "--compile-routers", "topk"]
-    results = step.main([*argv, "--out-dir", str(tmp_path)])
-    saved = json.loads(Path(results["path"]).read_text())
-    expected = {"topk grouped_mm", "topk triton", "top_p grouped_mm", "top_p triton", "topk grouped_mm compiled"}
-    assert set(saved["runs"]) == expected
-    for key, r in saved["runs"].items():
+    argv = ["--dry-run", "--matmul-tflops", "1.0", "--routers", "topk", "--compile-routers", "topk", "--warmup", "0"]
+    results = step.main([*argv, "--steps", "1", "--out-dir", str(tmp_path)])
+    runs = json.loads(Path(results["path"]).read_text())["runs"]
+    assert set(runs) == {"topk grouped_mm", "topk triton", "topk grouped_mm compiled"}
+    for key, r in runs.items():
         assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, key
-        assert 0 < r["assignments_per_token"] <= 4, key  # about top-2 compute by construction
-    runs = saved["runs"]
-    # same weights and batch: the same first loss up to bf16 rounding, whatever the backend or mode
-    for key in expected:
-        assert abs(runs[key]["first_loss"] - runs[key.split()[0] + " grouped_mm"]["first_loss"]) < 5e-3, key
+        assert r["assignments_per_token"] == 2, key
+        # same weights and batch: the same first loss up to bf16 rounding, whatever the backend or mode
+        assert abs(r["first_loss"] - runs["topk grouped_mm"]["first_loss"]) < 5e-3, key
 
 
 # -- experiments/gpu_check.sh ------------------------------------------------------------
