@@ -11,7 +11,7 @@ tokens, in bf16 autocast (fp32 master weights). Every router runs eager with eac
 of ``--backends`` (grouped_mm, what ``backend="auto"`` runs on CUDA, and triton), and the
 routers of ``--compile-routers`` run compiled too (``moe.parallel.compile.compile_blocks``, each
 block's forward through torch.compile, as ``--compile`` trains) with the first backend. Each
-router is set to about top-2 compute: topk, capacity and remoe with top_k=2, top_p with a target
+router is set to about top-2 compute: topk, capacity, remoe, quantile and seq_topk with top_k=2, top_p with a target
 of 2 experts per token, the expert-choice family with capacity_factor=2 (C = 2 * T / E per
 sequence). Every configuration starts from the same weights and batch, so its first loss is the
 same up to rounding: ``first_loss`` is reported beside each (the same losses across backends).
@@ -54,8 +54,11 @@ ROUTERS = {
     "ec_predictor": ("ec_predictor", {"capacity_factor": 2.0}),
     "remoe": ("remoe", {"top_k": 2}),
     "top_p": ("top_p", {"target_experts": 2}),
+    "quantile": ("quantile", {"top_k": 2}),
+    "seq_topk": ("seq_topk", {"top_k": 2}),
 }
-"""Configuration name -> (router, options): every registered router (``moe.list_routers()``)."""
+"""Configuration name -> (router, options): every registered router (``moe.list_routers()``); a
+name the running tree does not register is reported as that configuration's error."""
 
 
 def step_flops(model: MoETransformer, routings: list, batch: int, seq: int) -> float:

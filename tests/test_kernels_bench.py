@@ -164,7 +164,7 @@ def test_bench_model_step_dry_run_backends_and_compiled(tmp_path):
     import moe
 
     step = load_script("bench_model_step")
-    assert {router for router, _ in step.ROUTERS.values()} == set(moe.list_routers())
+    assert set(moe.list_routers()) <= {router for router, _ in step.ROUTERS.values()}
     argv = ["--dry-run", "--matmul-tflops", "1.0", "--routers", "topk", "--compile-routers", "topk", "--warmup", "0"]
     results = step.main([*argv, "--steps", "1", "--out-dir", str(tmp_path)])
     runs = json.loads(Path(results["path"]).read_text())["runs"]
