@@ -26,8 +26,21 @@ MoEFFN = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tens
 BACKENDS: dict[str, Callable[[], MoEFFN]] = {
     "torch": lambda: moe_ffn_reference,
     "triton": lambda: __import__("kernels.moe_ffn", fromlist=["moe_ffn_triton"]).moe_ffn_triton,
+    "grouped_mm": lambda: _grouped_mm_backend(),
 }
 """Backend name -> loader of its function (loaded lazily, so no backend is imported early)."""
+
+CUDA_AUTO = "grouped_mm"
+"""What ``backend="auto"`` runs on CUDA: PyTorch's grouped GEMM, until a GPU run of
+``experiments/gpu_check.sh`` shows the Triton kernels equal to it and faster (docs/kernels.md
+holds the rule and the evidence; no GPU has run them yet)."""
+
+
+def _grouped_mm_backend() -> MoEFFN:
+    # an import statement, not __import__: torch.compile traces it (the module is loaded by then)
+    from kernels.torch_grouped import moe_ffn_grouped_mm
+
+    return moe_ffn_grouped_mm
 
 
 def check_backend(name: str) -> None:
@@ -40,7 +53,7 @@ def check_backend(name: str) -> None:
 
 def resolve_backend(name: str, device: torch.device | None = None) -> MoEFFN:
     if name == "auto":
-        name = "triton" if device is not None and device.type == "cuda" and triton_installed() else "torch"
+        name = CUDA_AUTO if device is not None and device.type == "cuda" else "torch"
     check_backend(name)
     return BACKENDS[name]()
 

@@ -29,8 +29,9 @@ class MoELayer(nn.Module):
 
     ``router`` is a registered name (see ``moe.list_routers()``) or a built ``Router``;
     ``router_options`` go to ``moe.build_router``. ``backend`` chooses the data path:
-    "torch" (reference, any device), "triton" (GPU kernels) or "auto". Results do not
-    depend on the backend beyond floating-point rounding.
+    "torch" (reference, any device), "triton" (our GPU kernels), "grouped_mm" (PyTorch's
+    ``torch._grouped_mm``; float32 / bfloat16 / float16) or "auto" (grouped_mm on CUDA, torch
+    elsewhere). Results do not depend on the backend beyond floating-point rounding.
 
     ``expert_parallel`` (a ``moe.parallel.ExpertParallel``, which carries the process group
     and the data path) shards the experts over the group's ranks: this rank holds experts

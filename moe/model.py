@@ -70,7 +70,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     """Share the input embedding and the output projection."""
     backend: str = "torch"
-    """MoE data path: "torch", "triton" or "auto"."""
+    """MoE data path: "torch", "triton", "grouped_mm" or "auto" (``moe.experts.BACKENDS``)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_d_ff", "num_experts", "max_seq_len"):

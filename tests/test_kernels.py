@@ -379,17 +379,6 @@ def test_moe_ffn_cuda_matches_reference(kind, k, dtype):
 
 
 @pytest.mark.gpu
-def test_layer_auto_backend_is_triton_on_cuda():
-    from moe import MoELayer
-
-    layer = MoELayer(64, 128, 4, router="topk", backend="auto").cuda()
-    ref = copy.deepcopy(layer)
-    ref.backend = "torch"
-    x = torch.randn(2, 64, 64, device="cuda")
-    assert_near("auto y", layer(x), ref(x))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("n,e,k", [(16384, 64, 6), (8192, 8, 2), (100, 64, 6)])
 def test_metadata_and_combine_cuda_match_reference(n, e, k):
     gen = torch.Generator().manual_seed(8)

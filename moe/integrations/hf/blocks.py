@@ -195,7 +195,7 @@ def swap_moe_blocks(
     The new blocks share the original parameters (no copy). ``router_options`` go to
     ``moe.build_router`` on top of the family's own (see :func:`family_router_options`):
     ``swap_moe_blocks(model, "topk")`` computes what the original model computes.
-    ``backend`` is ``MoELayer``'s ("torch", "triton", "auto"). With ``expert_parallel`` (a
+    ``backend`` is ``MoELayer``'s ("torch", "triton", "grouped_mm", "auto"). With ``expert_parallel`` (a
     ``moe.parallel.ExpertParallel``) each block keeps only this rank's experts (copies of
     their slice) and exchanges tokens with the other ranks, as ``MoELayer`` does.
 
