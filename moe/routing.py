@@ -510,7 +510,7 @@ def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_exper
     ``group_size`` is an int, or an int64 tensor of sizes (then elementwise)."""
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-    if math.isinf(capacity_factor):
+    if capacity_factor == math.inf:  # not math.isinf, which torch.compile cannot trace once it made the float symbolic
         return group_size
     if isinstance(group_size, Tensor):
         c = torch.ceil(capacity_factor * group_size.double() * top_k / num_experts).long()

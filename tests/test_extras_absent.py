@@ -27,10 +27,12 @@ import importlib.util, sys
 import torch
 import moe
 from kernels.reference import moe_ffn_reference
+from kernels.torch_grouped import moe_ffn_grouped_mm
 from moe.experts import resolve_backend
 
 assert importlib.util.find_spec("triton") is None, "the hiding did not work"
-assert resolve_backend("auto", torch.device("cuda")) is moe_ffn_reference  # a GPU without triton: the torch path
+assert resolve_backend("auto", torch.device("cuda")) is moe_ffn_grouped_mm  # a GPU needs no triton for auto
+assert resolve_backend("auto", torch.device("cpu")) is moe_ffn_reference
 auto = moe.MoELayer(d_model=16, d_ff=32, num_experts=4, router="topk", backend="auto").double()
 plain = moe.MoELayer(d_model=16, d_ff=32, num_experts=4, router="topk", backend="torch").double()
 plain.load_state_dict(auto.state_dict())
