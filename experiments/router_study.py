@@ -73,7 +73,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results"
 DATA_DIR = ROOT / "runs" / "router_study" / "data"
 
-# label: (router name, options, TrainConfig overrides of the row). Two experts' worth of compute per token.
+# label: (router name, options, TrainConfig overrides of the row; "model": ModelConfig overrides merged
+# into the size's). Two experts' worth of compute per token.
 ROUTERS: dict[str, tuple[str, dict, dict]] = {
     "topk_aux": ("topk", {"top_k": 2}, {}),
     "topk_lossfree": ("topk", {"top_k": 2, "aux_loss_coef": 0.0, "balance_rate": 1e-3}, {}),
@@ -216,7 +217,8 @@ def row_config(corpus: str, size: str, label: str, seed: int, quick: bool, path:
         progress=False,
         wandb_mode="disabled",
     )
-    fields.update(overrides)
+    fields.update({k: v for k, v in overrides.items() if k != "model"})
+    model.update(overrides.get("model", {}))  # e.g. shared experts: merged into the size's model
     if "batch_size" in overrides:  # equal tokens: a larger batch takes proportionally fewer steps
         base = (QUICK_RECIPE if quick else RECIPE)["batch_size"]
         fields["steps"] = fields["steps"] * base // overrides["batch_size"]
@@ -234,26 +236,31 @@ def row_key(spec: dict) -> str:
 
 
 def check_compute(labels: list[str], sizes: list[str], allow_unequal: bool) -> None:
-    """Every MoE router's nominal experts per token times the expert width equals the dense width."""
+    """Every MoE row's active feed-forward width (nominal experts per token plus its shared
+    experts, times the expert width: ``moe.layer.active_ffn_width``) equals the dense width."""
+    from moe.layer import active_ffn_width
     from moe.routers import build_router
 
     for label in labels:
-        name, options, _ = ROUTERS[label]
+        name, options, overrides = ROUTERS[label]
         if not name:
             continue
+        shared = overrides.get("model", {}).get("shared_experts", 0)
         for size in sizes:
             s = SIZES[size]
             try:
                 router = build_router(name, d_model=s["d_model"], num_experts=s["num_experts"], **options)
             except ValueError as e:
                 raise StudyError(f"router {label!r}: {e}") from None
-            k = router.nominal_experts_per_token()
+            width = active_ffn_width(router, s["moe_d_ff"], shared)
             if allow_unequal:
                 continue
-            if k is None or not math.isclose(k * s["moe_d_ff"], s["d_ff"]):
+            if width is None or not math.isclose(width, s["d_ff"]):
+                k = router.nominal_experts_per_token()
                 raise StudyError(
-                    f"router {label!r} uses {k} experts of width {s['moe_d_ff']} per token at size {size!r}, not the "
-                    f"dense width {s['d_ff']}: unequal active compute (pass --allow-unequal-compute to compare anyway)"
+                    f"router {label!r} uses {k} routed + {shared} shared experts of width {s['moe_d_ff']} per token at "
+                    f"size {size!r}, not the dense width {s['d_ff']}: unequal active compute (pass "
+                    "--allow-unequal-compute to compare anyway)"
                 )
 
 

