@@ -103,6 +103,18 @@ def _warm_up_draw_recording() -> None:
 
 
 @dataclass
+class Cost:
+    """What the calls of the target cost so far."""
+
+    forwards: int = 0
+    """Calls of the target (forwards, with or without gradients)."""
+    samples: int = 0
+    """Samples run, summed over calls (a packed forward of P copies of B samples counts P * B)."""
+    seconds: float = 0.0
+    """Time inside the target's forwards (as :attr:`Runner.last_seconds` measures it)."""
+
+
+@dataclass
 class Forward:
     """One call of the target."""
 
@@ -118,6 +130,10 @@ class Runner:
 
     def __init__(self, target: AuditTarget, seed: int, timeout: float | None = None) -> None:
         self.target, self.seed, self.timeout = target, seed, timeout
+        self.cost = Cost()
+        self.last_seconds = 0.0
+        """How long the last call took: CPU time of this process for a CPU input (a machine shared
+        with other jobs stretches wall time by several times, at random), wall time otherwise."""
         if timeout:
             _warm_up_draw_recording()
 
@@ -139,6 +155,8 @@ class Runner:
         """``call(fresh copy of x)`` after :meth:`_reset`, within the time limit."""
         fresh = x.detach().clone(memory_format=torch.contiguous_format)
         self._reset(seed)
+        clock = time.process_time if x.device.type == "cpu" else time.perf_counter
+        start = clock()
         try:
             with time_limit(self.timeout):
                 return call(fresh)
@@ -146,6 +164,11 @@ class Runner:
             raise TargetTimeout(tuple(x.shape), self.timeout) from None
         except Exception as e:  # the target's own failure: reported with the shape, never raised
             raise TargetFailure(tuple(x.shape), e) from None
+        finally:
+            self.last_seconds = clock() - start
+            self.cost.forwards += 1
+            self.cost.samples += x.shape[0]
+            self.cost.seconds += self.last_seconds
 
     def forward(self, x: Tensor, seed: int | None = None, record: bool = False) -> Forward:
         """One call of the target on a fresh copy of x; ``record``: also list its random draws
