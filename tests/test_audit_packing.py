@@ -63,8 +63,10 @@ def test_a_quadratic_block_is_audited_without_packs_that_time_out():
 def test_the_pack_grows_with_a_linear_cost_and_never_with_a_quadratic_one(timeout):
     """The packing policy on stated timings (seconds per forward of k copies of the example)."""
     one = 1e-3
+    overhead = Packer(B, B * T * D, one, timeout)
+    assert overhead.start(pair_s=1.1 * one, one_s=one) and overhead.size == 8  # mostly per-call overhead
     linear = Packer(B, B * T * D, one, timeout)
-    assert linear.start(pair_s=1.1 * one, one_s=one) and linear.size == 4
+    assert linear.start(pair_s=1.9 * one, one_s=one) and linear.size == 4
     for _ in range(6):
         copies = linear.size
         linear.observe(copies, one * (0.5 + 0.5 * copies))  # a fixed overhead, then linear work
@@ -78,8 +80,8 @@ def test_one_slow_forward_neither_stops_nor_shrinks_packing():
     a size already seen fast changes nothing; one at a new size halves the pack, which regrows."""
     one = 1e-3
     packer = Packer(B, B * T * D, one, None)
-    assert packer.start(pair_s=1.2 * one, one_s=one) and packer.size == 4
-    for copies, ms in ((4, 1.5), (8, 2.0), (16, 3.0)):
+    assert packer.start(pair_s=1.9 * one, one_s=one) and packer.size == 4
+    for copies, ms in ((4, 2.5), (8, 3.0), (16, 4.0)):
         packer.observe(copies, ms * one)
     assert packer.size == 32, packer.size
     packer.observe(32, 200 * one)  # the first forward of 32 copies, stretched: halved

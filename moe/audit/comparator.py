@@ -285,7 +285,7 @@ class Comparator:
                 break
             self._judge_one(v, tally)
         if by_dist and not (stop_at_first and tally.moved):
-            self._judge_by_distribution(by_dist, tally, stop_at_first, enough)
+            self._judge_by_distribution(by_dist, tally, enough)
         return tally.result(self.cal.tolerance)
 
     def _judge_one(self, v: Variant, tally: Tally) -> None:
@@ -367,9 +367,9 @@ class Comparator:
         order = {id(v): i for i, v in enumerate(variants)}
         return sorted(((s, order[i], v) for s, i, v in scored), key=lambda e: (-e[0], e[1]))
 
-    def _judge_by_distribution(
-        self, variants: list[Variant], tally: Tally, stop_at_first: bool, enough: int | None
-    ) -> None:
+    def _judge_by_distribution(self, variants: list[Variant], tally: Tally, enough: int | None) -> None:
+        """The screen, then the distribution tests in order of the screen's change, up to the
+        first significant one (in this regime every probe stops there)."""
         for _, _, v in self._screen(variants, tally, enough)[:MAX_DISTRIBUTION_COMPARISONS]:
             try:
                 outcome = self._test(v)
@@ -393,7 +393,7 @@ class Comparator:
                     f"{v.label}: mean change up to {float(outcome.change_S.max()):.3g} over {outcome.draws} draws per "
                     f"input, p = {outcome.p:.1e}, not below the level {self.alpha / len(DRAWS):.1e}"
                 )
-            if stop_at_first and tally.moved:
+            if tally.moved:  # the verdict is made; more tests would cost thousands of relabellings each
                 return
 
     def _named(self, outcome: Outcome) -> list[str]:

@@ -33,7 +33,7 @@ from moe.audit.comparator import Comparator, Misaligned, per_comparison_alpha
 from moe.audit.context import ProbeContext, Sampler, calibration_inputs, probe_generator
 from moe.audit.registry import Probe, registered_probes
 from moe.audit.report import AuditReport, ProbeResult
-from moe.audit.runner import Runner, TargetFailure, TargetTimeout
+from moe.audit.runner import Runner, TargetFailure, TargetTimeout, cost_clock
 from moe.audit.target import AuditTarget, AuditUsageError, Outputs
 
 MODES = ("train", "eval")
@@ -92,12 +92,14 @@ def audit(
     Afterwards the target's parameters, buffers (persistent or not), its own generators and
     training flags are as before, and so are torch's, Python's and NumPy's random generators.
     """
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start = time.perf_counter()
     modes = tuple(modes) if modes is not None else (QUICK_MODES if quick else MODES)
     trials = trials if trials is not None else (1 if quick else TRIALS)
     suite = _check_arguments(modes, trials, example, probes)
     if forward_timeout is not None and not forward_timeout > 0:
         raise AuditUsageError(f"forward_timeout must be a positive number of seconds or None, got {forward_timeout!r}")
+    clock = cost_clock(example)
+    clock_start = clock()
     at = AuditTarget(target, output=output)
     sampler = Sampler(example, vocab_size if vocab_size is not None else _vocab_size(at, example), special_ids)
     alpha = per_comparison_alpha(sum(p.compares_forwards for p in suite))
@@ -129,7 +131,7 @@ def audit(
     report.notes += _dtype_notes(example, at)
     report.forwards = runner.cost.forwards
     report.seconds = time.perf_counter() - start
-    report.cost_seconds = time.process_time() - cpu_start if example.device.type == "cpu" else report.seconds
+    report.cost_seconds = clock() - clock_start
     return report
 
 
@@ -184,6 +186,7 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
     except TargetFailure as e:
         return f"the target failed on the example in {mode} mode ({e})"
     report.nonfinite[mode] = cal.nonfinite
+    report.noise_floors[mode] = cal.floor
     report.outputs, report.outputs_not_audited = (
         list(runner.target.audited),
         [s.text() for s in runner.target.not_audited],

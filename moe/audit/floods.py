@@ -172,8 +172,7 @@ def _others_changed(ctx: ProbeContext) -> Iterator[Variant]:
     blocks = [("the other samples resampled", ctx.sampler.draw(shape, gen))]
     blocks.append(("the other samples = exact copies of sample 0", x0.expand(shape)))
     for _, q in ctx.sources(BATCH_SOURCES, samples=[0]):
-        for s in _scales(ctx):
-            blocks.append((f"the other samples = {_how(s)} copies of x[0, {q}]", _filled(x0[0, q], others, ctx.t, s)))
+        blocks.append((f"the other samples = exact copies of x[0, {q}]", _filled(x0[0, q], others, ctx.t)))
     for i in ctx.flood_ids[:BATCH_SOURCES] if ctx.sampler.tokens else ():
         blocks.append((f"the other samples = id {i}", torch.full(shape, i, dtype=x0.dtype, device=x0.device)))
     for gate_ED in ctx.gates:
@@ -200,8 +199,7 @@ def _first_changed(ctx: ProbeContext) -> Iterator[Variant]:
     rest = tuple(range(1, ctx.b))
     firsts = [("sample 0 resampled", ctx.sampler.draw(tuple(ctx.x.shape[1:]), gen))]
     for sb, q in ctx.sources(1, samples=list(rest)):
-        for s in _scales(ctx):
-            firsts.append((f"sample 0 = {_how(s)} copies of x[{sb}, {q}]", _filled(ctx.x[sb, q], 1, ctx.t, s)[0]))
+        firsts.append((f"sample 0 = exact copies of x[{sb}, {q}]", _filled(ctx.x[sb, q], 1, ctx.t)[0]))
     for label, first in firsts:
         x = ctx.x.clone()
         x[0] = first

@@ -5,7 +5,8 @@ cost grows faster than its token count (a dense [N, E, C] dispatch with C propor
 costs N^2) gets slower per copy in a pack, and a large pack of it can run for minutes. So the
 pack grows only while it pays. The doubling check
 (:meth:`~moe.audit.comparator.Comparator.allow_batching`) times two copies in one forward:
-packing starts at four copies unless a copy cost clearly more in the pair than alone. A pack
+packing starts at eight copies where the pair cost clearly less than two forwards, at four where
+it cost about as much, and not at all where a copy cost clearly more in the pair than alone. A pack
 doubles while its time per copy does not rise and the next pack is predicted (from the growth
 seen so far) to stay under :data:`PACK_SECONDS`; it halves when a pack ran longer than that,
 cost more per copy than a forward alone, or failed. Decisions read the fastest time seen at
@@ -59,7 +60,9 @@ class Packer:
         self.one_s = self._best[1] = min(self.one_s, one_s)
         self._best[2] = min(self._best.get(2, pair_s), pair_s)
         if self._best[2] / 2 <= self.one_s / GAIN and self._best[2] * 2 <= self.cap_s:
-            self.size = min(self.limit, 4)
+            # Eight copies at once where the pair cost clearly less than two forwards (overhead, not work).
+            sublinear = self._best[2] <= 2 * GAIN * self.one_s and self._best[2] * 4 <= self.cap_s
+            self.size = min(self.limit, 8 if sublinear else 4)
         return self.packs
 
     def observe(self, copies: int, seconds: float) -> None:

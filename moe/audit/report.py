@@ -141,6 +141,9 @@ class AuditReport:
     (:mod:`moe.audit.calibration`)."""
     nonfinite: dict[str, int] = field(default_factory=dict)
     """Per mode: NaN / inf entries in the example's output (compared as values, never ignored)."""
+    noise_floors: dict[str, float] = field(default_factory=dict)
+    """Per mode: the largest relative change between two forwards of the example under one seed
+    (the noise a deterministic comparison is judged against; 0 for a target that repeats itself)."""
     per_comparison_alpha: float | None = None
     """The level of each distribution comparison (Bonferroni over the probes that compare
     forwards, :func:`moe.audit.comparator.per_comparison_alpha`)."""
@@ -162,8 +165,8 @@ class AuditReport:
     """Token inputs: the ids put in futures on purpose, by why (smallest / largest id, named by
     the user, the example's own); uniform random ids are drawn besides."""
     forward_seconds: float = 0.0
-    """The fastest forward of the example measured in the audit: the unit of its cost (CPU time of
-    the process for a target on the CPU, wall time otherwise: :attr:`moe.audit.runner.Runner.last_seconds`)."""
+    """The fastest forward of the example measured in the audit: the unit of its cost (on
+    :func:`moe.audit.runner.cost_clock`: CPU time under one torch thread on the CPU, else wall time)."""
     cost_seconds: float = 0.0
     """The whole audit on the clock of ``forward_seconds``."""
     forwards: int = 0
@@ -362,11 +365,27 @@ class AuditReport:
         return advice(self)
 
     def _evidence_section(self) -> list[str]:
-        out = []
+        out = [f"evidence: {self._evidence()}"]
         if self.ids_tried:
             out.append(f"token ids put in futures: {_ids_text(self.ids_tried)}")
         out.append(f"judged: {self._how_judged()}")
         return out + self._probe_notes()
+
+    def _evidence(self) -> str:
+        """What was compared, how often, per mode; and the noise it was judged against."""
+        per_mode = []
+        for mode in self.modes:
+            counts = [f"{p.name} {p.comparisons}" for p in self.probes if p.mode == mode and p.ran]
+            if counts:
+                per_mode.append(f"{mode}: " + ", ".join(counts))
+        floors = ", ".join(f"{m} {f:.1e}" for m, f in self.noise_floors.items())
+        return (
+            "comparisons per probe ("
+            + "; ".join(per_mode)
+            + "; random futures resample every position after a cut, adversarial ones fill it with copies "
+            "and floods, batch ones change the other samples, decode ones cut the sequence)"
+            + (f"; the example repeated under one seed moved by at most {floors} of an entry's scale" if floors else "")
+        )
 
     def _probe_notes(self) -> list[str]:
         """Probes that did not run (and why), or whose forwards failed (the first failure)."""
@@ -490,6 +509,7 @@ class AuditReport:
             "regime": self.regime,
             "regimes": self.regimes,
             "nonfinite": self.nonfinite,
+            "noise_floors": self.noise_floors,
             "per_comparison_alpha": self.per_comparison_alpha,
             "claimed_causal": None if claimed is None else all(claimed.values()),
             "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],

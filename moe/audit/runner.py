@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,14 @@ def _warm_up_draw_recording() -> None:
         torch.ones(1) + 1
 
 
+def cost_clock(x: Tensor) -> Callable[[], float]:
+    """The clock the audit's cost is read on: this process's CPU time for a CPU input under one
+    torch thread (a machine shared with other jobs stretches wall time by several times, at
+    random); wall time otherwise (other devices run asynchronously, and idle torch threads that
+    spin burn CPU time that is no work)."""
+    return time.process_time if x.device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
 @dataclass
 class Cost:
     """What the calls of the target cost so far."""
@@ -132,8 +140,7 @@ class Runner:
         self.target, self.seed, self.timeout = target, seed, timeout
         self.cost = Cost()
         self.last_seconds = 0.0
-        """How long the last call took: CPU time of this process for a CPU input (a machine shared
-        with other jobs stretches wall time by several times, at random), wall time otherwise."""
+        """How long the last call took, on :func:`cost_clock`."""
         if timeout:
             _warm_up_draw_recording()
 
@@ -155,7 +162,7 @@ class Runner:
         """``call(fresh copy of x)`` after :meth:`_reset`, within the time limit."""
         fresh = x.detach().clone(memory_format=torch.contiguous_format)
         self._reset(seed)
-        clock = time.process_time if x.device.type == "cpu" else time.perf_counter
+        clock = cost_clock(x)
         start = clock()
         try:
             with time_limit(self.timeout):
