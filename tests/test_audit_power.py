@@ -62,7 +62,7 @@ def _train_leak_found(seed: int) -> None:
     assert report.regimes == {"train": "distribution"}, report.table()
     assert report.leaks_in == ["train"], report.table()
     found = [p for p in report.probes if p.leaks and p.kind == "future"]
-    assert all(p.p_value <= report.per_comparison_alpha for p in found), report.table()
+    assert all(p.p_value <= report.test_level for p in found), report.table()
 
 
 def test_dropout_over_routed_batches_does_not_hide_a_capacity_leak_in_training():
@@ -102,7 +102,7 @@ def test_a_batch_dependence_under_jitter_is_shown():
     report = audit(GroupedExpertChoice(), x, modes=("train",))
     batch = report.probe("batch_interference", "train")
     assert not report.batch_invariant and batch.found_by == "sample 0 alone", report.table()
-    assert batch.p_value <= report.per_comparison_alpha / len(DRAWS), report.table()
+    assert batch.p_value <= report.test_level == report.per_comparison_alpha / len(DRAWS), report.table()
 
 
 class NoisyStep(nn.Module):
@@ -139,6 +139,7 @@ def test_a_weak_leak_under_noise_is_inconclusive_with_its_figures(tmp_path, caps
     summary = report.summary()
     assert summary.splitlines()[0].startswith("noisy: INCONCLUSIVE in eval mode (no leak shown, none ruled out)")
     assert f"over {DRAWS[-1]} draws per input, p = " in summary and "not below the level" in summary, summary
+    assert "(tested, of " in summary and "run once)" in summary, summary
     assert "INCONCLUSIVE" in report.table()
     with pytest.raises(AssertionError, match="INCONCLUSIVE in eval mode"):
         assert_causal(NoisyStep(0.1), _noisy_example(), modes=("eval",))

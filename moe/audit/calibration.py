@@ -53,16 +53,17 @@ def resolution_of(dtype: torch.dtype | None) -> float:
     return (ULPS_16 if torch.finfo(dtype).bits <= 16 else ULPS_32) * torch.finfo(dtype).eps
 
 
-def entry_scale(a_BSF: Tensor, b_BSF: Tensor) -> Tensor:
+def entry_scale(a_BSF: Tensor, b_BSF: Tensor, row_max: bool = False) -> Tensor:
     """The scale a change of each entry is measured against: the larger of |before|, |after| and
-    its output row's typical |entry| (the larger of the row's median and mean), so a near-zero
-    entry is judged at its row's scale (a router weight next to zeros at the row's mean weight),
-    and a massive activation raises its row's scale by its share of the row only. NaN / inf count
-    as 0. Any leading axes broadcast; the row is the last axis (one output's features)."""
+    the median |entry| of its output row (so a near-zero entry is judged at its row's scale, and
+    a massive activation raises the scale of its own entry only). ``row_max``: the row's largest
+    |entry| instead of its median (a router's weights: mostly zeros, each judged against the
+    largest weight of its token). NaN / inf count as 0. Any leading axes broadcast; the row is the
+    last axis (one output's features)."""
     a, b = a_BSF.nan_to_num(0.0, 0.0, 0.0).abs(), b_BSF.nan_to_num(0.0, 0.0, 0.0).abs()
     if not a.shape[-1]:
         return torch.maximum(a, b)
-    row = torch.maximum(a.median(dim=-1, keepdim=True).values, a.mean(dim=-1, keepdim=True))
+    row = a.amax(dim=-1, keepdim=True) if row_max else a.median(dim=-1, keepdim=True).values
     return torch.maximum(torch.maximum(a, b), row)
 
 
@@ -147,7 +148,9 @@ def compare(
         same = (a == b) | (a.isnan() & b.isnan())
         change = torch.where(both & live_P1S1, a - b, 0.0).abs()
         d_PS = change.amax(dim=(1, 3)).cpu()
-        limit = (_tol(tolerance, part.name) * entry_scale(a, b)).clamp_min(torch.finfo(torch.float64).tiny)
+        limit = (_tol(tolerance, part.name) * entry_scale(a, b, part.weights)).clamp_min(
+            torch.finfo(torch.float64).tiny
+        )
         e_PS = (change / limit).amax(dim=(1, 3)).cpu()
         f_PS = (~both & ~same & live_P1S1).sum(dim=(1, 3)).cpu()
         delta_PS = torch.maximum(delta_PS, d_PS)

@@ -113,6 +113,8 @@ class Tally:
     """The outputs that moved, in the order found."""
     draws: int = 0
     """The most draws per input a distribution comparison used."""
+    screened: int = 0
+    """Variants run once under the audit seed to choose the distribution comparisons."""
     inconclusive: list[str] = field(default_factory=list)
     """Distribution comparisons the last stage could neither call significant nor dismiss."""
     failures: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
@@ -195,6 +197,7 @@ class Tally:
             leaking_outputs=list(self.outputs) if moved else [],
             draws=self.draws,
             inconclusive=[] if moved else list(self.inconclusive),
+            screened=self.screened,
         )
 
 
@@ -238,9 +241,8 @@ class Comparator:
             twice = self.runner.forward(doubled).out
             pair_s = self.runner.last_seconds
             self.runner.forward(self.x)
-            if not self.packer.start(
-                pair_s, self.runner.last_seconds
-            ):  # a second look: one slow forward decides nothing
+            if not self.packer.start(pair_s, self.runner.last_seconds):
+                # A second look: one slow forward decides nothing.
                 self.runner.forward(doubled)
                 pair_s = self.runner.last_seconds
                 self.runner.forward(self.x)
@@ -321,8 +323,8 @@ class Comparator:
                 continue
             if size is None:
                 self.packer.observe(len(chunk) + 1, self.runner.last_seconds)
-            ref, copies = out.rows(0, self.b), out.rows(self.b, None)
-            yield chunk, compare(ref, copies, len(chunk), [v.upto for v in chunk], None, self.cal.tolerances)
+            ref, rest = out.rows(0, self.b), out.rows(self.b, None)
+            yield chunk, compare(ref, rest, len(chunk), [v.upto for v in chunk], None, self.cal.tolerances)
 
     def _judge_packed(self, variants: list[Variant], tally: Tally, stop_at_first: bool) -> None:
         for chunk, d in self._packed_forwards(variants):
@@ -370,7 +372,9 @@ class Comparator:
     def _judge_by_distribution(self, variants: list[Variant], tally: Tally, enough: int | None) -> None:
         """The screen, then the distribution tests in order of the screen's change, up to the
         first significant one (in this regime every probe stops there)."""
-        for _, _, v in self._screen(variants, tally, enough)[:MAX_DISTRIBUTION_COMPARISONS]:
+        screened = self._screen(variants, tally, enough)
+        tally.screened += len(screened)
+        for _, _, v in screened[:MAX_DISTRIBUTION_COMPARISONS]:
             try:
                 outcome = self._test(v)
             except TargetFailure as e:
@@ -391,7 +395,7 @@ class Comparator:
             if not bool(outcome.changed_S.any()) and outcome.draws == DRAWS[-1] and outcome.p <= INCONCLUSIVE_P:
                 tally.inconclusive.append(
                     f"{v.label}: mean change up to {float(outcome.change_S.max()):.3g} over {outcome.draws} draws per "
-                    f"input, p = {outcome.p:.1e}, not below the level {self.alpha / len(DRAWS):.1e}"
+                    f"input, p = {outcome.p:.1e}, not below the level {self.alpha / len(DRAWS):.1e} of one test"
                 )
             if tally.moved:  # the verdict is made; more tests would cost thousands of relabellings each
                 return
@@ -438,8 +442,9 @@ class Comparator:
         parts = [p.double() for p in (out.value_BTF, out.exact_BTX) if p is not None]
         return torch.cat(parts, dim=-1).cpu()
 
-    def _resolutions(self, width: int) -> tuple[Tensor, list[tuple[int, int]]]:
-        """Per compared column its resolution (0 for exact decisions) and each output's columns."""
+    def _resolutions(self, width: int) -> tuple[Tensor, list[tuple[int, int, bool]]]:
+        """Per compared column its resolution (0 for exact decisions); each output's columns and
+        whether they are a router's weights."""
         res_F = torch.zeros(width, dtype=torch.float64)
         ranges = []
         offset = self._width()
@@ -449,10 +454,10 @@ class Comparator:
                 continue
             if not p.exact:
                 res_F[a:z] = self.cal.resolutions[p.name]
-            ranges.append((a, z))
-        covered = max((z for _, z in ranges), default=0)
+            ranges.append((a, z, p.weights))
+        covered = max((z for _, z, _ in ranges), default=0)
         if covered < width:
-            ranges.append((covered, width))
+            ranges.append((covered, width, False))
         return res_F, ranges
 
     def _width(self) -> int:

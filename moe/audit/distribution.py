@@ -92,22 +92,24 @@ def distribution_change(
     alpha: float,
     permutations: int = PERMUTATIONS,
     gen: torch.Generator | None = None,
-    rows_of: list[tuple[int, int]] | None = None,
+    rows_of: list[tuple[int, int, bool]] | None = None,
 ) -> Outcome:
     """The permutation test of the module docstring on K draws of each input.
 
     ``resolution_F``: per compared value (float outputs first, exact decisions after), the least
     relative change of a finite mean that counts (0 for exact decisions); a scalar applies to
     all. ``alpha``: the level at which positions are called changed. ``rows_of``: the column
-    ranges of the separate outputs (each entry's scale takes its own output's row,
-    :func:`~moe.audit.calibration.entry_scale`; None: one output)."""
+    ranges of the separate outputs, and whether each is a router's weights (each entry's scale
+    takes its own output's row, :func:`~moe.audit.calibration.entry_scale`; None: one output)."""
     k, b, s, f = ref_KBSF.shape
     gen = gen if gen is not None else torch.Generator().manual_seed(0)
     ref, var = ref_KBSF.double(), var_KBSF.double()
     mean_ref_BSF, mean_var_BSF = ref.mean(0), var.mean(0)
     res_F = torch.as_tensor(resolution_F, dtype=torch.float64).expand(f)
-    ranges = rows_of if rows_of else [(0, f)]
-    scale_BSF = torch.cat([entry_scale(mean_ref_BSF[..., a:z], mean_var_BSF[..., a:z]) for a, z in ranges], dim=-1)
+    ranges = rows_of if rows_of else [(0, f, False)]
+    scale_BSF = torch.cat(
+        [entry_scale(mean_ref_BSF[..., a:z], mean_var_BSF[..., a:z], w) for a, z, w in ranges], dim=-1
+    )
     resolution_BSF = (res_F * scale_BSF).clamp_min(torch.finfo(torch.float64).tiny)
     y_NBSG = _indicators(torch.cat([ref, var]))
     g = y_NBSG.shape[-1]

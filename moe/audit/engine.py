@@ -1,14 +1,17 @@
 """``audit()``: one target, each mode in turn, every registered probe judged by one comparator.
 
 Within a mode: :func:`~moe.audit.calibration.calibrate` measures the example's noise and picks
-the regime; the probes of kind "batch" run (separate forwards); then, if none of them found
-interference and the target claims (or is opaque about) batch invariance and repeats itself
-exactly in a doubled batch, perturbed copies share forwards; then the other probes in
-registration order (:mod:`moe.audit.registry`). A deterministic-regime target found to draw
+the regime (deterministic, seeded or distribution); in the first mode the order of any
+[B * T, ...] output is checked (:func:`check_flat_order`); the probes of kind "batch" run
+(separate forwards); then, if none of them found interference and the target claims (or is
+opaque about) batch invariance and repeats itself exactly in a doubled batch, perturbed copies
+share forwards, in packs sized by :mod:`moe.audit.packing`; then the other probes in
+registration order (:mod:`moe.audit.registry`). A target judged by a fixed seed found to draw
 data-dependent noise midway is audited again from the start of the mode by distribution.
 
 Before every forward the runner resets the target's buffers and seeds its generators; a forward
-that runs past ``forward_timeout`` stops the audit of the target (NOT AUDITED, with that reason),
+of the example's shape (or a shorter one) that runs past ``forward_timeout`` stops the audit of
+the target (NOT AUDITED, with that reason; a pack of copies that does is re-run copy by copy),
 and so does a target whose identical calls differ because its forward changes attributes outside
 its buffers (:attr:`~moe.audit.calibration.Calibration.stateful`).
 """
@@ -31,6 +34,7 @@ from moe.audit.advice import router_mechanism
 from moe.audit.calibration import calibrate, resolution_of
 from moe.audit.comparator import Comparator, Misaligned, per_comparison_alpha
 from moe.audit.context import ProbeContext, Sampler, calibration_inputs, probe_generator
+from moe.audit.distribution import DRAWS
 from moe.audit.registry import Probe, registered_probes
 from moe.audit.report import AuditReport, ProbeResult
 from moe.audit.runner import Runner, TargetFailure, TargetTimeout, cost_clock
@@ -104,7 +108,12 @@ def audit(
     sampler = Sampler(example, vocab_size if vocab_size is not None else _vocab_size(at, example), special_ids)
     alpha = per_comparison_alpha(sum(p.compares_forwards for p in suite))
     report = AuditReport(
-        name=name or _name_of(target), modes=modes, claims=at.claims, per_comparison_alpha=alpha, quick=quick
+        name=name or _name_of(target),
+        modes=modes,
+        claims=at.claims,
+        per_comparison_alpha=alpha,
+        test_level=alpha / len(DRAWS),
+        quick=quick,
     )
     report.mechanisms = _mechanisms(at, modes)
     report.sized_from_length = [

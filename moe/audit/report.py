@@ -50,7 +50,7 @@ class ProbeResult:
     """Exact decisions (kept (token, expert) pairs, integer outputs) that changed, summed over trials."""
     tolerance: float = 0.0
     """Relative: a float change counts above ``tolerance`` times the scale of its entry (the larger
-    of |before|, |after| and the typical |entry| of its output row). Deterministic regime: the
+    of |before|, |after| and the median |entry| of its output row). Deterministic regime: the
     relative noise floor (the same input run twice) times 10, at least 100 ulp (4 for 16-bit
     outputs). In the distribution regime: the least relative change a permutation test may count."""
     excess: float = 0.0
@@ -83,6 +83,9 @@ class ProbeResult:
     inconclusive: list[str] = field(default_factory=list)
     """Distribution comparisons whose last stage could neither call the change significant nor
     dismiss it (with their figures): no verdict of "no change" for this probe."""
+    screened: int = 0
+    """Distribution regime: the variants run once under the audit seed to choose which to test
+    (``comparisons`` counts the tests)."""
     forwards: int = 0
     """Calls of the target this probe made."""
     seconds: float = 0.0
@@ -120,6 +123,7 @@ class ProbeResult:
             "leaking_outputs": self.leaking_outputs,
             "draws": self.draws,
             "inconclusive": self.inconclusive,
+            "screened": self.screened,
             "forwards": self.forwards,
             "seconds": round(self.seconds, 4),
         }
@@ -147,6 +151,9 @@ class AuditReport:
     per_comparison_alpha: float | None = None
     """The level of each distribution comparison (Bonferroni over the probes that compare
     forwards, :func:`moe.audit.comparator.per_comparison_alpha`)."""
+    test_level: float | None = None
+    """The level of each test a distribution comparison makes (its stages of more draws share
+    ``per_comparison_alpha``, :data:`moe.audit.distribution.DRAWS`): a p-value at or below it counts."""
     error: str | None = None
     """Why the target could not be audited (it failed on the example, a forward ran past the time
     limit, two identical calls differ because it is stateful, or no future-perturbation probe
@@ -348,7 +355,8 @@ class AuditReport:
         for p in self.probes:
             if p.kind == "future" and p.inconclusive and p.mode in self.inconclusive_in:
                 out += [
-                    f"INCONCLUSIVE: {p.name} ({p.mode}): {text}; rerun with more seeds or in eval mode"
+                    f"INCONCLUSIVE: {p.name} ({p.mode}): {text}; a less random instance of the target (its "
+                    "dropout off) is judged by a fixed seed instead"
                     for text in p.inconclusive
                 ]
         if not self.leaks:
@@ -375,7 +383,11 @@ class AuditReport:
         """What was compared, how often, per mode; and the noise it was judged against."""
         per_mode = []
         for mode in self.modes:
-            counts = [f"{p.name} {p.comparisons}" for p in self.probes if p.mode == mode and p.ran]
+            counts = [
+                f"{p.name} {p.comparisons}" + (f" (tested, of {p.screened} run once)" if p.screened else "")
+                for p in self.probes
+                if p.mode == mode and p.ran
+            ]
             if counts:
                 per_mode.append(f"{mode}: " + ", ".join(counts))
         floors = ", ".join(f"{m} {f:.1e}" for m, f in self.noise_floors.items())
@@ -407,9 +419,7 @@ class AuditReport:
             return []
         p = max(over, key=lambda q: q.excess)
         by = f" ({p.largest_change_by})" if p.largest_change_by else ""
-        level = (
-            f", above the level {self.per_comparison_alpha:.0e} of one comparison" if self.per_comparison_alpha else ""
-        )
+        level = f", above the level {self.test_level:.0e} of one test" if self.test_level else ""
         p_text = f"p = {p.largest_change_p:.0e}" if p.largest_change_p is not None else "p unknown"
         draws = f"the {p.draws} seeds drawn per input" if p.draws else "the seeds drawn per input"
         return [
@@ -456,7 +466,7 @@ class AuditReport:
             tol = max((p.tolerance for p in self.probes if p.compares_forwards), default=0.0)
             parts.append(
                 f"same seed and reset buffers for every forward, a change counts above {tol:.1e} x the scale of "
-                "its entry (|before|, |after| or its row's typical |entry|) or as any flip of a routing decision"
+                "its entry (|before|, |after| or its row's median |entry|) or as any flip of a routing decision"
             )
         if "seeded" in regimes:
             seeded = ", ".join(m for m, r in self.regimes.items() if r == "seeded")
@@ -470,7 +480,7 @@ class AuditReport:
             smallest = min(p.p_value for p in dist if p.p_value is not None)
             parts.append(
                 f"{sum(p.comparisons for p in dist if p.regime == 'distribution')} comparisons by permutation tests over "
-                f"up to {draws} seeds per input (level {self.per_comparison_alpha or 0:.0e} each, smallest p {smallest:.0e})"
+                f"up to {draws} seeds per input (level {self.test_level or 0:.0e} each, smallest p {smallest:.0e})"
             )
         nonfinite = sum(self.nonfinite.values())
         if nonfinite:
@@ -511,6 +521,7 @@ class AuditReport:
             "nonfinite": self.nonfinite,
             "noise_floors": self.noise_floors,
             "per_comparison_alpha": self.per_comparison_alpha,
+            "test_level": self.test_level,
             "claimed_causal": None if claimed is None else all(claimed.values()),
             "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],
             "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,

@@ -41,6 +41,9 @@ class Part:
     stop: int
     dtype: torch.dtype | None = None
     """The dtype the target computed a float output in (its resolution sets the tolerance)."""
+    weights: bool = False
+    """A Routing's dense weights: each entry judged at its token's largest weight, not at the
+    median of a row that is mostly zeros (:func:`~moe.audit.calibration.entry_scale`)."""
 
 
 @dataclass
@@ -245,6 +248,7 @@ class AuditTarget:
             raise AuditUsageError(str(e)) from None
         values: list[tuple[str, Tensor]] = []
         exact: list[tuple[str, Tensor]] = []
+        weights = {f.name for f in fields if isinstance(f.value, Routing)}
         for f in fields:
             if isinstance(f.value, Routing):
                 values.append((f.name, f.value.dense()))
@@ -266,7 +270,7 @@ class AuditTarget:
             flat = [v.reshape(b, t, -1) for _, v in values]
             col = 0
             for (name, v), w in zip(values, flat):
-                parts.append(Part(name, False, col, col + w.shape[-1], v.dtype))
+                parts.append(Part(name, False, col, col + w.shape[-1], v.dtype, name in weights))
                 col += w.shape[-1]
             wide = flat[0].dtype if len({w.dtype for w in flat}) == 1 else torch.float64
             value_BTF = torch.cat([w.to(wide) for w in flat], dim=-1) if len(flat) > 1 else flat[0]
