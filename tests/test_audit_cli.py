@@ -151,9 +151,10 @@ def run(*argv: str) -> int:
 def test_causal_target_exits_0(target_file, capsys):
     assert run("--target", f"{target_file}:causal", "--input", "float:4,16,8") == 0
     out = capsys.readouterr().out
-    # One summary: the verdict, batch / decode findings and how it was judged; no tables.
-    assert out.startswith("causal: no leak found\n") and "judged: deterministic regime" in out, out
-    assert "random_future" not in out and "max |delta|" not in out and "verdict" not in out, out
+    # One summary: the verdict, batch / decode findings, the evidence and how it was judged; no tables.
+    assert out.startswith("causal: no leak found in output [4, 16, 8]\n") and "judged: deterministic regime" in out, out
+    assert "  evidence: comparisons per probe (train: random_future 30," in out, out
+    assert "max |delta|" not in out and "verdict" not in out, out
     assert (
         run(
             "--target",
