@@ -9,26 +9,32 @@ Commands (from the repository root):
 
 What it does, in order:
 
-1. Correctness on the device: ``moe_ffn_triton`` against the torch reference path (bf16 on
-   GPU, fp32 in the dry run), output and every gradient, plus a bitwise rerun; the torch
-   eager and ``torch._grouped_mm`` baselines are checked the same way.
+1. Correctness on the device: the two fused backends, ``moe_ffn_triton`` (our Triton kernels)
+   and ``moe_ffn_grouped_mm`` (the ``grouped_mm`` backend, PyTorch's ``torch._grouped_mm``),
+   against the fp32 torch reference path (bf16 on GPU, fp32 in the dry run), output and every
+   gradient (the same losses), each also rerun and compared bitwise; the torch eager baseline
+   is checked the same way, and triton against grouped_mm directly.
 2. Floors measured in the same run: HBM bandwidth (a large device copy) and the bf16 matmul
    rate (a large square matmul).
-3. Per shape (A: T=16384 D=2048 F=1408 E=64 k=6; B: T=8192 D=1024 F=4096 E=8 k=2; decode:
-   T=128 with A's widths), over several input sets (the timed call cycles through them):
-   routing metadata, dispatch + combine (kernels only) against min bytes / bandwidth; layer
-   forward and forward+backward for triton, torch eager (argsort + index_select + per-expert
-   matmuls + index_add), ``torch._grouped_mm`` where this torch has it, and a dense SwiGLU
-   of the same FLOPs; the GEMM floor = useful FLOPs / measured matmul rate.
+3. Per shape (A: T=16384 D=2048 F=1408 E=64 k=6; V, VeOmni issue 460's: T=32768 D=2048 F=768
+   E=128 k=8; B: T=8192 D=1024 F=4096 E=8 k=2; decode: T=128 with A's widths), over several
+   input sets (the timed call cycles through them): routing metadata, dispatch + combine
+   (kernels only) against min bytes / bandwidth; layer forward and forward+backward for
+   triton, grouped_mm, torch eager (argsort + index_select + per-expert matmuls + index_add)
+   and a dense SwiGLU of the same FLOPs; the GEMM floor = useful FLOPs / measured matmul rate;
+   each path's TFLOP/s and its fraction of the GPU's nominal bf16 peak.
 
 GPU timings use ``triton.testing.do_bench`` (CUDA events, L2 flushed before every run, mean).
 The dry run times one call with ``time.perf_counter``: it only shows that every path runs.
 
 Output: a table on stdout and ``<out-dir>/bench_kernels-<date>-<gpu>.json`` with ``gpu``,
-``dispatch_combine_fraction_of_bandwidth``, ``layer_fwd_bwd_over_gemm_floor`` and
-``speedup_vs_torch_eager`` (each a dict by shape), the floors and every timing.
-Goals on an H200: dispatch + combine >= 0.70 of the bandwidth floor, layer fwd+bwd <= 1.35x
-the GEMM floor, >= 2x faster than torch eager.
+``dispatch_combine_fraction_of_bandwidth``, ``layer_fwd_bwd_over_gemm_floor``,
+``speedup_vs_torch_eager`` and ``triton_over_grouped_mm_fwd_bwd`` (each a dict by shape), the
+floors, every timing, ``goals`` (shape A, the Triton kernels) and ``auto_rule`` (whether the
+Triton kernels were equal to and faster than grouped_mm at every shape: what
+``moe.experts.CUDA_AUTO`` waits for, docs/kernels.md).
+Goals on an H200 at shape A: dispatch + combine >= 0.70 of the bandwidth floor, layer fwd+bwd
+<= 1.35x the GEMM floor, >= 2x faster than torch eager.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from kernels.dispatch_combine import combine, dispatch
 from kernels.metadata import routing_metadata
 from kernels.moe_ffn import moe_ffn_triton
 from kernels.reference import moe_ffn_reference
+from kernels.torch_grouped import moe_ffn_grouped_mm
 
 
 @dataclass(frozen=True)
@@ -71,11 +78,13 @@ class Shape:
 
 GPU_SHAPES = {
     "A": Shape("A", 16384, 2048, 1408, 64, 6),
+    "V": Shape("V", 32768, 2048, 768, 128, 8),
     "B": Shape("B", 8192, 1024, 4096, 8, 2),
     "decode": Shape("decode", 128, 2048, 1408, 64, 6),
 }
 DRY_SHAPES = {
     "A": Shape("A", 32, 32, 32, 8, 6),
+    "V": Shape("V", 32, 32, 16, 16, 8),
     "B": Shape("B", 32, 32, 64, 4, 2),
     "decode": Shape("decode", 4, 32, 32, 8, 6),
 }
@@ -97,27 +106,26 @@ def moe_ffn_torch_eager(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF,
     return torch.zeros_like(x_ND).index_add(0, token_P, rows_PD)
 
 
-def moe_ffn_torch_grouped_mm(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """Like the eager path, with the expert loop replaced by ``torch._grouped_mm``."""
-    e = w_gate_EDF.shape[0]
-    order_A = torch.argsort(expert_A, stable=True)
-    token_P = token_A[order_A]
-    offs_E = torch.cumsum(torch.bincount(expert_A, minlength=e), 0).to(torch.int32)
-    x_PD = x_ND.index_select(0, token_P)
-    h_PF = F.silu(torch._grouped_mm(x_PD, w_gate_EDF, offs=offs_E)) * torch._grouped_mm(x_PD, w_up_EDF, offs=offs_E)
-    rows_PD = torch._grouped_mm(h_PF, w_down_EFD, offs=offs_E) * weight_A[order_A].unsqueeze(-1).to(x_ND.dtype)
-    return torch.zeros_like(x_ND).index_add(0, token_P, rows_PD)
-
-
 def dense_swiglu(x_MD, w_gate_DF, w_up_DF, w_down_FD):
     return (F.silu(x_MD @ w_gate_DF) * (x_MD @ w_up_DF)) @ w_down_FD
 
 
 PATHS: dict[str, Callable] = {
     "triton": moe_ffn_triton,
+    "grouped_mm": moe_ffn_grouped_mm,
     "torch_eager": moe_ffn_torch_eager,
-    "torch_grouped_mm": moe_ffn_torch_grouped_mm,
 }
+FUSED = ("triton", "grouped_mm")
+"""The backends (their failures fail the run; each is rerun and compared bitwise)."""
+BF16_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
+"""Nominal dense bf16 tensor-core rate of the SXM parts (NVIDIA's H100 / H200 datasheets, without
+sparsity), by a substring of the device name; MFU-style fractions use the measured matmul rate too."""
+GOALS = {
+    "dispatch_combine_fraction_of_bandwidth": 0.70,
+    "layer_fwd_bwd_over_gemm_floor": 1.35,
+    "speedup_vs_torch_eager": 2.0,
+}
+"""Shape A, the Triton kernels: at least, at most, at least."""
 
 
 # -- inputs and timing ---------------------------------------------------------------------
@@ -187,7 +195,8 @@ def measure_floors(device: torch.device, bench: Callable, dry_run: bool) -> dict
     """HBM bandwidth (GB/s) from a device copy, bf16 matmul rate (TFLOP/s) from a square matmul.
 
     Returns the rates with what they were measured from: bytes moved and ms of the copy,
-    size and ms of the matmul.
+    size and ms of the matmul; and the device's nominal bf16 peak where ``BF16_PEAK_TFLOPS``
+    knows it (None otherwise).
     """
     numel = 2**20 if dry_run else 2**30  # 2 GiB of bf16 each way on the GPU
     src = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
@@ -207,7 +216,12 @@ def measure_floors(device: torch.device, bench: Callable, dry_run: bool) -> dict
         "copy_ms": copy_ms,
         "matmul_size": n,
         "matmul_ms": matmul_ms,
+        "bf16_peak_TFLOPs": bf16_peak(torch.cuda.get_device_name(device) if device.type == "cuda" else ""),
     }
+
+
+def bf16_peak(device_name: str) -> float | None:
+    return next((v for k, v in BF16_PEAK_TFLOPS.items() if k in device_name), None)
 
 
 # -- correctness ---------------------------------------------------------------------------
@@ -219,10 +233,11 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_correctness(device: torch.device, dtype: torch.dtype, dry_run: bool) -> dict:
-    """Each path against the fp32 reference on the same (dtype-rounded) inputs; bitwise rerun.
+    """Each path against the fp32 reference on the same (dtype-rounded) inputs; the backends
+    (``FUSED``) also rerun bitwise, and against each other (``triton_vs_grouped_mm_rel``).
 
-    ``ok`` is False if any path that ran is off, or triton is not bitwise reproducible; a
-    baseline this torch or device lacks is reported as an error and does not count.
+    ``ok`` is False if any path that ran is off, or a backend fails or is not bitwise
+    reproducible; the torch eager baseline failing to run is reported and does not count.
     """
     shape = Shape("check", 32, 32, 32, 8, 2) if dry_run else Shape("check", 2048, 512, 384, 16, 4)
     inp = make_inputs(shape, dtype, device, seed=123)
@@ -231,22 +246,27 @@ def check_correctness(device: torch.device, dtype: torch.dtype, dry_run: bool) -
     names = ["y", "dx", "dweight", "dw_gate", "dw_up", "dw_down"]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     report = {"dtype": str(dtype), "tolerance_rel": tol, "paths": {}}
-    ok = True
+    ok, outputs = True, {}
     for path, fn in PATHS.items():
         try:
             got = ffn_call(fn, inp, backward=True)
-        except Exception as exc:  # a baseline this torch/GPU lacks (e.g. _grouped_mm on CPU)
+        except Exception as exc:  # reported; only the eager baseline may be missing
             report["paths"][path] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            ok &= path != "triton"
+            ok &= path not in FUSED
             continue
         errs = {n: rel_error(g, r) for n, g, r in zip(names, got, ref)}
         entry = {"rel_error": errs, "ok": max(errs.values()) <= tol}
-        if path == "triton":
+        if path in FUSED:
             again = ffn_call(fn, inp, backward=True)
             entry["bitwise_reproducible"] = all(torch.equal(a, b) for a, b in zip(got, again))
             entry["ok"] &= entry["bitwise_reproducible"]
+            outputs[path] = got
         ok &= entry["ok"]  # a wrong baseline makes its speed-up meaningless too
         report["paths"][path] = entry
+    if len(outputs) == len(FUSED):
+        report["triton_vs_grouped_mm_rel"] = {
+            n: rel_error(a, b) for n, a, b in zip(names, outputs["triton"], outputs["grouped_mm"])
+        }
     report["ok"] = ok
     return report
 
@@ -300,16 +320,50 @@ def bench_shape(
         lambda: torch.autograd.grad(dense_swiglu(dense[0], *dense_w), [dense[0], *dense_w], gy)
     )
 
-    useful_flops = 2 * a * d * f * 3 * 3  # three matmuls forward, twice that backward
+    fwd_flops = 2 * a * d * f * 3  # three matmuls forward
+    useful_flops = 3 * fwd_flops  # twice that backward
     gemm_floor_ms = useful_flops / (floors["matmul_TFLOPs"] * 1e12) * 1e3
     out["gemm_floor_fwd_bwd_ms"] = gemm_floor_ms
     out["layer_fwd_bwd_over_gemm_floor"] = ms["triton_fwd_bwd"] / gemm_floor_ms
     out["speedup_vs_torch_eager"] = ms["torch_eager_fwd_bwd"] / ms["triton_fwd_bwd"]
-    if ms.get("torch_grouped_mm_fwd_bwd"):
-        out["speedup_vs_torch_grouped_mm"] = ms["torch_grouped_mm_fwd_bwd"] / ms["triton_fwd_bwd"]
     out["triton_over_dense_fwd_bwd"] = ms["triton_fwd_bwd"] / ms["dense_same_flops_fwd_bwd"]
-    out["triton_fwd_bwd_TFLOPs"] = useful_flops / (ms["triton_fwd_bwd"] * 1e-3) / 1e12
+    if ms.get("grouped_mm_fwd_bwd"):
+        out["triton_over_grouped_mm_fwd_bwd"] = ms["triton_fwd_bwd"] / ms["grouped_mm_fwd_bwd"]
+        out["grouped_mm_fwd_bwd_over_gemm_floor"] = ms["grouped_mm_fwd_bwd"] / gemm_floor_ms
+        out["grouped_mm_speedup_vs_torch_eager"] = ms["torch_eager_fwd_bwd"] / ms["grouped_mm_fwd_bwd"]
+    out["TFLOPs"], out["fraction_of_matmul_rate"], out["fraction_of_bf16_peak"] = {}, {}, {}
+    for path in PATHS:
+        for kind, flops in (("fwd", fwd_flops), ("fwd_bwd", useful_flops)):
+            key = f"{path}_{kind}"
+            if ms.get(key):
+                rate = flops / (ms[key] * 1e-3) / 1e12
+                out["TFLOPs"][key] = rate
+                out["fraction_of_matmul_rate"][key] = rate / floors["matmul_TFLOPs"]
+                if floors.get("bf16_peak_TFLOPs"):
+                    out["fraction_of_bf16_peak"][key] = rate / floors["bf16_peak_TFLOPs"]
     return out
+
+
+def profile_backends(shape: Shape, device: torch.device, dtype: torch.dtype) -> str:
+    """torch.profiler's table of each backend's forward + backward (3 calls after a warm one),
+    ops sorted by their own device time (CPU time in the dry run): where a goal's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inp = make_inputs(shape, dtype, device, seed=0)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    tables = []
+    for path in FUSED:
+        ffn_call(PATHS[path], inp, backward=True)
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                ffn_call(PATHS[path], inp, backward=True)
+            if cuda:
+                torch.cuda.synchronize()
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=15)
+        tables.append(f"== {path}, shape {shape.name} {asdict(shape)}, 3 forward + backward calls\n{table}")
+    return "\n\n".join(tables) + "\n"
 
 
 def print_table(results: dict) -> None:
@@ -319,13 +373,14 @@ def print_table(results: dict) -> None:
         "comb",
         "bw_frac",
         "tri_fb",
-        "eager_fb",
         "gmm_fb",
+        "eager_fb",
         "dense_fb",
         "floor",
         "x_floor",
         "x_eager",
     ]
+    cols.append("tri/gmm")
     print("\n" + " ".join(f"{c:>9}" for c in ["shape", *cols]) + "   (ms unless a ratio)")
     for name, r in results["shapes"].items():
         m = r["ms"]
@@ -335,21 +390,49 @@ def print_table(results: dict) -> None:
             m["combine"],
             r["dispatch_combine_fraction_of_bandwidth"],
             m["triton_fwd_bwd"],
+            m.get("grouped_mm_fwd_bwd"),
             m["torch_eager_fwd_bwd"],
-            m.get("torch_grouped_mm_fwd_bwd"),
             m["dense_same_flops_fwd_bwd"],
             r["gemm_floor_fwd_bwd_ms"],
             r["layer_fwd_bwd_over_gemm_floor"],
             r["speedup_vs_torch_eager"],
+            r.get("triton_over_grouped_mm_fwd_bwd"),
         ]
         print(" ".join([f"{name:>9}"] + [f"{v:9.3f}" if v is not None else f"{'n/a':>9}" for v in vals]))
+        rates = ", ".join(f"{k} {v:.1f}" for k, v in r["TFLOPs"].items())
+        print(f"{'':>9} TFLOP/s: {rates}")
+
+
+def judge(results: dict) -> dict:
+    """``goals`` (shape A, the Triton kernels, against ``GOALS``) and ``auto_rule``: the Triton
+    kernels correct, bitwise reproducible and faster than grouped_mm forward + backward at
+    every timed shape (what moving ``backend="auto"`` on CUDA to them needs)."""
+    out: dict = {}
+    a = results["shapes"].get("A")
+    if a is not None:
+        out["goals"] = {
+            key: {"value": a[key], "goal": goal, "met": a[key] <= goal if "floor" in key else a[key] >= goal}
+            for key, goal in GOALS.items()
+        }
+    paths = results["correctness"]["paths"]
+    ratios = {n: r.get("triton_over_grouped_mm_fwd_bwd") for n, r in results["shapes"].items()}
+    out["auto_rule"] = {
+        "triton_ok": paths["triton"].get("ok", False),
+        "grouped_mm_ok": paths["grouped_mm"].get("ok", False),
+        "triton_over_grouped_mm_fwd_bwd": ratios,
+        "triton_equal_and_faster": paths["triton"].get("ok", False)
+        and bool(ratios)
+        and all(v is not None and v < 1 for v in ratios.values()),
+    }
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
-    p.add_argument("--shapes", default="A,B,decode", help="comma-separated subset of A, B, decode")
+    p.add_argument("--shapes", default="A,V,B,decode", help="comma-separated subset of A, V, B, decode")
     p.add_argument("--sets", type=int, default=3, help="input sets the timed calls cycle through")
+    p.add_argument("--profile", default="A", help="shape whose backends are profiled after timing ('' for none)")
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
 
@@ -359,7 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     table = DRY_SHAPES if args.dry_run else GPU_SHAPES
     names = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    bad = [s for s in names if s not in table]
+    bad = [s for s in names + ([args.profile] if args.profile else []) if s not in table]
     if bad:
         p.error(f"unknown shapes {bad}; known: {', '.join(table)}")
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu-dry-run"
@@ -393,10 +476,17 @@ def main(argv: list[str] | None = None) -> dict:
             "dispatch_combine_fraction_of_bandwidth",
             "layer_fwd_bwd_over_gemm_floor",
             "speedup_vs_torch_eager",
+            "triton_over_grouped_mm_fwd_bwd",
         ):
-            results[key] = {n: r[key] for n, r in results["shapes"].items()}
+            results[key] = {n: r.get(key) for n, r in results["shapes"].items()}
+        results.update(judge(results))
         path.write_text(json.dumps(results, indent=2))  # after every shape: a timeout keeps what was done
     print_table(results)
+    if args.profile:
+        profile_path = path.with_name(f"{path.stem}-profile-{args.profile}.txt")
+        profile_path.write_text(profile_backends(table[args.profile], device, dtype))
+        results["profile_path"] = str(profile_path)
+        print(f"wrote {profile_path}")
     print(f"wrote {path}")
     results["path"] = str(path)
     if not results["correctness"]["ok"]:

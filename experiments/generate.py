@@ -7,10 +7,13 @@
 The model is a run's consolidated export (``--export-model`` writes ``<checkpoint_dir>/model.pt``).
 ``--data`` names the corpus it was trained on (default ``stdlib``): a prepared directory's
 tokenizer encodes the prompt and decodes the samples; a byte corpus decodes as UTF-8. Without
-``--prompt`` the prompt is the first ``--prompt-tokens`` tokens of the validation split. Past the
-model's context each token is predicted from the last ``max_seq_len`` tokens (nanoGPT's crop).
-Routers that cannot decode from a KV cache (expert choice, sequence-sized capacity) sample by
-recomputing every prefix, which is what serving them costs.
+``--prompt`` the prompt is ``--prompt-tokens`` tokens of the validation split from its first
+line or document start. The prompt and each sample are printed under their own header line
+(``--- prompt ... ---``, ``--- sample ... ---``), so where the model's text begins is plain.
+Past the model's context each token is predicted from the last ``max_seq_len`` tokens
+(nanoGPT's crop), and a line says so. Routers that cannot decode from a KV cache (expert
+choice, sequence-sized capacity) sample by recomputing every prefix, which is what serving
+them costs.
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ import sys
 
 import torch
 
-from moe.data import load_corpus
+from moe.data import Corpus, is_prepared, load_corpus
+from moe.data.shards import read_manifest
 from moe.model import ModelConfig, MoETransformer
+
+BOUNDARY_SEARCH = 4096
+"""How many validation tokens the default prompt's start is looked for in."""
 
 
 def load_export(path: str) -> MoETransformer:
@@ -32,6 +39,40 @@ def load_export(path: str) -> MoETransformer:
     return model.eval()
 
 
+def default_prompt(corpus: Corpus, num_tokens: int, eot_id: int | None) -> tuple[list[int], str]:
+    """(``num_tokens`` tokens of the validation split from its first document or line start, where
+    they start in words): the first position after an end-of-document token or a token whose
+    text holds a line end, in the first :data:`BOUNDARY_SEARCH` tokens; else the split's start."""
+    n = corpus.val.numel()
+    window = [int(t) for t in corpus.val[torch.arange(min(n, BOUNDARY_SEARCH))]]
+    texts: dict[int, str] = {}
+    for p in range(1, len(window)):
+        if p + num_tokens > n:
+            break
+        before = window[p - 1]
+        if before == eot_id or "\n" in texts.setdefault(before, corpus.decode([before])):
+            where = "a document" if before == eot_id else "a line"
+            return [int(t) for t in corpus.val[torch.arange(p, p + num_tokens)]], f"from the start of {where}"
+    start = [int(t) for t in corpus.val[torch.arange(min(n, num_tokens))]]
+    return start, f"from its start (no line starts in its first {len(window):,} tokens)"
+
+
+def cropped(prompt_tokens: int, new_tokens: int, context: int) -> str:
+    """A line saying how the context window was cropped, "" when prompt and sample fit in it."""
+    total = prompt_tokens + new_tokens
+    if prompt_tokens > context:
+        return (
+            f"the prompt's {prompt_tokens:,} tokens exceed the model's context of {context:,}: it read the last "
+            f"{context:,}, and each new token was predicted from the last {context:,} tokens only"
+        )
+    if total > context:
+        return (
+            f"prompt and sample ({total:,} tokens) run past the model's context of {context:,}: from token "
+            f"{context + 1:,} on, each was predicted from the last {context:,} tokens only"
+        )
+    return ""
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("export", help="model.pt written by a run with --export-model")
@@ -40,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         default="stdlib",
         help="the corpus the model was trained on (a prepared directory, 'stdlib' or a text path; default: stdlib)",
     )
-    p.add_argument("--prompt", help="prompt text (default: the start of the validation split)")
+    p.add_argument("--prompt", help="prompt text (default: the validation split from its first line start)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="tokens of the default prompt")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -55,7 +96,12 @@ def main(argv: list[str] | None = None) -> list[str]:
             f"the model has vocab_size={model.cfg.vocab_size}, the data {args.data!r} {corpus.vocab_size}: "
             "pass the --data it was trained on"
         )
-    prompt = corpus.encode(args.prompt) if args.prompt is not None else corpus.val[torch.arange(args.prompt_tokens)]
+    if args.prompt is not None:
+        prompt, where = corpus.encode(args.prompt), "given"
+    else:
+        eot_id = read_manifest(args.data)["eot_id"] if is_prepared(args.data) else None
+        prompt, where = default_prompt(corpus, args.prompt_tokens, eot_id)
+        where = f"of the validation split, {where}"
     prompt_BT = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).expand(args.num_samples, -1)
     with torch.no_grad():
         out_BS = model.generate(
@@ -66,12 +112,16 @@ def main(argv: list[str] | None = None) -> list[str]:
             seed=args.seed,
             recompute=model.decode_support() is not None,
         )
-    texts = [corpus.decode(row) for row in out_BS]
-    for k, text in enumerate(texts):
-        if args.num_samples > 1:
-            print(f"--- sample {k + 1} ---")
-        print(text)
-    return texts
+    print(f"--- prompt: {len(prompt):,} tokens {where} ---")
+    print(corpus.decode(prompt))
+    note = cropped(len(prompt), args.max_new_tokens, model.cfg.max_seq_len)
+    for k, row in enumerate(out_BS):
+        which = f" {k + 1} of {args.num_samples}" if args.num_samples > 1 else ""
+        print(f"--- sample{which}: {args.max_new_tokens:,} new tokens ---")
+        print(corpus.decode(row[len(prompt) :]))
+    if note:
+        print(f"--- {note} ---")
+    return [corpus.decode(row) for row in out_BS]
 
 
 if __name__ == "__main__":

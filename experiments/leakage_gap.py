@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe.eval import evaluate
+from moe.eval import evaluate, format_difference
 from moe.routers import build_router
 from moe.training import TrainConfig, train
 
@@ -195,8 +195,8 @@ def markdown_table(rows: list[dict], quick: bool, wall_s: float) -> str:
         claim = f"{yes[claims.causal_train]}/{yes[claims.causal_eval]} | {yes[claims.decode_consistent]}"
         lines.append(
             f"| {r['corpus']} | {r['router']} | {claim} | {r['teacher_forced_loss']:.4f} | {r['causal_loss']:.4f} | "
-            f"{r['leakage_gap']:+.4f} ± {r['leakage_gap_se']:.4f} | {r['train_mode_loss']:.4f} | "
-            f"{r['train_mode_gap']:+.4f} | {r['eval_positions']} | {r['steps']} | {r['train_time_s']:.0f} |"
+            f"{format_difference(r['leakage_gap'])} ± {r['leakage_gap_se']:.4f} | {r['train_mode_loss']:.4f} | "
+            f"{format_difference(r['train_mode_gap'])} | {r['eval_positions']} | {r['steps']} | {r['train_time_s']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(r)
             tqdm.write(
                 f"{r['corpus']:>6} {r['router']:<18} tf {r['teacher_forced_loss']:.4f}  "
-                f"causal {r['causal_loss']:.4f}  gap {r['leakage_gap']:+.4f}  ({r['train_time_s']:.0f} s)"
+                f"causal {r['causal_loss']:.4f}  gap {format_difference(r['leakage_gap'])}  ({r['train_time_s']:.0f} s)"
             )
             if r["corpus"] == "text":
                 tqdm.write(f"{'':>6} {r['router']} sample: {r['sample']!r}")

@@ -15,7 +15,7 @@ pair of paths, the causal loss each decoding serves, and the trainer's loss and 
 log-probability mismatch against the served tokens with and without routing replay (the fp32
 forward routed with the bf16 decoding's recorded experts, ``moe.replay_routing``).
 
-    nice -n 15 python experiments/routing_agreement.py train --workers 2      # 10 baby rows, exported
+    nice -n 15 python experiments/routing_agreement.py train --workers 2      # the study's baby rows, exported
     nice -n 15 python experiments/routing_agreement.py measure --workers 2    # results JSON + markdown
     python experiments/routing_agreement.py measure --routers topk_aux expert_choice --windows 8
     python experiments/routing_agreement.py --quick train && python experiments/routing_agreement.py --quick measure

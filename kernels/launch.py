@@ -22,6 +22,7 @@ import would have done). Do not set ``TRITON_INTERPRET=1`` in a process that lau
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,6 +98,18 @@ def _nested_jit_interpreted():
         JITFunction.__call__ = original
         if hasattr(scope, "restore"):
             scope.restore()
+
+
+TRITON_MISSING = (
+    "the Triton kernels need triton, which is not installed: CUDA builds of torch for Linux bring it, "
+    "else pip install 'causal-moe-routing[triton]' (backend='torch' or 'auto' run without it)"
+)
+"""What a request for the kernels says on a machine without triton (the ``[triton]`` extra)."""
+
+
+def triton_installed() -> bool:
+    """Whether triton can be imported here (it is an optional requirement: the ``[triton]`` extra)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 def interpreting(device: torch.device) -> bool:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from kernels.dispatch_combine import combine_kernel, gather_rows_kernel
+from kernels.ffn_inputs import check_ffn_shapes, one_dtype
 from kernels.grouped_mm import DUAL, SWIGLU, SWIGLU_BWD, gmm, wgrad
 from kernels.metadata import RoutingMeta, routing_metadata
 
@@ -87,34 +88,9 @@ def moe_ffn_triton(
     Triton interpreter (slow: for tests). Tokens with no assignment get zeros.
     """
     check_ffn_shapes(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD)
-    device_type = x_ND.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        x_ND, w_gate_EDF, w_up_EDF, w_down_EFD = (t.to(dtype) for t in (x_ND, w_gate_EDF, w_up_EDF, w_down_EFD))
-    dtypes = {t.dtype for t in (x_ND, w_gate_EDF, w_up_EDF, w_down_EFD)}
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"x and the expert weights must share one dtype (or run under autocast), got {sorted(map(str, dtypes))}"
-        )
+    x_ND, w_gate_EDF, w_up_EDF, w_down_EFD = one_dtype(x_ND, w_gate_EDF, w_up_EDF, w_down_EFD)
     n, e = x_ND.shape[0], w_gate_EDF.shape[0]
     if token_A.numel() == 0:
         return x_ND.new_zeros(n, w_down_EFD.shape[-1])
     meta = routing_metadata(token_A, expert_A, n, e)
     return _MoEFFN.apply(x_ND.contiguous(), weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, meta)
-
-
-def check_ffn_shapes(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD) -> None:
-    """ValueError naming the first inconsistent shape among the MoE FFN arguments."""
-    if x_ND.dim() != 2:
-        raise ValueError(f"x_ND must be [N, D], got {tuple(x_ND.shape)}")
-    if w_gate_EDF.dim() != 3 or w_gate_EDF.shape != w_up_EDF.shape:
-        raise ValueError(
-            f"w_gate_EDF and w_up_EDF must both be [E, D, F], got {tuple(w_gate_EDF.shape)} and {tuple(w_up_EDF.shape)}"
-        )
-    e, d, f = w_gate_EDF.shape
-    if x_ND.shape[1] != d:
-        raise ValueError(f"x_ND has width {x_ND.shape[1]} but the experts expect D={d}")
-    if tuple(w_down_EFD.shape) != (e, f, d):
-        raise ValueError(f"w_down_EFD must be [E, F, D] = {(e, f, d)}, got {tuple(w_down_EFD.shape)}")
-    if weight_A.dim() != 1 or weight_A.shape != token_A.shape:
-        raise ValueError(f"weight_A must be 1-D like token_A {tuple(token_A.shape)}, got {tuple(weight_A.shape)}")

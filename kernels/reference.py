@@ -261,23 +261,33 @@ def _moe_ffn_backward_op(
 
 
 @_moe_ffn_backward_op.register_fake
-def _moe_ffn_backward_fake(grad_ND, x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, *saved):
-    # Contiguous, as the real op returns them, whatever the strides of the inputs (the
-    # experts of a transformers model are transposed views of its fused tensors).
+def input_gradients_fake(grad_ND, x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD, *saved):
+    """The fake (meta) kernel of a backward operator of the MoE FFN signature: the gradients of
+    (x, weight, w_gate, w_up, w_down), contiguous as the real operators return them, whatever the
+    strides of the inputs (the experts of a transformers model are transposed views of its fused
+    tensors)."""
     return tuple(t.new_empty(t.shape) for t in (x_ND, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD))
 
 
-def _save_for_backward(ctx, inputs, output):
+def save_inputs_and_extras(ctx, inputs, output):
+    """``setup_context`` of an MoE FFN operator whose output 0 is y and whose other outputs are
+    what its backward needs: all saved, the extras non-differentiable."""
     ctx.save_for_backward(*inputs, *output[1:])
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # no zero gradients for the saved outputs
 
 
-def _moe_ffn_op_backward(ctx, grad_ND, *_grads_of_saved):
-    dx, dweight, dgate, dup, ddown = torch.ops.moe_kernels.sorted_moe_ffn_backward(
-        grad_ND.contiguous(), *ctx.saved_tensors
-    )
-    return dx, None, None, dweight, dgate, dup, ddown
+def backward_through(backward_op):
+    """The autograd backward of an operator set up by :func:`save_inputs_and_extras`:
+    ``backward_op(grad_ND, *saved)`` returns the gradients of (x, weight, w_gate, w_up, w_down)."""
+
+    def backward(ctx, grad_ND, *_grads_of_saved):
+        dx, dweight, dgate, dup, ddown = backward_op(grad_ND.contiguous(), *ctx.saved_tensors)
+        return dx, None, None, dweight, dgate, dup, ddown
+
+    return backward
 
 
-_moe_ffn_op.register_autograd(_moe_ffn_op_backward, setup_context=_save_for_backward)
+_moe_ffn_op.register_autograd(
+    backward_through(torch.ops.moe_kernels.sorted_moe_ffn_backward), setup_context=save_inputs_and_extras
+)

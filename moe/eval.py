@@ -33,11 +33,24 @@ class EvalConfig:
     """Windows per evaluation forward (routers grouped over the batch see this many sequences)."""
     causal_stride: int = 1
     """Causal loss at positions t = k-1, 2k-1, ... (every k-th); 1 = every position."""
+    causal_batch_size: int | None = None
+    """Windows decoded together for the causal loss (None: ``eval_batch_size``). A router that
+    is not batch-invariant routes a sequence differently beside others, so its causal loss
+    depends on this number: 1 is what one sequence decoded alone gets."""
 
     def __post_init__(self) -> None:
         nonnegative_int("eval_every", self.eval_every)
         for name in ("eval_windows", "eval_batch_size", "causal_stride"):
             positive_int(name, getattr(self, name))
+        if self.causal_batch_size is not None:
+            positive_int("causal_batch_size", self.causal_batch_size)
+
+
+def format_difference(value: float, digits: int = 4, plus: bool = True) -> str:
+    """A difference of losses (a leakage gap) as text: ``digits`` decimals, signed (``+`` too when
+    ``plus``), but one that rounds to zero is ``0.0000``, without a sign (never ``-0.0000``)."""
+    text = f"{value:+.{digits}f}" if plus else f"{value:.{digits}f}"
+    return text.lstrip("+-") if float(text) == 0 else text
 
 
 def autocast(device: torch.device):
@@ -57,13 +70,16 @@ def evaluate(
     causal: bool = True,
     with_train_mode: bool = False,
     causal_method: str = "auto",
+    causal_batch_size: int | None = None,
 ) -> dict:
     """Teacher-forced and causal loss (eval mode) on the same validation positions.
 
     W evenly spaced windows of T tokens; evaluated positions t = k-1, 2k-1, ... (k =
     ``causal_stride``). Teacher-forced: one full-window forward, the loss read at those
-    positions. Causal: the loss at t computed as decoding computes it, the windows of a chunk
-    batched together as batched decoding would run them. ``causal_method``:
+    positions. Causal: the loss at t computed as decoding computes it, ``causal_batch_size``
+    windows (default: ``batch_size``) decoded together as batched decoding would run them (for
+    a router that is not batch-invariant the number matters: 1 is a sequence decoded alone).
+    ``causal_method``:
 
     * ``"cache"``: incremental decoding through the model's KV cache and its routers' decode
       states (``model.init_cache``): one token at a time when k = 1; otherwise each cached
@@ -111,17 +127,22 @@ def evaluate(
         targets_BT = targets_WT[start : start + batch_size].to(device)
         model.eval()
         tf_WT.append(_nll(model, idx_BT, targets_BT, device, balance))
-        if causal and causal_method == "cache":
+        if with_train_mode:
+            model.train()
+            train_WT.append(_nll(model, idx_BT, targets_BT, device))
+    model.eval()
+    decode_batch = batch_size if causal_batch_size is None else positive_int("causal_batch_size", causal_batch_size)
+    for start in range(0, num_windows if causal else 0, decode_batch):
+        idx_BT = idx_WT[start : start + decode_batch].to(device)
+        targets_BT = targets_WT[start : start + decode_batch].to(device)
+        if causal_method == "cache":
             causal_WP.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, causal_stride, seq_len, device))
-        elif causal:
+        else:
             causal_WP.append(
                 torch.cat(
                     [_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:] for t in pos_P.tolist()], 1
                 )
             )
-        if with_train_mode:
-            model.train()
-            train_WT.append(_nll(model, idx_BT, targets_BT, device))
     model.train(was_training)
     return {**_summary(torch.cat(tf_WT), causal_WP, train_WT, pos_P, num_windows), **balance.summary()}
 

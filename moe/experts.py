@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from kernels.launch import TRITON_MISSING, triton_installed
 from kernels.reference import moe_ffn_reference
 from moe.checks import positive_int
 
@@ -25,15 +26,35 @@ MoEFFN = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tens
 BACKENDS: dict[str, Callable[[], MoEFFN]] = {
     "torch": lambda: moe_ffn_reference,
     "triton": lambda: __import__("kernels.moe_ffn", fromlist=["moe_ffn_triton"]).moe_ffn_triton,
+    "grouped_mm": lambda: _grouped_mm_backend(),
 }
 """Backend name -> loader of its function (loaded lazily, so no backend is imported early)."""
+
+CUDA_AUTO = "grouped_mm"
+"""What ``backend="auto"`` runs on CUDA: PyTorch's grouped GEMM, until a GPU run of
+``experiments/gpu_check.sh`` shows the Triton kernels equal to it and faster (docs/kernels.md
+holds the rule and the evidence; no GPU has run them yet)."""
+
+
+def _grouped_mm_backend() -> MoEFFN:
+    # an import statement, not __import__: torch.compile traces it (the module is loaded by then)
+    from kernels.torch_grouped import moe_ffn_grouped_mm
+
+    return moe_ffn_grouped_mm
+
+
+def check_backend(name: str) -> None:
+    """ValueError for a backend name that is unknown, or that needs triton where it is not installed."""
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))} and 'auto'")
+    if name == "triton" and not triton_installed():
+        raise ValueError(f"backend 'triton': {TRITON_MISSING}")
 
 
 def resolve_backend(name: str, device: torch.device | None = None) -> MoEFFN:
     if name == "auto":
-        name = "triton" if device is not None and device.type == "cuda" and "triton" in BACKENDS else "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(sorted(BACKENDS))} and 'auto'")
+        name = CUDA_AUTO if device is not None and device.type == "cuda" else "torch"
+    check_backend(name)
     return BACKENDS[name]()
 
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from moe.experts import BACKENDS, SwiGLUExperts
+from moe.checks import nonnegative_int
+from moe.experts import SwiGLUExperts, check_backend
 from moe.routers import build_router
 from moe.routing import DecodeState, Router, Routing, check_input
+from moe.shared import SharedExperts
 
 
 class MoELayer(nn.Module):
@@ -27,8 +29,9 @@ class MoELayer(nn.Module):
 
     ``router`` is a registered name (see ``moe.list_routers()``) or a built ``Router``;
     ``router_options`` go to ``moe.build_router``. ``backend`` chooses the data path:
-    "torch" (reference, any device), "triton" (GPU kernels) or "auto". Results do not
-    depend on the backend beyond floating-point rounding.
+    "torch" (reference, any device), "triton" (our GPU kernels), "grouped_mm" (PyTorch's
+    ``torch._grouped_mm``; float32 / bfloat16 / float16) or "auto" (grouped_mm on CUDA, torch
+    elsewhere). Results do not depend on the backend beyond floating-point rounding.
 
     ``expert_parallel`` (a ``moe.parallel.ExpertParallel``, which carries the process group
     and the data path) shards the experts over the group's ranks: this rank holds experts
@@ -39,6 +42,15 @@ class MoELayer(nn.Module):
     ``experts`` (optional) is a prebuilt expert module to use instead of a fresh
     ``SwiGLUExperts``, e.g. a ``FusedSwiGLUExperts`` sharing another model's weights; it must
     hold this rank's experts with ``d_model`` and ``d_ff`` as given.
+
+    ``shared_experts`` (S, default 0) adds S experts of width ``d_ff`` that every token uses
+    beside its routed ones (``moe.shared.SharedExperts``: one SwiGLU of width S * d_ff, as
+    DeepSeek-V2/V3 build them); ``shared_expert_gate`` scales their output per token by
+    ``sigmoid(x . w)`` (Qwen2-MoE, Megatron-Core's ``moe_shared_expert_gate``). The output is
+    routed + shared, as transformers' ``DeepseekV3MoE``, torchtitan's ``MoE`` and
+    Megatron-Core's ``MoELayer`` add them (OLMo-core's ``MoEBase`` mixes them instead,
+    ``shared / (k+1) + routed * k / (k+1)``). Under expert parallelism the shared experts are
+    replicated like the router, and each rank runs them on its own tokens.
     """
 
     def __init__(
@@ -50,11 +62,12 @@ class MoELayer(nn.Module):
         backend: str = "torch",
         expert_parallel=None,
         experts: nn.Module | None = None,
+        shared_experts: int = 0,
+        shared_expert_gate: bool = False,
         **router_options,
     ) -> None:
         super().__init__()
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(sorted(BACKENDS))} and 'auto'")
+        check_backend(backend)
         if isinstance(router, Router):
             if router_options:
                 raise ValueError("router_options are only accepted with a router name")
@@ -77,6 +90,10 @@ class MoELayer(nn.Module):
                 f"layer needs {num_local}, {d_model}, {d_ff}"
             )
         self.experts = experts
+        nonnegative_int("shared_experts", shared_experts)
+        if shared_expert_gate and not shared_experts:
+            raise ValueError("shared_expert_gate needs shared_experts > 0")
+        self.shared = SharedExperts(d_model, d_ff, shared_experts, shared_expert_gate) if shared_experts else None
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.backend = backend
 
@@ -96,11 +113,27 @@ class MoELayer(nn.Module):
                 x_ND, routing.token, routing.expert, routing.weight, self.experts, self.num_experts, self.backend
             )
         y_BTD = y_ND.view(b, t, d).to(x_BTD.dtype)
+        if self.shared is not None:
+            y_BTD = y_BTD + self.shared(x_BTD)
         return (y_BTD, routing) if return_routing else y_BTD
+
+    def active_ffn_width(self) -> float | None:
+        """The feed-forward width one token uses on average (:func:`active_ffn_width`)."""
+        return active_ffn_width(self.router, self.d_ff, 0 if self.shared is None else self.shared.num_shared)
 
     def extra_repr(self) -> str:
         ep = "" if self.expert_parallel is None else f", local_experts={self.local_experts}"
         return f"backend={self.backend!r}{ep}"
+
+
+def active_ffn_width(router: Router, d_ff: int, shared_experts: int = 0) -> float | None:
+    """The hidden width of the feed-forward that one token of an MoE layer uses on average:
+    (the router's nominal experts per token + ``shared_experts``) * ``d_ff``, the width of the
+    dense SwiGLU of equal active compute; None where the router's options set no number of
+    experts per token (``Router.nominal_experts_per_token``). A study that compares routers at
+    equal compute compares this with the dense width."""
+    k = router.nominal_experts_per_token()
+    return None if k is None else (k + shared_experts) * d_ff
 
 
 def update_routers(model: nn.Module) -> None:

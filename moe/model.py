@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe.checks import positive_int
+from moe.checks import nonnegative_int, positive_int
 from moe.layer import MoELayer
 from moe.lm import KVCache, ModelOutput, check_token_ids, empty_cache, lm_loss
 from moe.routing import DecodeState, Router, Routing
+from moe.shared import SwiGLU
 
 
 @dataclass
@@ -48,6 +49,11 @@ class ModelConfig:
     """F: hidden width of each expert: the feed-forward width of the MoE blocks."""
     num_experts: int = 4
     """E: experts per MoE block."""
+    shared_experts: int = 0
+    """S: experts of width moe_d_ff that every token of an MoE block uses beside its routed
+    ones (DeepSeek-V2/V3, Qwen2/3-MoE), one SwiGLU of width S * moe_d_ff; 0 = none."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x . w) per token (Qwen2-MoE's shared_expert_gate)."""
     router: str = "topk"
     """Router name (``moe.list_routers()``)."""
     router_options: dict = field(default_factory=dict)
@@ -64,7 +70,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     """Share the input embedding and the output projection."""
     backend: str = "torch"
-    """MoE data path: "torch", "triton" or "auto"."""
+    """MoE data path: "torch", "triton", "grouped_mm" or "auto" (``moe.experts.BACKENDS``)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "moe_d_ff", "num_experts", "max_seq_len"):
@@ -75,6 +81,9 @@ class ModelConfig:
             raise ValueError(
                 f"head width d_model/n_heads={self.d_model // self.n_heads} must be even for rotary positions"
             )
+        nonnegative_int("ModelConfig.shared_experts", self.shared_experts)
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ValueError("shared_expert_gate needs shared_experts > 0")
         if not isinstance(self.moe_every, int) or self.moe_every < 0:
             raise ValueError(f"moe_every must be an integer >= 0, got {self.moe_every!r}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
@@ -176,19 +185,6 @@ class Attention(nn.Module):
         return self.proj(y_BHTd.transpose(1, 2).reshape(b, t, d))
 
 
-class SwiGLU(nn.Module):
-    """Dense bias-free SwiGLU feed-forward."""
-
-    def __init__(self, d_model: int, d_ff: int) -> None:
-        super().__init__()
-        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
-        self.w_up = nn.Linear(d_model, d_ff, bias=False)
-        self.w_down = nn.Linear(d_ff, d_model, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, use_moe: bool, expert_parallel=None) -> None:
         super().__init__()
@@ -203,6 +199,8 @@ class Block(nn.Module):
                 router=cfg.router,
                 backend=cfg.backend,
                 expert_parallel=expert_parallel,
+                shared_experts=cfg.shared_experts,
+                shared_expert_gate=cfg.shared_expert_gate,
                 **cfg.router_options,
             )
         else:
@@ -425,7 +423,8 @@ class MoETransformer(nn.Module):
         """All parameters, or those one token uses on average when ``active``: of each MoE
         layer's E experts, the number its router's options set per token
         (``Router.nominal_experts_per_token``: top-k, the capacity factor of expert choice, a
-        target; 1 where the options set none). A float in general, rounded to an int."""
+        target; 1 where the options set none), and all of its shared experts and router.
+        A float in general, rounded to an int."""
         total = sum(p.numel() for p in self.parameters())
         if not active:
             return total

@@ -7,13 +7,14 @@ K slots per (token, layer), T positions of one forward, N = B*T.
 The layout is int32 ``[B, S, L, K]``; one sequence's ``[S, L, K]`` is ``[tokens, layers, top_k]``,
 what vLLM (``enable_return_routed_experts``, PR #28284) and SGLang (``return_routed_experts``)
 return per request for Rollout Routing Replay (R3, arXiv 2510.11370). Padding: -1 marks an
-empty slot. A router that gives each token exactly K experts (top-k) fills every slot; one whose
-tokens get a varying number (capacity drops, null experts, expert choice, thresholds, top-p,
-ReMoE) fills the first slots of each (token, layer) and pads with -1, K being the most experts
-one token got in the record; a token that got no expert has only -1. Only experts that served
-a token are recorded (not a choice that a capacity dropped, not a null expert). Within a
-(token, layer) the experts keep the routing's order (top-k: decreasing score; the others:
-increasing expert index). Size: 4 * L * K bytes per token (:attr:`RoutingRecord.bytes_per_token`).
+empty slot. A router that gives each token exactly K experts (top-k, quantile) fills every slot;
+one whose tokens get a varying number (capacity drops, null experts, expert choice, thresholds,
+top-p, ReMoE, SeqTopK) fills the first slots of each (token, layer) and pads with -1, K being
+the most experts one token got in the record; a token that got no expert has only -1. Only
+experts that served a token are recorded (not a choice that a capacity dropped, not a null
+expert). Within a (token, layer) the experts keep the routing's order (top-k and quantile:
+decreasing score; the others: increasing expert index). Size: 4 * L * K bytes per token
+(:attr:`RoutingRecord.bytes_per_token`).
 """
 
 from __future__ import annotations

@@ -164,9 +164,15 @@ class Router(nn.Module):
     """Base class: a bias-free linear gate, input checks, aux losses and stats.
 
     Subclasses implement :meth:`route` on fp32 logits and return a :class:`Routing`.
-    Aux-loss coefficients: ``aux_loss_coef`` weights the Switch load-balancing loss
-    ``E * sum_e f_e * P_e`` (f_e: fraction of assignments to e, P_e: mean router probability),
-    ``z_loss_coef`` the router z-loss ``mean(logsumexp(logits)^2)``.
+    Aux losses (:meth:`_aux_loss`): the Switch load-balancing loss ``E * sum_e f_e * P_e``
+    (f_e: fraction of the assignments counted to e, P_e: mean router probability) at three
+    granularities, each with its coefficient, as Megatron-Core's ``TopKRouter`` offers them
+    (megatron/core/transformer/moe/router.py: ``aux_loss``, ``seq_aux_loss``,
+    ``global_aux_loss``; arXiv 2501.11873): ``aux_loss_coef`` counts f over the forward's
+    micro-batch (over ``stats_group`` too), ``seq_aux_loss_coef`` per sequence (the mean of the
+    B sequences' losses), ``global_aux_loss_coef`` over the step's global batch (every
+    microbatch and data-parallel rank, see :mod:`moe.global_balance`); ``z_loss_coef`` weights
+    the router z-loss ``mean(logsumexp(logits)^2)``.
 
     ``router_dtype`` says in which dtype the gate's logits (and so the scores, the choices and
     the combine weights) are computed, whatever the model's dtype (:data:`ROUTER_DTYPES`):
@@ -194,6 +200,13 @@ class Router(nn.Module):
     expert-parallel training, see ``moe.parallel.share_router_statistics``): with equal
     shards the mean of the ranks' aux losses then equals the single-process one, in value and
     gradient. None: the local batch only."""
+    global_load: Tensor | None = None
+    """float64 [X]: the assignment counts of the step's whole global batch, which the global
+    balance loss reads while set (by :func:`moe.global_balance.global_batch_loads`, for one
+    step of several microbatches); None: the forward's own counts over ``stats_group``."""
+    load_counter: Tensor | None = None
+    """float64 [X] while :func:`moe.global_balance.global_batch_loads` counts the step's
+    assignments: every forward adds its counts here."""
 
     def __init__(
         self,
@@ -201,6 +214,8 @@ class Router(nn.Module):
         num_experts: int,
         *,
         aux_loss_coef: float = 0.01,
+        seq_aux_loss_coef: float = 0.0,
+        global_aux_loss_coef: float = 0.0,
         z_loss_coef: float = 1e-3,
         check_finite: bool | None = None,
         router_dtype: str = "fp32",
@@ -208,14 +223,23 @@ class Router(nn.Module):
         super().__init__()
         positive_int("d_model", d_model)
         positive_int("num_experts", num_experts)
-        if aux_loss_coef < 0 or z_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {aux_loss_coef}, {z_loss_coef}")
+        coefs = {
+            "aux_loss_coef": aux_loss_coef,
+            "seq_aux_loss_coef": seq_aux_loss_coef,
+            "global_aux_loss_coef": global_aux_loss_coef,
+            "z_loss_coef": z_loss_coef,
+        }
+        bad = {k: v for k, v in coefs.items() if not v >= 0}
+        if bad:
+            raise ValueError(f"loss coefficients must be >= 0, got {bad}")
         if router_dtype not in ROUTER_DTYPES:
             raise ValueError(f"router_dtype must be one of {', '.join(ROUTER_DTYPES)}, got {router_dtype!r}")
         self.router_dtype = router_dtype
         self.d_model = d_model
         self.num_experts = num_experts
         self.aux_loss_coef = aux_loss_coef
+        self.seq_aux_loss_coef = seq_aux_loss_coef
+        self.global_aux_loss_coef = global_aux_loss_coef
         self.z_loss_coef = z_loss_coef
         self.check_finite = os.environ.get("MOE_DEBUG") == "1" if check_finite is None else bool(check_finite)
         self.gate = GateLinear(d_model, num_experts)
@@ -339,13 +363,67 @@ class Router(nn.Module):
         return None
 
     # -- shared pieces ------------------------------------------------------------------
-    def _aux_loss(self, logits_NE: Tensor, probs_NE: Tensor, expert_A: Tensor) -> Tensor:
-        """Switch loss over the columns of ``probs_NE`` (the E experts, or E plus null experts)
-        plus the z-loss of ``logits_NE``."""
+    def has_balance_loss(self) -> bool:
+        """Whether any of the three load-balancing losses has a coefficient > 0."""
+        return self.aux_loss_coef > 0 or self.seq_aux_loss_coef > 0 or self.global_aux_loss_coef > 0
+
+    def _aux_loss(
+        self,
+        logits_NE: Tensor,
+        probs_NX: Tensor,
+        expert_A: Tensor,
+        token_A: Tensor | None = None,
+        batch_shape: tuple[int, int] | None = None,
+    ) -> Tensor:
+        """The load-balancing losses over the X columns of ``probs_NX`` (the E experts, or E
+        plus null experts), counting the assignments (``token_A``, ``expert_A``), plus the
+        z-loss of ``logits_NE``. Each is ``coef * X * sum_x f_x * P_x`` with f the fraction of
+        the counted assignments and P the mean probability, the form of Megatron-Core's
+        ``switch_load_balancing_loss_func`` (moe_utils.py; for top-k, f_x = count_x / (k T)):
+
+        * micro-batch (``aux_loss_coef``): f and P over this forward's N tokens, f counted over
+          ``stats_group`` too. Megatron's ``_apply_aux_loss`` counts over the tensor- and
+          context-parallel ranks of one micro-batch only; counting over the data-parallel
+          ranks as well makes the loss that of one process given the same microbatches of the
+          whole batch, whatever the data-parallel degree.
+        * sequence (``seq_aux_loss_coef``): f and P of each of the B sequences, the mean of the
+          B losses (Megatron's ``_apply_seq_aux_loss``; DeepSeek-V3's sequence-wise balance
+          loss, arXiv 2412.19437 eq. 17-20). A sequence is never split, so no layout changes it.
+          It needs the assignments' tokens and the (B, T) shape: a router that does not pass
+          ``token_A`` and ``batch_shape`` refuses the option when it routes.
+        * global batch (``global_aux_loss_coef``): f over the step's whole batch, P over this
+          forward (Megatron's ``_apply_global_aux_loss``; arXiv 2501.11873). f is
+          :attr:`global_load` when set (the counts of every microbatch and data-parallel rank,
+          gathered before the step's first loss by :mod:`moe.global_balance`), else this
+          forward's counts over ``stats_group`` (the global batch when a step is one forward).
+          Megatron instead lets microbatch i read the running mean of the counts of
+          microbatches 1..i, so its loss depends on how the batch is cut; this one does not.
+        """
+        if not self.has_balance_loss():
+            return self._z_loss(logits_NE)
         loss = logits_NE.new_zeros(())
+        x = probs_NX.shape[1]
+        count_X = count_indices(expert_A, x).to(probs_NX.dtype)
+        if self.load_counter is not None:
+            self.load_counter = self.load_counter + count_X.detach().double()
+        mean_X = probs_NX.mean(0)
+        shared_X = None
+        if self.aux_loss_coef > 0 or (self.global_aux_loss_coef > 0 and self.global_load is None):
+            shared_X = count_X.clone()
+            if self.stats_group is not None:
+                torch.distributed.all_reduce(shared_X, group=self.stats_group)
         if self.aux_loss_coef > 0:
-            frac_E = self._assignment_fractions(expert_A, probs_NE.shape[1], probs_NE.dtype)
-            loss = loss + self.aux_loss_coef * probs_NE.shape[1] * (frac_E * probs_NE.mean(0)).sum()
+            loss = loss + self.aux_loss_coef * x * (fractions(shared_X) * mean_X).sum()
+        if self.seq_aux_loss_coef > 0:
+            if token_A is None or batch_shape is None:
+                raise ValueError(f"router {self.name!r} does not support seq_aux_loss_coef (it passes no token ids)")
+            b, t = batch_shape
+            count_BX = count_indices((token_A // t) * x + expert_A, b * x).view(b, x).to(probs_NX.dtype)
+            mean_BX = probs_NX.view(b, t, x).mean(1)
+            loss = loss + self.seq_aux_loss_coef * x * (fractions(count_BX) * mean_BX).sum(-1).mean()
+        if self.global_aux_loss_coef > 0:
+            global_X = shared_X if self.global_load is None else self.global_load.to(probs_NX.dtype)
+            loss = loss + self.global_aux_loss_coef * x * (fractions(global_X) * mean_X).sum()
         return loss + self._z_loss(logits_NE)
 
     def _assignment_fractions(self, expert_A: Tensor, size: int, dtype: torch.dtype) -> Tensor:
@@ -353,7 +431,7 @@ class Router(nn.Module):
         count_E = count_indices(expert_A, size).to(dtype)
         if self.stats_group is not None:
             torch.distributed.all_reduce(count_E, group=self.stats_group)
-        return count_E / count_E.sum().clamp_min(1.0)
+        return fractions(count_E)
 
     def _z_loss(self, logits_NE: Tensor) -> Tensor:
         if self.z_loss_coef == 0:
@@ -468,6 +546,11 @@ def check_input(x_BTD: Tensor, d_model: int) -> None:
         raise ValueError(f"expected last dimension D={d_model}, got input of shape {tuple(x_BTD.shape)}")
 
 
+def fractions(count_X: Tensor) -> Tensor:
+    """``count_X`` divided by its sum over the last dimension (rows of zeros stay zero)."""
+    return count_X / count_X.sum(-1, keepdim=True).clamp_min(1.0)
+
+
 def served_stats(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_experts: int) -> dict[str, Tensor]:
     """The stats of a router whose tokens get a varying number of experts: ``tokens_per_expert``
     and, as ``dropped_fraction``, the fraction of the N tokens that got no expert at all."""
@@ -517,7 +600,7 @@ def capacity_per_group(capacity_factor: float, group_size, top_k: int, num_exper
     ``group_size`` is an int, or an int64 tensor of sizes (then elementwise)."""
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-    if math.isinf(capacity_factor):
+    if capacity_factor == math.inf:  # not math.isinf, which torch.compile cannot trace once it made the float symbolic
         return group_size
     if isinstance(group_size, Tensor):
         c = torch.ceil(capacity_factor * group_size.double() * top_k / num_experts).long()
@@ -569,6 +652,24 @@ def registered_routers() -> dict[str, type[Router]]:
     """Name -> class of every router registered so far (``moe.routers`` registers the built-in
     ones; ``moe.build_router`` builds by name)."""
     return dict(_REGISTRY)
+
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+"""The router score functions of :func:`router_scores` (Megatron-Core's three)."""
+
+
+def router_scores(logits_NE: Tensor, score: str) -> Tensor:
+    """Router scores of one of :data:`SCORE_FUNCTIONS`: the softmax over the experts, or per
+    expert the sigmoid or ``sqrt(softplus(logit))`` (Megatron-Core's "sqrtsoftplus" in
+    ``topk_routing_with_score_function``, moe_utils.py). Row by row like
+    :func:`softmax_or_sigmoid`: softplus is computed as ``logsumexp([x, 0])``, since
+    ``F.softplus``'s vectorised CPU loop, like ``torch.sigmoid``'s, rounds a row differently
+    with the number of rows in the call."""
+    if score == "sqrtsoftplus":
+        return torch.logsumexp(torch.stack([logits_NE, torch.zeros_like(logits_NE)], -1), dim=-1).sqrt()
+    if score in ("softmax", "sigmoid"):
+        return softmax_or_sigmoid(logits_NE, score)
+    raise ValueError(f"score function must be one of {', '.join(map(repr, SCORE_FUNCTIONS))}, got {score!r}")
 
 
 def softmax_or_sigmoid(logits_NE: Tensor, gate: str) -> Tensor:

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from extras import EXTRA_IN_REASON, INSTALL
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 # Test tensors are tiny: one thread avoids thread start-up and contention costs that made
@@ -22,3 +23,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per optional extra whose absence skipped tests here (reasons from tests/extras.py),
+    with the command that installs it: what a quickstart install (the [dev] extra alone) does not run."""
+    skipped: dict[str, set[str]] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        found = EXTRA_IN_REASON.search(str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else "")
+        if found:
+            skipped.setdefault(found[1], set()).add(report.nodeid)
+    if not skipped:
+        return
+    terminalreporter.section("optional extras not installed here", sep="-")
+    for extra, nodeids in sorted(skipped.items()):
+        modules = {n.split("::")[0] for n in nodeids if "::" not in n}
+        tests = len(nodeids) - len(modules)
+        counts = [f"{len(modules)} test module{'s' * (len(modules) != 1)}"] * bool(modules)
+        counts += [f"{tests} test{'s' * (tests != 1)}"] * bool(tests)
+        terminalreporter.write_line(f"[{extra}]: {' and '.join(counts)} skipped; {INSTALL[extra]} runs them")

@@ -70,9 +70,15 @@ def identity_router(name: str, num_experts: int, **options) -> moe.Router:
 
 
 def small_lm(
-    router: str, options: dict, dtype: torch.dtype = torch.float32, vocab_size: int = 32, max_seq_len: int = 32
+    router: str,
+    options: dict,
+    dtype: torch.dtype = torch.float32,
+    vocab_size: int = 32,
+    max_seq_len: int = 32,
+    **config,
 ):
-    """A two-block MoETransformer (d 16, 4 experts of width 16) routing with ``router``, in ``dtype``."""
+    """A two-block MoETransformer (d 16, 4 experts of width 16) routing with ``router``, in
+    ``dtype``; ``config``: other ModelConfig fields (shared experts, ...)."""
     from moe.model import ModelConfig, MoETransformer
 
     cfg = ModelConfig(
@@ -85,8 +91,20 @@ def small_lm(
         router=router,
         router_options=options,
         max_seq_len=max_seq_len,
+        **config,
     )
     return MoETransformer(cfg, init_seed=1).to(dtype)
+
+
+def assignments(routing: moe.Routing) -> list[tuple[int, int]]:
+    """The kept (token, expert) pairs of a routing, sorted."""
+    return sorted(zip(routing.token.tolist(), routing.expert.tolist()))
+
+
+def hand_logits(*rows, batch: int = 1) -> torch.Tensor:
+    """float64 [batch, T, E] from rows of E logits (for an :func:`identity_router`)."""
+    x = torch.tensor(rows, dtype=torch.float64)
+    return x.view(batch, -1, x.shape[-1])
 
 
 def naive_moe(layer: moe.MoELayer, x_BTD: torch.Tensor, routing: moe.Routing) -> torch.Tensor:
@@ -101,6 +119,19 @@ def naive_moe(layer: moe.MoELayer, x_BTD: torch.Tensor, routing: moe.Routing) ->
         rows[n] = rows[n] + w * (h @ ex.w_down[e])
     return torch.stack(rows).view(b, t, d)
 
+
+DEEPSEEK_V3_STYLE = {
+    "top_k": 2,
+    "gate": "sigmoid",
+    "num_expert_groups": 2,
+    "num_limited_groups": 1,
+    "route_scale": 2.5,
+    "balance_rate": 0.1,
+    "seq_aux_loss_coef": 0.01,
+    "global_aux_loss_coef": 0.01,
+}
+"""Top-k routed as DeepSeek-V3 routes (sigmoid, balance bias, 2 groups of which a token keeps
+1, a route scale) with its sequence and global balance losses, for E = 4 experts."""
 
 ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("topk", {"top_k": 2}),
@@ -117,6 +148,9 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("remoe", {}),
     ("top_p", {"target_experts": 2}),
     ("topk", {"top_k": 2, "null_experts": 2}),
+    ("quantile", {"top_k": 2}),
+    ("seq_topk", {"top_k": 2}),
+    ("topk", DEEPSEEK_V3_STYLE),
 ]
 
 

@@ -59,3 +59,40 @@ def documents(directory: Path) -> list[list[int]]:
             current.append(i)
     assert not current, "the stream ends with an end-of-document token"
     return docs
+
+
+LINKED = {
+    "files": ["a.txt", "out/o.txt", "sub/b.txt"],
+    "already_read": [
+        "0first.txt -> sub/b.txt",
+        "alias/ -> sub/",
+        "hard.txt -> a.txt",
+        "loop/ -> ./",
+        "z_link.txt -> a.txt",
+    ],
+    "broken_links": ["gone.txt"],
+    "empty": ["empty.txt"],
+}
+"""What :func:`write_linked_folder`'s folder holds, by hand: the files read (each once, by its own
+path), and what is skipped."""
+
+
+def write_linked_folder(root: Path) -> Path:
+    """``root/texts``: three texts (one of them outside, reached through a linked folder), links to
+    files and folders read already (sorted before and after what they point at, a hard link, a
+    link to the folder itself), a link to nothing and an empty file; see :data:`LINKED`."""
+    texts, outside = root / "texts", root / "outside"
+    (texts / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (texts / "a.txt").write_text(sentences(10, 40))
+    (texts / "sub" / "b.txt").write_text(sentences(11, 40))
+    (outside / "o.txt").write_text(sentences(12, 40))
+    (texts / "z_link.txt").symlink_to("a.txt")
+    (texts / "0first.txt").symlink_to("sub/b.txt")
+    (texts / "hard.txt").hardlink_to(texts / "a.txt")
+    (texts / "loop").symlink_to(".")
+    (texts / "alias").symlink_to("sub")
+    (texts / "out").symlink_to("../outside")
+    (texts / "gone.txt").symlink_to("missing.txt")
+    (texts / "empty.txt").write_bytes(b"")
+    return texts

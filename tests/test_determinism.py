@@ -27,6 +27,7 @@ import textwrap
 
 import pytest
 import torch
+from extras import need
 from helpers import ROUTER_CONFIGS
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -144,7 +145,7 @@ def test_recorder_catches_colliding_accumulation():
 
 def triton_kernels() -> dict[str, object]:
     """Every kernel function of the ``kernels`` package, found through its ``Kernel`` wrappers."""
-    pytest.importorskip("triton")
+    need("triton", "triton")
     from kernels.launch import Kernel
 
     found = {}

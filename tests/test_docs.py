@@ -1,9 +1,10 @@
 """The documentation stays true: every ```python block of README.md and docs/*.md runs, and
 every relative link points at an existing file and heading.
 
-A page is one session: its blocks run in order in one namespace, each as its own test named
-by page and block number, so a failure names the page and the block. ```python hf blocks need
-transformers (the [hf] extra) and are skipped without it; no plain block may depend on one.
+Each block runs alone, in a fresh namespace, as a reader who pastes it runs it: a block that
+needs a name (``torch``, a model) imports or builds it itself. Each is its own test, named by
+page and block number. ```python hf blocks need transformers (the [hf] extra) and are skipped
+without it.
 A block that needs what the default suite lacks (a GPU, several processes, minutes) is written
 as ```bash or ```text, or, sparingly, marked by an HTML comment on the line before its fence:
 ``<!-- no-test: the reason -->``.
@@ -14,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+from extras import reason
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -30,48 +32,22 @@ def page_blocks(page: Path) -> list[re.Match]:
     return list(BLOCK.finditer(page.read_text()))
 
 
-def runnable(block: re.Match) -> bool:
-    return block["reason"] is None and (block["hf"] is None or HAS_TRANSFORMERS)
-
-
-class Session:
-    """One page's namespace and how far its blocks have run (blocks run once, in order)."""
-
-    def __init__(self, page: Path) -> None:
-        self.page, self.blocks = page, page_blocks(page)
-        self.namespace: dict = {}
-        self.next = 0
-        self.failed: int | None = None
-
-    def run_through(self, index: int) -> None:
-        while self.next <= index:
-            i, block = self.next, self.blocks[self.next]
-            self.next += 1
-            if self.failed is not None:
-                raise AssertionError(f"{page_name(self.page)} python block {self.failed} failed before block {index}")
-            if not runnable(block):
-                continue
-            try:
-                exec(compile(block["code"], f"{page_name(self.page)} python block {i}", "exec"), self.namespace)
-            except Exception as e:
-                self.failed = i
-                raise AssertionError(f"{page_name(self.page)} python block {i} failed: {e!r}\n{block['code']}") from e
-
-
-SESSIONS: dict[Path, Session] = {}
-
 CASES = [pytest.param(page, i, id=f"{page_name(page)}#{i}") for page in PAGES for i in range(len(page_blocks(page)))]
 
 
 @pytest.mark.parametrize(("page", "index"), CASES)
-def test_python_block_runs(page: Path, index: int):
-    session = SESSIONS.setdefault(page, Session(page))
-    block = session.blocks[index]
+def test_python_block_runs_alone(page: Path, index: int):
+    """Each block in a fresh namespace, as a reader pastes it: its imports and names are its own."""
+    block = page_blocks(page)[index]
     if block["reason"] is not None:
         pytest.skip(f"marked no-test: {block['reason']}")
     if block["hf"] is not None and not HAS_TRANSFORMERS:
-        pytest.skip("a ```python hf block needs transformers (pip install -e '.[hf]')")
-    session.run_through(index)
+        pytest.skip(f"a ```python hf block: {reason('transformers', 'hf')}")
+    name = f"{page_name(page)} python block {index}"
+    try:
+        exec(compile(block["code"], name, "exec"), {"__name__": "__main__"})
+    except Exception as e:
+        raise AssertionError(f"{name} failed when run alone: {e!r}\n{block['code']}") from e
 
 
 def test_every_python_fence_is_a_test():

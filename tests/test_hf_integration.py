@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import need, needs
 from helpers import HF_RUN
 
-pytest.importorskip("transformers")
+need("transformers", "hf")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -100,6 +101,76 @@ def test_wrong_normalisation_is_visible():
     assert (logits(model, ids) - want).abs().max() > 1e-3 * want.abs().max()
 
 
+def deepseek_v3(seed: int = 0):
+    """The tiny DeepSeek-V3 (8 experts in 4 groups, 2 groups and 2 experts per token, one
+    shared expert) with a correction bias that changes choices."""
+    model = tiny_model("deepseek-v3-tiny", norm=True, seed=seed)
+    with torch.no_grad():
+        for block in model.modules():
+            if type(block).__name__ == "DeepseekV3MoE":
+                block.gate.e_score_correction_bias.normal_(0, 0.2)
+    return model
+
+
+def original_choices(model, ids) -> list[set]:
+    """Each token's experts as transformers' DeepseekV3TopkRouter picks them, per MoE block."""
+    seen = []
+    hooks = [
+        b.gate.register_forward_hook(lambda m, i, out: seen.append([set(r) for r in out[2].tolist()]))
+        for b in model.modules()
+        if type(b).__name__ == "DeepseekV3MoE"
+    ]
+    logits(model, ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_deepseek_v3_swap_routes_exactly_as_the_original():
+    """Sigmoid scores, the correction bias (our balance bias, the same tensor), group-limited
+    top-k, renormalisation and routed_scaling_factor: the same experts for every token, the
+    same logits to rounding; dropping the groups or the bias changes both (the controls)."""
+    model = deepseek_v3()
+    ids = torch.randint(0, V, (3, 12))
+    want, want_choices = logits(model, ids), original_choices(model, ids)
+    swapped = swap_moe_blocks(copy.deepcopy(model), "topk")
+    assert_rel_close(logits(swapped, ids), want, 1e-5, "deepseek-v3")
+    got_choices = [[set(e.tolist()) for e in r.expert.view(-1, 2)] for r in swapped_routings(swapped)]
+    assert got_choices == want_choices
+    block = next(m for m in swapped.modules() if isinstance(m, HFMoEBlock))
+    router = block.moe.router
+    assert (router.gate_fn, router.num_expert_groups, router.num_limited_groups, router.route_scale) == (
+        "sigmoid",
+        4,
+        2,
+        2.5,
+    )
+    hf_gate = next(m for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter")
+    assert router.balance_bias.data_ptr() != hf_gate.e_score_correction_bias.data_ptr()  # a deep copy
+    assert block.shared_expert is not None and block.shared_expert_gate is None
+    ungrouped = swap_moe_blocks(copy.deepcopy(model), "topk", num_expert_groups=None, num_limited_groups=None)
+    unbiased = swap_moe_blocks(copy.deepcopy(model), "topk")
+    for m in unbiased.modules():
+        if isinstance(m, HFMoEBlock):
+            m.moe.router.balance_bias.zero_()
+    for control in (ungrouped, unbiased):
+        assert (logits(control, ids) - want).abs().max() > 1e-3 * want.abs().max()
+
+
+def test_deepseek_v3_bias_is_shared_and_trains_loss_free():
+    model = deepseek_v3()
+    gates = [m.gate for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"]
+    before = [g.e_score_correction_bias.clone() for g in gates]
+    swap_moe_blocks(model, "topk", balance_rate=0.01, aux_loss_coef=0.0, seq_aux_loss_coef=1e-4).train()
+    routers = [m.moe.router for m in model.modules() if isinstance(m, HFMoEBlock)]
+    assert all(r.balance_bias is g.e_score_correction_bias for r, g in zip(routers, gates))
+    ids = torch.randint(0, V, (2, 12))
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    (out.loss + sum(r.aux_loss for r in swapped_routings(model))).backward()
+    moe.update_routers(model)
+    assert all(not torch.equal(g.e_score_correction_bias, b) for g, b in zip(gates, before))
+
+
 @pytest.mark.parametrize("name", ["olmoe-tiny", "qwen2-moe-tiny"])
 def test_topk_swap_gives_the_same_gradients(name):
     original = tiny_model(name, norm=True).train()
@@ -131,6 +202,7 @@ def test_swap_shares_every_parameter_without_copying():
     assert block.shared_expert is not None and block.shared_expert_gate is not None
 
 
+@needs("triton", "triton")
 def test_triton_backend_inside_a_swapped_model():
     # the Triton interpreter on CPU is slow: one tiny model, a short sequence
     model = tiny_model("olmoe-tiny", norm=True)
@@ -215,6 +287,14 @@ def test_generate_inside_decoding_equals_the_full_forward(router, options):
     assert all(b.decode_state is None for b in model.modules() if isinstance(b, HFMoEBlock))
     full = full_forward_logits(model, seq, 12)
     assert_rel_close(step_logits, full, 1e-5, f"{router}: generate inside decoding vs full forward")
+
+
+def test_swapped_deepseek_v3_generates_with_its_cache_as_the_full_forward():
+    model = swap_moe_blocks(deepseek_v3(), "topk")
+    prompt = torch.randint(0, V, (2, 5))
+    with decoding(model, batch_size=2):
+        seq, step_logits = generate_with_logits(model, prompt, 10)
+    assert_rel_close(step_logits, full_forward_logits(model, seq, 10), 1e-5, "deepseek-v3 generate vs full forward")
 
 
 def test_generate_outside_decoding_misroutes_a_prefix_capacity_router():
@@ -322,6 +402,16 @@ def test_swapped_olmoe_trains_with_the_loop(router, options):
     assert isinstance(res.model, HFCausalLM)
     # a causal, decode-consistent router: decoding (prefix forwards) sees what training saw
     assert abs(res.final_eval["leakage_gap"]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "spec, architecture", [("olmoe-tiny", "OlmoeForCausalLM"), ("qwen2-moe-tiny", "Qwen2MoeForCausalLM")]
+)
+def test_the_banner_names_the_transformers_model(spec, architecture, capsys):
+    corpus = load_corpus("stdlib", 0.1, 100_000)
+    train(TrainConfig.flat(hf_model=spec, steps=1, **{**HF_RUN, "log_every": 1}), corpus)
+    banner = capsys.readouterr().out.splitlines()[0]
+    assert f"model: transformers {architecture} ({spec}), " in banner, banner
 
 
 def test_swapped_model_resumes_exactly_from_a_checkpoint(tmp_path):

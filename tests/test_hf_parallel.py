@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from extras import need
 from helpers import HF_RUN
 from test_materialize import assert_same_state
 
@@ -27,7 +28,7 @@ from moe.training import TrainConfig, train
 from moe.training.distributed import setup_distributed
 from moe.training.loop import prepare, run
 
-pytest.importorskip("transformers")
+need("transformers", "hf")
 
 MODEL, ROUTER, SEED = "qwen2-moe-tiny", "ec_threshold", 5
 COMMON = dict(hf_model=MODEL, router=ROUTER, seed=SEED, steps=6, wandb_mode="disabled", **HF_RUN)

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+from extras import needs
 
 ROOT = Path(__file__).resolve().parents[1]
 GRADS = {"y", "dx", "dweight", "dw_gate", "dw_up", "dw_down"}
@@ -25,6 +26,7 @@ def load_script(name: str):
     return module
 
 
+@needs("triton", "triton")
 def test_bench_kernels_dry_run_checks_first_and_reports_consistent_numbers(tmp_path, monkeypatch):
     bench = load_script("bench_kernels")
     events: list[str] = []
@@ -52,12 +54,12 @@ def test_bench_kernels_dry_run_checks_first_and_reports_consistent_numbers(tmp_p
     corr = saved["correctness"]
     assert corr["ok"] and set(corr["paths"]) == set(bench.PATHS)
     for path, entry in corr["paths"].items():
-        if "error" in entry:  # only a baseline this torch lacks may be missing
-            assert path == "torch_grouped_mm", entry
-            continue
+        assert "error" not in entry, (path, entry)
         assert set(entry["rel_error"]) == GRADS, path
         assert entry["ok"] and max(entry["rel_error"].values()) <= corr["tolerance_rel"], (path, entry)
-    assert corr["paths"]["triton"]["bitwise_reproducible"]
+    assert corr["paths"]["triton"]["bitwise_reproducible"] and corr["paths"]["grouped_mm"]["bitwise_reproducible"]
+    assert set(corr["triton_vs_grouped_mm_rel"]) == GRADS
+    assert max(corr["triton_vs_grouped_mm_rel"].values()) <= 2 * corr["tolerance_rel"]
 
     # The floors are what the timed copy and matmul imply.
     fl = saved["floors"]
@@ -82,14 +84,34 @@ def test_bench_kernels_dry_run_checks_first_and_reports_consistent_numbers(tmp_p
         assert r["layer_fwd_bwd_over_gemm_floor"] == pytest.approx(ms["triton_fwd_bwd"] / r["gemm_floor_fwd_bwd_ms"])
         assert r["speedup_vs_torch_eager"] == pytest.approx(ms["torch_eager_fwd_bwd"] / ms["triton_fwd_bwd"])
         assert r["triton_over_dense_fwd_bwd"] == pytest.approx(ms["triton_fwd_bwd"] / ms["dense_same_flops_fwd_bwd"])
-        for key in ("routing_metadata", "dispatch", "combine", "triton_fwd", "triton_fwd_bwd", "torch_eager_fwd_bwd"):
+        assert r["triton_over_grouped_mm_fwd_bwd"] == pytest.approx(ms["triton_fwd_bwd"] / ms["grouped_mm_fwd_bwd"])
+        for path in bench.PATHS:  # TFLOP/s: the useful FLOPs over the time, forward and forward+backward
+            assert r["TFLOPs"][f"{path}_fwd"] == pytest.approx(6 * a * d * f / (ms[f"{path}_fwd"] * 1e9))
+            assert r["TFLOPs"][f"{path}_fwd_bwd"] == pytest.approx(18 * a * d * f / (ms[f"{path}_fwd_bwd"] * 1e9))
+        for key in ("routing_metadata", "dispatch", "combine", "triton_fwd", "triton_fwd_bwd", "grouped_mm_fwd_bwd"):
             assert ms[key] > 0, key
         for key in (
             "dispatch_combine_fraction_of_bandwidth",
             "layer_fwd_bwd_over_gemm_floor",
             "speedup_vs_torch_eager",
+            "triton_over_grouped_mm_fwd_bwd",
         ):
             assert saved[key][name] == r[key], key
+    assert saved["goals"]["speedup_vs_torch_eager"]["value"] == saved["shapes"]["A"]["speedup_vs_torch_eager"]
+    assert saved["auto_rule"]["triton_over_grouped_mm_fwd_bwd"] == saved["triton_over_grouped_mm_fwd_bwd"]
+
+
+def test_auto_rule_needs_triton_correct_and_faster_at_every_shape():
+    bench = load_script("bench_kernels")
+    paths = {"triton": {"ok": True}, "grouped_mm": {"ok": True}}
+    shapes = {"B": {"triton_over_grouped_mm_fwd_bwd": 0.8}, "V": {"triton_over_grouped_mm_fwd_bwd": 0.9}}
+    results = {"correctness": {"paths": paths}, "shapes": shapes}
+    assert bench.judge(results)["auto_rule"]["triton_equal_and_faster"]
+    shapes["V"]["triton_over_grouped_mm_fwd_bwd"] = 1.01
+    assert not bench.judge(results)["auto_rule"]["triton_equal_and_faster"]
+    shapes["V"]["triton_over_grouped_mm_fwd_bwd"] = 0.9
+    paths["triton"]["ok"] = False
+    assert not bench.judge(results)["auto_rule"]["triton_equal_and_faster"]
 
 
 def wrong_by(fn, scale):
@@ -101,12 +123,15 @@ def not_reproducible(fn):
     return lambda x, *rest: fn(x, *rest) * (1 + 1e-7 * next(calls))
 
 
+@needs("triton", "triton")
 @pytest.mark.parametrize(
     "path,broken",
     [
         ("triton", lambda fn: wrong_by(fn, 1.001)),
         ("torch_eager", lambda fn: wrong_by(fn, 1.001)),
         ("triton", not_reproducible),
+        ("grouped_mm", lambda fn: wrong_by(fn, 1.001)),
+        ("grouped_mm", not_reproducible),
     ],
 )
 def test_correctness_check_catches_a_wrong_path(monkeypatch, path, broken):
@@ -120,6 +145,7 @@ def test_correctness_check_catches_a_wrong_path(monkeypatch, path, broken):
     assert others and all(report["paths"][p]["ok"] for p in others), report
 
 
+@needs("triton", "triton")
 def test_bench_kernels_exits_nonzero_when_triton_is_wrong(tmp_path, monkeypatch):
     bench = load_script("bench_kernels")
     monkeypatch.setitem(bench.PATHS, "triton", wrong_by(bench.PATHS["triton"], 1.001))
@@ -130,20 +156,29 @@ def test_bench_kernels_exits_nonzero_when_triton_is_wrong(tmp_path, monkeypatch)
     assert not saved["correctness"]["ok"] and not saved["correctness"]["paths"]["triton"]["ok"]
 
 
+@needs("triton", "triton")
 def test_bench_kernels_rejects_unknown_shape(tmp_path):
     bench = load_script("bench_kernels")
     with pytest.raises(SystemExit):
         bench.main(["--dry-run", "--shapes", "Z", "--out-dir", str(tmp_path)])
 
 
-def test_bench_model_step_dry_run_every_router(tmp_path):
+def test_bench_model_step_dry_run_backends_and_compiled(tmp_path):
+    """One router with both backends and compiled (the Triton interpreter takes seconds a step;
+    the whole list runs in gpu_check.sh's slow dry run); every registered router has a configuration."""
+    import moe
+
     step = load_script("bench_model_step")
-    results = step.main(["--dry-run", "--matmul-tflops", "1.0", "--out-dir", str(tmp_path)])
-    saved = json.loads(Path(results["path"]).read_text())
-    assert set(saved["routers"]) == set(step.ROUTERS)
-    for router, r in saved["routers"].items():
-        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, router
-        assert 0 < r["assignments_per_token"] <= 4, router  # about top-2 compute by construction
+    assert set(moe.list_routers()) <= {router for router, _ in step.ROUTERS.values()}
+    argv = ["--dry-run", "--matmul-tflops", "1.0", "--routers", "topk", "--compile-routers", "topk", "--warmup", "0"]
+    results = step.main([*argv, "--steps", "1", "--out-dir", str(tmp_path)])
+    runs = json.loads(Path(results["path"]).read_text())["runs"]
+    assert set(runs) == {"topk grouped_mm", "topk triton", "topk grouped_mm compiled"}
+    for key, r in runs.items():
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, key
+        assert r["assignments_per_token"] == 2, key
+        # same weights and batch: the same first loss up to bf16 rounding, whatever the backend or mode
+        assert abs(r["first_loss"] - runs["topk grouped_mm"]["first_loss"]) < 5e-3, key
 
 
 # -- experiments/gpu_check.sh ------------------------------------------------------------
@@ -162,7 +197,7 @@ def test_gpu_check_is_valid_bash():
 
 def test_gpu_check_runs_every_step_hands_the_matmul_rate_on_and_reports_failures(tmp_path):
     """Each step's command, as the script runs it, through a stand-in ``timeout`` that records
-    its arguments: the kernel benchmark "succeeds" and writes a JSON, the other two fail."""
+    its arguments: the kernel benchmark "succeeds" and writes a JSON, the other steps fail."""
     out, fake_bin = tmp_path / "out", tmp_path / "bin"
     fake_bin.mkdir()
     log = tmp_path / "commands.txt"
@@ -174,15 +209,21 @@ def test_gpu_check_runs_every_step_hands_the_matmul_rate_on_and_reports_failures
     )
     (fake_bin / "timeout").chmod(0o755)
     proc = run_gpu_check(out, {"PATH": f"{fake_bin}:{os.environ['PATH']}", "DRY_RUN": "1"}, timeout=60)
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # two steps failed
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # four steps failed
     commands = log.read_text().splitlines()
     assert commands == [
-        "150 python -m pytest -q -m gpu tests/",
-        f"200 python experiments/bench_kernels.py --out-dir {out} --dry-run --shapes decode --sets 1",
-        f"100 python experiments/bench_model_step.py --out-dir {out} --dry-run --bench-json {out}/bench_kernels-test.json",
+        f"120 python -m pytest -q -m gpu tests/ --junitxml {out}/pytest_gpu.xml",
+        f"150 python experiments/bench_kernels.py --out-dir {out} --dry-run --shapes A,V,decode --sets 1",
+        f"150 python experiments/bench_model_step.py --out-dir {out} --dry-run --routers topk,expert_choice "
+        f"--compile-routers topk --bench-json {out}/bench_kernels-test.json",
+        "105 python experiments/train.py --preset tiny --device cpu --steps 4 --batch-size 2 --seq-len 32 "
+        "--activation-checkpointing selective --eval-windows 2 --eval-batch-size 2 --causal-stride 8 --log-every 2 "
+        f"--backend auto --eval-every 0 --metrics-jsonl {out}/train/metrics.jsonl",
+        f"15 python experiments/gpu_report.py {out}",
     ]
-    for name in ("versions.txt", "nvidia-smi.txt", "pytest_gpu.txt", "bench_kernels.txt", "bench_model_step.txt"):
-        assert (out / name).exists(), name
+    assert sum(int(c.split()[0]) for c in commands) <= 540, "the steps' timeouts must fit one 10-minute device command"
+    for name in ("versions", "nvidia-smi", "pytest_gpu", "bench_kernels", "bench_model_step", "train", "gpu_report"):
+        assert (out / f"{name}.txt").exists(), name
     assert "status 1" in proc.stdout
 
 
@@ -195,21 +236,48 @@ def test_gpu_check_full_commands_without_dry_run(tmp_path):
     proc = run_gpu_check(out, {"PATH": f"{fake_bin}:{os.environ['PATH']}", "DRY_RUN": "0"}, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert log.read_text().splitlines() == [
-        "150 python -m pytest -q -m gpu tests/",
-        f"200 python experiments/bench_kernels.py --out-dir {out}",
-        f"100 python experiments/bench_model_step.py --out-dir {out}",
+        f"120 python -m pytest -q -m gpu tests/ --junitxml {out}/pytest_gpu.xml",
+        f"150 python experiments/bench_kernels.py --out-dir {out}",
+        f"150 python experiments/bench_model_step.py --out-dir {out}",
+        "105 python experiments/train.py --preset gpu100m --steps 30 --batch-size 8 --seq-len 1024 --compile "
+        "--activation-checkpointing full --eval-windows 8 --eval-batch-size 8 --causal-stride 128 --log-every 10 "
+        f"--backend auto --eval-every 0 --metrics-jsonl {out}/train/metrics.jsonl",
+        f"15 python experiments/gpu_report.py {out}",
     ]
+
+
+def test_gpu_report_says_what_is_missing_and_reads_pytest_xml(tmp_path):
+    report = load_script("gpu_report")
+    (tmp_path / "pytest_gpu.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.test_x" name="test_a"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.test_x" name="test_b"/><testcase classname="tests.test_x" name="test_c">'
+        "<skipped/></testcase></testsuite></testsuites>"
+    )
+    r = report.main([str(tmp_path)])
+    assert r["pytest_gpu"] == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1, "failed": ["tests.test_x::test_a"]}
+    page = next(tmp_path.glob("gpu_report-*-unknown.md")).read_text()
+    assert "1 failed" in page and "tests.test_x::test_a" in page and "Kernel benchmark: missing." in page
+    assert "Training run" in page and "missing." in page
 
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_end_to_end(tmp_path):
-    """The real steps on the CPU (GPU tests skip; the benchmarks' --dry-run): under a minute when quiet."""
+    """The real steps on the CPU (GPU tests skip; the benchmarks' --dry-run): 5-10 minutes loaded."""
     out = tmp_path / "out"
-    proc = run_gpu_check(out, {"DRY_RUN": "1"}, timeout=600)
+    proc = run_gpu_check(out, {"DRY_RUN": "1"}, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "skipped" in (out / "pytest_gpu.txt").read_text()
     (bench_json,) = out.glob("bench_kernels-*-cpu-dry-run.json")
     (step_json,) = out.glob("bench_model_step-*-cpu-dry-run.json")
     bench, step = json.loads(bench_json.read_text()), json.loads(step_json.read_text())
-    assert bench["correctness"]["ok"] and set(bench["shapes"]) == {"decode"}
+    assert bench["correctness"]["ok"] and set(bench["shapes"]) == {"A", "V", "decode"}
     assert step["matmul_TFLOPs"] == bench["floors"]["matmul_TFLOPs"]  # MFU uses the rate step 2 measured
+    assert set(step["runs"]) == {f"{r} {b}" for r in ("topk", "expert_choice") for b in ("grouped_mm", "triton")} | {
+        "topk grouped_mm compiled"
+    }
+    (report_json,) = out.glob("gpu_report-*-cpu-dry-run.json")
+    report = json.loads(report_json.read_text())
+    assert report["kernels"]["auto_rule"] is not None and report["train"]["steps"] == 4
+    assert "eval/causal_loss" in report["train"]
+    assert (out / f"{bench_json.stem}-profile-A.txt").exists()

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from extras import need
 
-triton = pytest.importorskip("triton")
+triton = need("triton", "triton")
 
 from test_determinism import triton_kernels  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from extras import need
 
-pytest.importorskip("tokenizers")
+need("tokenizers", "data")
 
-from prepared import documents, prepare, sentences, stream, write_texts  # noqa: E402
+from prepared import LINKED, documents, prepare, sentences, stream, write_linked_folder, write_texts  # noqa: E402
 
 import moe.data.documents as documents_module  # noqa: E402
 import moe.data.prepare as prepare_module  # noqa: E402
@@ -55,6 +56,32 @@ def test_trained_bpe_shards_decode_to_the_input_documents(trained):
     assert stream(out).size < 0.8 * sum(len(d.encode()) for d in docs) and stream(out).max() < m["vocab_size"]
 
 
+def test_a_folder_with_links_is_read_once_and_a_short_vocabulary_is_explained(tmp_path, capsys):
+    texts = write_linked_folder(tmp_path)
+    assert prepare(texts, "--out", tmp_path / "out", "--train-tokenizer", 8192) == 0
+    said = capsys.readouterr().out
+    m = read_manifest(tmp_path / "out")
+    assert m["num_files"] == m["num_documents"] == len(LINKED["files"]), m
+    assert {k: m["skipped"][k] for k in ("already_read", "broken_links", "empty")} == {
+        k: LINKED[k] for k in ("already_read", "broken_links", "empty")
+    }
+    assert "read 3 files, skipped 5 links that point at a file or folder already read (0first.txt -> sub/b.txt" in said
+    texts_read = [(texts / f).read_text() for f in LINKED["files"]]
+    assert decoded(tmp_path / "out") == texts_read  # each file once, by its own path's order
+    # fewer tokens than asked for, said with the reason, which holds: every word of the input is one token
+    tok = load_tokenizer_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert m["vocab_size"] < 8192 and f"the tokenizer has {m['vocab_size']:,} tokens, not the 8,192 asked for" in said
+    words = {w for text in texts_read for w, _ in tok.pre_tokenizer.pre_tokenize_str(text)}
+    assert [w for w in words if len(tok.model.tokenize(w)) != 1] == []
+
+
+def test_a_vocabulary_of_the_size_asked_for_needs_no_word(trained, capsys):
+    texts, _, _ = trained
+    assert read_manifest(trained[2])["vocab_size"] == 300
+    assert prepare(texts, "--out", trained[2].parent / "again", "--train-tokenizer", 300) == 0
+    assert "asked for" not in capsys.readouterr().out
+
+
 def test_the_same_tokens_for_any_workers_and_shard_size(trained, tmp_path, monkeypatch):
     texts, _, out = trained
     # Small pieces and batches: documents cross pieces, many batches are in flight in the workers.
@@ -86,7 +113,7 @@ def test_jsonl_and_parquet_documents_with_a_tokenizer_file(trained, tmp_path):
     with (tmp_path / "in" / "a.jsonl").open("w") as f:
         for d in docs[:4]:
             f.write(json.dumps({"id": 1, "body": d}) + "\n\n")  # blank lines are skipped
-    pa = pytest.importorskip("pyarrow")
+    pa = need("pyarrow", "data")
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"body": docs[4:], "n": list(range(3))}), tmp_path / "in" / "b.parquet")
@@ -100,7 +127,7 @@ def test_jsonl_and_parquet_documents_with_a_tokenizer_file(trained, tmp_path):
 
 
 def test_hugging_face_tokenizer_folder_with_and_without_tokenizer_json(trained, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers", "hf")
     texts, _, out = trained
     tok = load_tokenizer_file(str(out / "tokenizer.json"))
     tok.add_special_tokens(["</s>"])

@@ -106,3 +106,35 @@ def test_selective_checkpointing_of_compiled_blocks_is_refused():
     compile_blocks(model.blocks)
     with pytest.raises(ValueError, match="use activation_checkpointing full with compile"):
         apply_activation_checkpointing(model.blocks, "selective")
+
+
+class CountOp(TorchDispatchMode):
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_keeps_the_grouped_mm_operator_and_full_reruns_it():
+    """backend="grouped_mm": the experts' products are one operator's outputs; ``selective`` keeps
+    them (the backward reruns it in no block), ``full`` reruns it once per block; same gradients."""
+    from kernels.torch_grouped import GROUPED_FFN_OP
+
+    results = {}
+    for mode in ("none", "full", "selective"):
+        cfg = preset("tiny", n_layers=3, router="topk", backend="grouped_mm")
+        model = MoETransformer(cfg, init_seed=7)
+        apply_activation_checkpointing(model.blocks, mode)
+        idx = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(3))
+        out = model(idx[:, :-1], idx[:, 1:])
+        with CountOp(GROUPED_FFN_OP) as reruns:
+            (out.loss + out.aux_loss).backward()
+        results[mode] = (reruns.count, {n: p.grad for n, p in model.named_parameters()})
+    assert (results["none"][0], results["full"][0], results["selective"][0]) == (0, 3, 0), results
+    for mode in ("full", "selective"):
+        for name, g in results["none"][1].items():
+            d = (results[mode][1][name] - g).abs()
+            assert d.max() <= 1e-6 * g.abs().max(), f"{mode} grad {name}: max {d.max():.3e} mean {d.mean():.3e}"

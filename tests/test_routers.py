@@ -4,18 +4,10 @@ import math
 
 import pytest
 import torch
-from helpers import ROUTER_CONFIGS, identity_router
+from helpers import ROUTER_CONFIGS, assignments, identity_router
+from helpers import hand_logits as logits
 
 import moe
-
-
-def assignments(routing: moe.Routing) -> list[tuple[int, int]]:
-    return sorted(zip(routing.token.tolist(), routing.expert.tolist()))
-
-
-def logits(*rows, batch: int = 1) -> torch.Tensor:
-    x = torch.tensor(rows, dtype=torch.float64)
-    return x.view(batch, -1, x.shape[-1])
 
 
 def test_registry_lists_builtins():
@@ -24,7 +16,9 @@ def test_registry_lists_builtins():
         "ec_predictor",
         "ec_threshold",
         "expert_choice",
+        "quantile",
         "remoe",
+        "seq_topk",
         "top_p",
         "topk",
     ]

@@ -3,9 +3,11 @@ mistyped flag, what a resume did, where wandb wrote, a warmup that fits short ru
 
 import pytest
 
+from moe.eval import format_difference
 from moe.training import TrainConfig, lr_at
 from moe.training.cli import main
 from moe.training.optim import OptimizerConfig
+from moe.training.report import log_line
 
 RUN = [
     "--seq-len",
@@ -48,7 +50,9 @@ def refused(argv, capsys) -> str:
         (["--batch-size", "0"], "batch_size must be a positive integer, got 0"),
         (["--router", "nope"], "unknown router 'nope'; known routers:"),
         (["--preset", "huge"], "unknown preset 'huge'; known presets: tiny"),
-        (["--lr", "-1"], "need lr > 0"),
+        (["--lr", "-1"], "lr must be > 0, got -1.0"),
+        (["--min-lr-ratio", "2"], "min_lr_ratio must be in [0, 1], got 2.0"),
+        (["--beta2", "1"], "beta2 must be in [0, 1), got 1.0"),
         (["--steps", "-5"], "steps must be a positive integer, got -5"),
         (["--router-option", "top_k=8"], "top_k must be an integer in [1, num_experts=4], got 8"),
         (["--seq-len", "512"], "seq_len=512 exceeds the tiny preset's max_seq_len=128"),
@@ -102,3 +106,14 @@ def test_warmup_fits_short_runs():
     short = TrainConfig.flat(steps=12, lr=1.0, min_lr_ratio=0.1).optimizer
     lrs = [lr_at(s, short) for s in range(12)]
     assert lrs[0] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1), lrs  # warmed up, then decayed to the end
+
+
+def test_a_gap_that_rounds_to_zero_is_printed_without_a_sign():
+    got = [format_difference(v) for v in (-4e-5, 4e-5, 0.0, -0.0, 0.01234, -0.02)]
+    assert got == ["0.0000", "0.0000", "0.0000", "0.0000", "+0.0123", "-0.0200"]
+    assert format_difference(-4e-3, 2, plus=False) == "0.00" and format_difference(-0.5, 2, plus=False) == "-0.50"
+    record = dict(
+        step=3, loss=2.0, aux_loss=0.01, lr=1e-3, dropped_fraction=0.0, tokens_per_s=100.0, peak_memory_mib=1.0
+    )
+    record.update({"eval/teacher_forced_loss": 2.07944, "eval/causal_loss": 2.07943, "eval/leakage_gap": -1e-5})
+    assert log_line(record).endswith("eval tf 2.0794 causal 2.0794 gap 0.0000"), log_line(record)

@@ -13,8 +13,9 @@ import sys
 
 import pytest
 import torch
+from extras import need
 
-pytest.importorskip("transformers")
+need("transformers", "zoo")
 
 from test_zoo_frameworks import Expect  # noqa: E402
 

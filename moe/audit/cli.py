@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from moe.audit.engine import FORWARD_TIMEOUT_S, MODES, audit
+from moe.audit.engine import FORWARD_TIMEOUT_S, MODES, QUICK_MODES, TRIALS, audit
 from moe.audit.report import SUMMARY_LEGEND, AuditReport, reports_to_json, summary_table
 from moe.audit.suite import builtin_targets
 from moe.audit.target import AuditUsageError
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Causality audit: does the output at position t ignore inputs at positions > t? "
         "Without --target, audits every built-in router (alone, in an MoELayer, in the tiny model) "
         "against its claims.",
-        epilog="Quick check: --modes eval --trials 1 (one mode, one random future per cut; the adversarial floods "
-        "still run). Exit codes: 0 no leak and every claim holds; 1 a leak (--target) or a false claim, either way "
+        epilog="Pre-commit check: --quick (eval mode, one random future per cut, half the adversarial cuts). Exit codes: "
+        "0 no leak and every claim holds; 1 a leak (--target), an INCONCLUSIVE result, or a false claim, either way "
         "(a claimed leak the audit cannot demonstrate is false too); 2 usage error, or a target that could not be run.",
     )
     p.add_argument(
@@ -70,9 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--output",
-        metavar="NAME",
-        help="the output field to audit when the target returns a tuple / dict / dataclass: a key, attribute or "
-        "tuple index (default: logits when present, else the first tensor)",
+        metavar="NAMES",
+        help="comma-separated outputs to audit when the target returns a tuple / dict / dataclass: keys, attributes "
+        "or tuple indices, dotted for nested ones (router_logits.0); a name keeps everything under it (default: every "
+        "[B, T, ...] or [B*T, ...] tensor it returns)",
+    )
+    p.add_argument(
+        "--special-ids",
+        metavar="IDS",
+        help="comma-separated token ids the target treats specially (end of document, padding, separators): put in "
+        "futures besides the smallest and largest ids and the example's own (token inputs only)",
     )
     p.add_argument("--device", default="cpu", help="device to run --target on, e.g. cuda or cuda:1 (default: cpu)")
     p.add_argument(
@@ -82,8 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="cast --target's floating parameters and float input to this dtype (default: leave as built); "
         "tolerances scale with its resolution",
     )
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to audit (default: train,eval)")
-    p.add_argument("--trials", type=int, default=2, help="random perturbations per cut position (default: 2)")
+    p.add_argument(
+        "--modes", default=None, help="comma-separated modes to audit (default: train,eval; eval with --quick)"
+    )
+    p.add_argument(
+        "--trials", type=int, default=None, help="random perturbations per cut position (default: 2; 1 with --quick)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a pre-commit check: eval mode only (unless --modes), one random future per cut, half the adversarial "
+        "cuts; a leak of training mode only (e.g. ec_predictor) is not looked for",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seed for inputs, perturbations and built-in targets (default: 0)"
     )
@@ -125,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.modes = args.modes if args.modes is not None else ",".join(QUICK_MODES if args.quick else MODES)
+    args.trials = args.trials if args.trials is not None else (1 if args.quick else TRIALS)
     try:
         modes = _parse_modes(args.modes)
         if args.trials < 1:
@@ -146,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.target:
             reports = [_audit_user_target(args, modes)]
         else:
-            for flag in ("input", "output", "dtype"):
+            for flag in ("input", "output", "dtype", "special_ids"):
                 if getattr(args, flag):
-                    raise AuditUsageError(f"--{flag} only applies to --target (the built-in suite chooses its own)")
+                    raise AuditUsageError(
+                        f"--{flag.replace('_', '-')} only applies to --target (the built-in suite chooses its own)"
+                    )
             if args.device != "cpu":
                 raise AuditUsageError("--device only applies to --target (the built-in suite runs on the CPU)")
             reports = _audit_builtins(args, modes)
@@ -170,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_code(reports: list[AuditReport], user_target: bool) -> int:
-    """2 if a target could not be audited; else 1 for a false claim (either way) or, for a user
-    target, any leak; else 0. The built-in suite's leaks are claimed, so only claims count there."""
+    """2 if a target could not be audited; else 1 for a false claim (either way), an INCONCLUSIVE
+    mode (no leak shown, none ruled out) or, for a user target, any leak; else 0. The built-in
+    suite's leaks are claimed, so only claims (and inconclusive modes) count there."""
     if any(r.error for r in reports):
         return 2
-    if any(r.false_claims for r in reports) or (user_target and any(r.leaks for r in reports)):
+    if any(r.false_claims or r.inconclusive_in for r in reports) or (user_target and any(r.leaks for r in reports)):
         return 1
     return 0
 
@@ -205,7 +227,10 @@ def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float)
         print(f"FALSE CLAIMS in {len(bad)} target(s):")
         for r in bad:
             print(f"  {r.name}: {'; '.join(r.false_claims)}")
-    elif not any(r.error for r in reports):
+    unsure = [r for r in reports if r.inconclusive_in and not r.false_claims]
+    for r in unsure:
+        print(f"INCONCLUSIVE: {r.name} in {', '.join(r.inconclusive_in)} mode (rerun with --verbose for the figures)")
+    if not bad and not unsure and not any(r.error for r in reports):
         print("every claim holds (the suite's leaks are claimed by the routers that have them)")
 
 
@@ -233,6 +258,7 @@ def _audit_builtins(args: argparse.Namespace, modes: tuple[str, ...]) -> list[Au
                 name=bt.name,
                 forward_timeout=args.forward_timeout,
                 agreement=False,
+                quick=args.quick,
             )
         )
     bar.close()
@@ -268,10 +294,21 @@ def _audit_user_target(args: argparse.Namespace, modes: tuple[str, ...]) -> Audi
         name=name,
         vocab_size=vocab,
         output=args.output,
+        special_ids=_parse_ids(args.special_ids),
         forward_timeout=args.forward_timeout,
+        quick=args.quick,
         progress=progress,
         agreement=not args.no_agreement,
     )
+
+
+def _parse_ids(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(i) for i in text.split(",") if i.strip())
+    except ValueError:
+        raise AuditUsageError(f"--special-ids takes comma-separated integers, got {text!r}") from None
 
 
 def _device(spec: str) -> torch.device:

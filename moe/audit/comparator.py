@@ -1,50 +1,53 @@
 """The judge of every comparison in one mode, given the mode's :class:`Calibration`.
 
-Shape legend: K draws (seeds) per input, B batch, S compared positions, F output features per
-position, X exact decisions per position, M compared elements (B * S * F, times the kinds of
-value kept when some are not finite), P permutations.
+Shape legend: K draws (seeds) per input, B batch, S compared positions, F output values per
+position (float outputs), X exact decisions per position, P copies in one packed forward.
 
-Deterministic regime: every comparison is between two forwards of the same shape under the
-same seed (perturbed copies of a batch-invariant target may share one forward). Distribution
-regime: each input is run under ``DRAWS`` seeds and a change counts only when a permutation
-test finds it significant (:func:`distribution_change`), at a per-comparison level the caller
-derives from the probes that compare forwards (:func:`per_comparison_alpha`).
+Deterministic and seeded regimes: every comparison of the example's shape is between two
+forwards of that shape under the same seed. Perturbed copies of a target that showed no batch
+interference and reproduces itself in a doubled batch share forwards (packs sized by
+:class:`~moe.audit.packing.Packer`), the example riding along as copy 0 and serving as the
+reference, so both sides of a comparison come from one call; one vectorised comparison judges a
+whole pack (:func:`~moe.audit.calibration.compare`).
 
-Comparisons between different input shapes (decode prefixes, a sample run alone) of a target
-that draws random numbers are always judged by distribution: no seed gives two shapes the same
-noise. NaN and inf are compared as values: a position whose NaN / inf pattern changes counts as
-a flip; where both are NaN (or the same inf) nothing changed.
+Distribution regime, and comparisons across shapes (a prefix, a sample alone) of a target whose
+output depends on its seed: every variant first runs once under the audit seed (the screen);
+the MAX_DISTRIBUTION_COMPARISONS variants that moved the outputs most there are then judged by
+the permutation test of :mod:`moe.audit.distribution` on fresh draws under other seeds (the
+screen only chooses; the test never sees its forwards, so its level holds), with more draws for
+a comparison the first draws leave suggestive; a change the last stage can neither call
+significant nor dismiss is INCONCLUSIVE. The per-comparison level is derived from the probes
+that compare forwards (:func:`per_comparison_alpha`).
+
+NaN and inf are compared as values: a position whose NaN / inf pattern changes counts as a flip;
+where both are NaN (or the same inf) nothing changed.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from moe.audit.calibration import Calibration, difference, entry_scale
+from moe.audit.calibration import Calibration, Diff, compare
+from moe.audit.distribution import DRAWS, ESCALATE_P, INCONCLUSIVE_P, Outcome, distribution_change
+from moe.audit.packing import Packer
 from moe.audit.report import ProbeResult
-from moe.audit.runner import Forward, Runner, TargetFailure
+from moe.audit.runner import Forward, Runner, TargetFailure, TargetTimeout
 from moe.audit.target import Outputs
 
-DRAWS = 8
-"""Seeds per input in the distribution regime (C(16, 8) = 12870 ways to relabel the draws)."""
 ALPHA = 0.01
 """Distribution regime: the family-wise false-positive rate of one mode of one audit."""
-MAX_DISTRIBUTION_COMPARISONS = 12
-"""Distribution comparisons per probe and mode (spread over the probe's variants)."""
-PERMUTATIONS = 9999
-"""Random relabellings per permutation test: the smallest p-value, 1e-4, must stay below the
-per-comparison level (:func:`per_comparison_alpha`; 2e-4 with the five built-in probes)."""
-MAX_ROWS = 512
-"""Most samples in one forward when perturbed copies are concatenated along the batch."""
+MAX_DISTRIBUTION_COMPARISONS = 4
+"""Distribution comparisons per probe and mode: the variants the screen found moved most."""
+SCREEN_PACK = 8
+"""Copies per screening forward in the distribution regime (where packing pays at all)."""
 
 
 class Misaligned(Exception):
-    """A target judged deterministic drew random numbers of other shapes for another input of
+    """A target judged by a fixed seed drew random numbers of other shapes for another input of
     the same shape: its noise depends on the data, the mode must be audited by distribution."""
 
 
@@ -75,77 +78,16 @@ def spread(values: list, k: int) -> list:
 
 def per_comparison_alpha(forward_probes: int) -> float:
     """Bonferroni over every distribution comparison a mode can make: ``forward_probes`` probes
-    that compare forwards, each at most MAX_DISTRIBUTION_COMPARISONS times."""
+    that compare forwards, each at most MAX_DISTRIBUTION_COMPARISONS times (each comparison's
+    stages share its level, :data:`~moe.audit.distribution.DRAWS`)."""
     return ALPHA / (MAX_DISTRIBUTION_COMPARISONS * max(1, forward_probes))
-
-
-def _elements(values_KBSF: Tensor, resolution_BSF: Tensor) -> tuple[Tensor, Tensor]:
-    """[K, M] elements to test and [M] their least scale: the finite values (0 where not finite),
-    at least their resolution, and, when some value is not finite, 0/1 indicators of NaN, +inf
-    and -inf, at least 0.5."""
-    finite = torch.isfinite(values_KBSF)
-    parts = [torch.where(finite, values_KBSF, 0.0)]
-    if not bool(finite.all()):
-        parts += [values_KBSF.isnan().double(), (values_KBSF == math.inf).double(), (values_KBSF == -math.inf).double()]
-    k, n = values_KBSF.shape[0], values_KBSF[0].numel()
-    floor_M = torch.cat([resolution_BSF.flatten(), torch.full((n * (len(parts) - 1),), 0.5, dtype=torch.float64)])
-    return torch.stack(parts, 1).reshape(k, -1), floor_M
-
-
-def distribution_change(
-    ref_KBSF: Tensor,
-    var_KBSF: Tensor,
-    resolution: float,
-    alpha: float,
-    permutations: int = PERMUTATIONS,
-    gen: torch.Generator | None = None,
-) -> tuple[float, Tensor, Tensor, Tensor]:
-    """Do the K draws of the variant come from the same distribution as the K of the reference?
-
-    Statistic: the largest |z| over all M compared elements, z = (mean of one group - mean of
-    the other) / sd of the pooled 2K draws (at least its resolution, so rounding noise never
-    counts). Null: the same statistic under ``permutations`` random relabellings of the 2K
-    draws into two groups of K, which under "no change" are exchangeable; the p-value
-    (1 + #{null >= observed}) / (1 + permutations) is exact, whatever the distribution of the
-    outputs, so a clean target is flagged with probability at most ``alpha``. Elements whose
-    own z exceeds the null's 1 - alpha quantile are the changed ones (max-statistic
-    adjustment: the family-wise rate stays alpha), provided a finite value's mean moved by more
-    than ``resolution`` times its entry's scale (a significant change of rounding noise is no leak).
-
-    Returns (p-value, changed_S bool per position, |mean change|_S the largest per position, and
-    the largest |mean change| over resolution x its entry's scale per position).
-    """
-    k, b, s, f = ref_KBSF.shape
-    mean_ref_BSF, mean_var_BSF = ref_KBSF.double().mean(0), var_KBSF.double().mean(0)
-    resolution_BSF = (resolution * entry_scale(mean_ref_BSF, mean_var_BSF)).clamp_min(torch.finfo(torch.float64).tiny)
-    y_NM, floor_M = _elements(torch.cat([ref_KBSF, var_KBSF]).double(), resolution_BSF)
-    y_NM = y_NM - y_NM.mean(0)
-    sd_M = torch.maximum(y_NM.std(0), floor_M).clamp_min(torch.finfo(torch.float64).tiny)
-    z_NM = (y_NM / sd_M).float()
-    observed_M = (z_NM[k:].mean(0) - z_NM[:k].mean(0)).abs()
-    gen = gen if gen is not None else torch.Generator().manual_seed(0)
-    null_P = []
-    for start in range(0, permutations, 1000):
-        n = min(1000, permutations - start)
-        group_PN = (torch.rand(n, 2 * k, generator=gen).argsort(1) < k).float()
-        null_P.append(((group_PN @ z_NM) * (2.0 / k) - z_NM.sum(0) / k).abs().amax(1))
-    null_P = torch.cat(null_P).sort().values
-    exceed_M = permutations - torch.searchsorted(null_P, observed_M)
-    p_M = (1.0 + exceed_M.double()) / (1.0 + permutations)
-    mean_change_BSF = (mean_var_BSF - mean_ref_BSF).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    excess_BSF = mean_change_BSF / resolution_BSF
-    significant_PBSF = (p_M <= alpha).reshape(-1, b, s, f)
-    # A finite value changes only by more than its resolution; a NaN / inf frequency by any amount.
-    changed_BSF = (significant_PBSF[0] & (excess_BSF > 1)) | significant_PBSF[1:].any(0)
-    p = float(p_M.min()) if p_M.numel() else 1.0
-    return p, changed_BSF.any(dim=(0, 2)), mean_change_BSF.amax(dim=(0, 2)), excess_BSF.amax(dim=(0, 2))
 
 
 # -- bookkeeping ----------------------------------------------------------------------------
 @dataclass
 class Tally:
     """One probe in one mode: per output position, the largest change, the flips, whether it moved;
-    and the comparison whose change was largest against its tolerance."""
+    the comparison whose change was largest against its tolerance; the outputs that moved."""
 
     name: str
     kind: str
@@ -162,11 +104,19 @@ class Tally:
     found_by: str | None = None
     """The label of the first variant that moved an output."""
     excess: float = 0.0
-    """The largest change over its tolerance (:func:`~moe.audit.calibration.difference`)."""
+    """The largest change over its tolerance (:func:`~moe.audit.calibration.compare`)."""
     largest_by: str | None = None
     """The label of the variant with that largest change."""
     largest_p: float | None = None
     """Its permutation-test p-value (None: compared exactly)."""
+    outputs: dict[str, None] = field(default_factory=dict)
+    """The outputs that moved, in the order found."""
+    draws: int = 0
+    """The most draws per input a distribution comparison used."""
+    screened: int = 0
+    """Variants run once under the audit seed to choose the distribution comparisons."""
+    inconclusive: list[str] = field(default_factory=list)
+    """Distribution comparisons the last stage could neither call significant nor dismiss."""
     failures: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -174,6 +124,10 @@ class Tally:
         self.flips_T = torch.zeros(self.t, dtype=torch.long)
         self.moved_T = torch.zeros(self.t, dtype=torch.bool)
         self.probed_T = torch.zeros(self.t, dtype=torch.bool)
+
+    @property
+    def moved(self) -> bool:
+        return bool(self.moved_T.any())
 
     def add(
         self,
@@ -183,6 +137,7 @@ class Tally:
         excess_S: Tensor,
         label: str = "",
         p_value: float | None = None,
+        outputs: Iterable[str] = (),
     ) -> None:
         s = delta_S.numel()
         if s and float(excess_S.max()) > self.excess:
@@ -192,8 +147,21 @@ class Tally:
         self.moved_T[:s] |= moved_S
         self.probed_T[:s] = True
         self.comparisons += 1
-        if self.found_by is None and bool(moved_S.any()):
-            self.found_by = label or None
+        if bool(moved_S.any()):
+            self.outputs.update(dict.fromkeys(outputs))
+            if self.found_by is None:
+                self.found_by = label or None
+
+    def add_diff(self, d: Diff, p: int, upto: int, label: str) -> None:
+        """Copy p of a compared pack."""
+        if d.same:  # nothing differed: only what was compared is recorded
+            self.probed_T[:upto] = True
+            self.comparisons += 1
+            return
+        moved_S = d.moved_PS[p, :upto]
+        self.add(
+            d.delta_PS[p, :upto], d.flips_PS[p, :upto], moved_S, d.excess_PS[p, :upto], label, None, d.moved_parts(p)
+        )
 
     def fail(self, failure: TargetFailure) -> None:
         self.failures.append(
@@ -226,6 +194,10 @@ class Tally:
             failed=len(self.failures),
             skipped_lengths=skipped,
             errors=errors[:3],
+            leaking_outputs=list(self.outputs) if moved else [],
+            draws=self.draws,
+            inconclusive=[] if moved else list(self.inconclusive),
+            screened=self.screened,
         )
 
 
@@ -233,7 +205,7 @@ class Tally:
 class Comparator:
     """Judges every variant of one mode against the example, as ``cal`` says.
 
-    Raises :class:`Misaligned` from :meth:`judge` when a deterministic-regime target turns out
+    Raises :class:`Misaligned` from :meth:`judge` when a target judged by a fixed seed turns out
     to draw data-dependent noise (the caller then judges the mode with ``cal.by_distribution()``).
     ``alpha``: the per-comparison level of the distribution regime.
     """
@@ -241,7 +213,13 @@ class Comparator:
     def __init__(self, runner: Runner, x: Tensor, mode: str, cal: Calibration, alpha: float) -> None:
         self.runner, self.x, self.mode, self.cal, self.alpha = runner, x, mode, cal, alpha
         self.b, self.t = x.shape[0], x.shape[1]
+        out = cal.base.out
+        values = sum(0 if v is None else v[0].numel() for v in (out.value_BTF, out.exact_BTX))
+        self.packer = Packer(self.b, self.b * values, cal.seconds, runner.timeout)
         self.batchable = False
+        """Perturbed copies may share forwards exactly (deterministic and seeded regimes)."""
+        self.screen_packs = False
+        """Distribution regime: screening forwards may share forwards (they only rank variants)."""
         self._reference: Tensor | None = None
         self._gen = torch.Generator().manual_seed(runner.seed + 7)
 
@@ -251,18 +229,32 @@ class Comparator:
 
     # -- batching ----------------------------------------------------------------------------
     def allow_batching(self) -> None:
-        """Concatenate perturbed copies along the batch from now on, if two copies of the example
-        in one forward give what one forward of it gives (the same exact decisions, float changes
-        within the tolerance); only for deterministic targets that draw no random numbers."""
-        if self.cal.stochastic or self.cal.regime != "deterministic":
+        """Let perturbed copies share forwards from now on, if two copies of the example in one
+        forward give what one forward of it gives (the same exact decisions, float changes within
+        the tolerance; deterministic targets only: random draws differ between copies of a pack)
+        and two copies cost less each than one (:class:`~moe.audit.packing.Packer`). In the
+        distribution regime screening forwards may share them whatever they give."""
+        if self.cal.regime == "seeded":
             return
+        doubled = torch.cat([self.x, self.x])
         try:
-            twice = self.runner.forward(torch.cat([self.x, self.x])).out
-        except TargetFailure:
+            twice = self.runner.forward(doubled).out
+            pair_s = self.runner.last_seconds
+            self.runner.forward(self.x)
+            if not self.packer.start(pair_s, self.runner.last_seconds):
+                # A second look: one slow forward decides nothing.
+                self.runner.forward(doubled)
+                pair_s = self.runner.last_seconds
+                self.runner.forward(self.x)
+                self.packer.start(pair_s, self.runner.last_seconds)
+        except (TargetFailure, TargetTimeout):
+            return
+        if self.cal.regime == "distribution":
+            self.screen_packs = True
             return
         for half in (twice.rows(0, self.b), twice.rows(self.b, 2 * self.b)):
-            _, flips_S, excess_S = difference(self.base.out, half, self.t, None, self.cal.tolerance)
-            if int(flips_S.sum()) or float(excess_S.max()) > 1:
+            d = compare(self.base.out, half, 1, [self.t], None, self.cal.tolerances)
+            if bool(d.moved_PS.any()):
                 return
         self.batchable = True
 
@@ -274,23 +266,29 @@ class Comparator:
         cross_shape = tuple(v.x.shape) != tuple(self.x.shape)
         return self.cal.regime == "distribution" or (cross_shape and self.cal.stochastic)
 
-    def judge(self, variants: Iterable[Variant], tally: Tally) -> ProbeResult:
-        """Compare every variant with the example; record changes and failures in ``tally``."""
+    def _packable(self, v: Variant) -> bool:
+        return tuple(v.x.shape) == tuple(self.x.shape) and v.rows is None
+
+    def judge(
+        self, variants: Iterable[Variant], tally: Tally, stop_at_first: bool = False, enough: int | None = None
+    ) -> ProbeResult:
+        """Compare every variant with the example; record changes and failures in ``tally``.
+        ``stop_at_first``: stop at the first forward (or distribution comparison) that moved an
+        output (the verdict is made; the positions reported are those seen until then).
+        ``enough``: stop once that many variants ran (in order; those that fail do not count)."""
         variants = list(variants)
         by_dist = [v for v in variants if self._by_distribution(v)]
         direct = [v for v in variants if not self._by_distribution(v)]
-        batched = [v for v in direct if self.batchable and tuple(v.x.shape) == tuple(self.x.shape) and v.rows is None]
-        single = [v for v in direct if all(v is not w for w in batched)]
+        packed = [v for v in direct if self.batchable and self._packable(v)]
+        single = [v for v in direct if not (self.batchable and self._packable(v))]
+        self._judge_packed(packed, tally, stop_at_first)
         for v in single:
+            if (stop_at_first and tally.moved) or (enough is not None and tally.comparisons >= enough):
+                break
             self._judge_one(v, tally)
-        self._judge_batched(batched, tally)
-        for v in spread(by_dist, MAX_DISTRIBUTION_COMPARISONS):
-            self._judge_distribution(v, tally)
+        if by_dist and not (stop_at_first and tally.moved):
+            self._judge_by_distribution(by_dist, tally, enough)
         return tally.result(self.cal.tolerance)
-
-    def _record(self, tally: Tally, ref: Outputs, out: Outputs, v: Variant) -> None:
-        delta_S, flips_S, excess_S = difference(ref, out, v.upto, v.rows, self.cal.tolerance)
-        tally.add(delta_S, flips_S, (excess_S > 1) | (flips_S > 0), excess_S, v.label)
 
     def _judge_one(self, v: Variant, tally: Tally) -> None:
         same_shape = tuple(v.x.shape) == tuple(self.x.shape)
@@ -301,56 +299,166 @@ class Comparator:
             return
         if self.cal.stochastic and same_shape and fwd.draws != self.base.draws:
             raise Misaligned
-        self._record(tally, self.base.out, fwd.out, v)
+        tally.add_diff(compare(self.base.out, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances), 0, v.upto, v.label)
 
-    def _judge_batched(self, variants: list[Variant], tally: Tally) -> None:
-        """The example rides along as copy 0 of every forward and is the reference, so both
-        outputs of a comparison come from the same call."""
-        per = max(1, MAX_ROWS // self.b - 1)
-        for i in range(0, len(variants), per):
-            chunk = variants[i : i + per]
+    def _packed_forwards(
+        self, variants: list[Variant], size: int | None = None
+    ) -> Iterable[tuple[list[Variant], Diff | None]]:
+        """(chunk, its comparison with the example's copy in the same forward) per packed
+        forward; None where the pack failed or ran past the time limit (its variants are then run
+        one by one). ``size``: copies per forward, fixed (None: as the packer finds it pays)."""
+        i = 0
+        while i < len(variants):
+            copies = self.packer.size if size is None else size
+            if copies < 3:
+                yield variants[i:], None
+                return
+            chunk = variants[i : i + copies - 1]
+            i += len(chunk)
             try:
                 out = self.runner.forward(torch.cat([self.x] + [v.x for v in chunk])).out
-            except TargetFailure:
-                for v in chunk:  # the batched shape failed: fall back to separate forwards
+            except (TargetFailure, TargetTimeout):
+                self.packer.failed()
+                yield chunk, None
+                continue
+            if size is None:
+                self.packer.observe(len(chunk) + 1, self.runner.last_seconds)
+            ref, rest = out.rows(0, self.b), out.rows(self.b, None)
+            yield chunk, compare(ref, rest, len(chunk), [v.upto for v in chunk], None, self.cal.tolerances)
+
+    def _judge_packed(self, variants: list[Variant], tally: Tally, stop_at_first: bool) -> None:
+        for chunk, d in self._packed_forwards(variants):
+            if d is None:
+                for v in chunk:
+                    if stop_at_first and tally.moved:
+                        return
                     self._judge_one(v, tally)
                 continue
-            ref = out.rows(0, self.b)
             for j, v in enumerate(chunk):
-                self._record(tally, ref, out.rows((j + 1) * self.b, (j + 2) * self.b), v)
+                tally.add_diff(d, j, v.upto, v.label)
+            if stop_at_first and tally.moved:
+                return
 
-    def _draws_KBSF(self, x: Tensor, upto: int, rows: tuple[int, ...] | None, first_seed: int) -> Tensor:
-        """The outputs of ``DRAWS`` forwards under seeds first_seed, first_seed + 1, ..."""
-        r = slice(None) if rows is None else list(rows)
-        seeds = [first_seed + k for k in range(DRAWS)]
-        return torch.stack([self._value(self.runner.forward(x, seed=s).out)[r, :upto].cpu() for s in seeds])
+    # -- the distribution regime ---------------------------------------------------------------
+    def _screen(self, variants: list[Variant], tally: Tally, enough: int | None) -> list[tuple[float, int, Variant]]:
+        """(largest change over its tolerance under the audit seed, order, variant) per variant
+        that ran (the first ``enough``): how the distribution comparisons are chosen."""
+        scored: list[tuple[float, int, Variant]] = []
+        packable = [v for v in variants if self.screen_packs and self._packable(v)]
+        # A fixed pack size, whatever the timings: a random target's outputs depend on the pack
+        # it ran in, and which variants are tested must not depend on how fast the machine was.
+        for chunk, d in self._packed_forwards(packable, SCREEN_PACK):
+            if d is None:
+                continue
+            scored += [
+                (float(d.excess_PS[j].max()) + float(d.flips_PS[j].sum()), id(v), v) for j, v in enumerate(chunk)
+            ]
+        done = {id(v) for _, _, v in scored}
+        for v in variants:
+            if enough is not None and len(scored) >= enough:
+                break
+            if id(v) in done:
+                continue
+            try:
+                out = self.runner.forward(v.x).out
+            except TargetFailure as e:
+                tally.fail(e)
+                continue
+            d = compare(self.base.out, out, 1, [v.upto], v.rows, self.cal.tolerances)
+            scored.append((float(d.excess_PS.max()) + float(d.flips_PS.sum()), id(v), v))
+        order = {id(v): i for i, v in enumerate(variants)}
+        return sorted(((s, order[i], v) for s, i, v in scored), key=lambda e: (-e[0], e[1]))
+
+    def _judge_by_distribution(self, variants: list[Variant], tally: Tally, enough: int | None) -> None:
+        """The screen, then the distribution tests in order of the screen's change, up to the
+        first significant one (in this regime every probe stops there)."""
+        screened = self._screen(variants, tally, enough)
+        tally.screened += len(screened)
+        for _, _, v in screened[:MAX_DISTRIBUTION_COMPARISONS]:
+            try:
+                outcome = self._test(v)
+            except TargetFailure as e:
+                tally.fail(e)
+                continue
+            tally.add(
+                outcome.change_S,
+                torch.zeros(v.upto, dtype=torch.long),
+                outcome.changed_S,
+                outcome.excess_S,
+                v.label,
+                outcome.p,
+                self._named(outcome),
+            )
+            tally.distribution_comparisons += 1
+            tally.draws = max(tally.draws, outcome.draws)
+            tally.p_value = outcome.p if tally.p_value is None else min(tally.p_value, outcome.p)
+            if not bool(outcome.changed_S.any()) and outcome.draws == DRAWS[-1] and outcome.p <= INCONCLUSIVE_P:
+                tally.inconclusive.append(
+                    f"{v.label}: mean change up to {float(outcome.change_S.max()):.3g} over {outcome.draws} draws per "
+                    f"input, p = {outcome.p:.1e}, not below the level {self.alpha / len(DRAWS):.1e} of one test"
+                )
+            if tally.moved:  # the verdict is made; more tests would cost thousands of relabellings each
+                return
+
+    def _named(self, outcome: Outcome) -> list[str]:
+        """The outputs a distribution comparison saw change (all float outputs: the test is joint)."""
+        return [p.name for p in self.base.out.parts] if bool(outcome.changed_S.any()) else []
+
+    def _test(self, v: Variant) -> Outcome:
+        """The permutation test on DRAWS[0] draws per input, then more while it stays suggestive."""
+        rows = slice(None) if v.rows is None else list(v.rows)
+        level = self.alpha / len(DRAWS)
+        var: list[Tensor] = []
+        outcome: Outcome | None = None
+        for k in DRAWS:
+            ref_KBSF = self._reference_draws(k)[:, rows, : v.upto]
+            first = self.runner.seed + 1 + DRAWS[-1]  # seeds disjoint from the reference's
+            var += [
+                self._value(self.runner.forward(v.x, seed=first + i).out)[rows, : v.upto] for i in range(len(var), k)
+            ]
+            var_KBSF = torch.stack(var)
+            if ref_KBSF.shape[-1] != var_KBSF.shape[-1]:  # another number of router calls: exact parts differ
+                width = self._width()
+                ref_KBSF, var_KBSF = ref_KBSF[..., :width], var_KBSF[..., :width]
+            res_F, ranges = self._resolutions(ref_KBSF.shape[-1])
+            outcome = distribution_change(ref_KBSF, var_KBSF, res_F, level, gen=self._gen, rows_of=ranges)
+            if outcome.p <= level or outcome.p > ESCALATE_P:
+                break
+        assert outcome is not None
+        return outcome
+
+    def _reference_draws(self, k: int) -> Tensor:
+        """The example's outputs under seeds seed + 1 ... seed + k (kept and extended)."""
+        have = 0 if self._reference is None else self._reference.shape[0]
+        if have < k:
+            more = [self._value(self.runner.forward(self.x, seed=self.runner.seed + 1 + i).out) for i in range(have, k)]
+            new = torch.stack(more)
+            self._reference = new if self._reference is None else torch.cat([self._reference, new])
+        return self._reference[:k]
 
     @staticmethod
     def _value(out: Outputs) -> Tensor:
-        """Float outputs and exact decisions side by side, as float64 [B, T, F + X]."""
+        """Float outputs and exact decisions side by side, as float64 [B, T, F + X] on the CPU."""
         parts = [p.double() for p in (out.value_BTF, out.exact_BTX) if p is not None]
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1).cpu()
 
-    def _judge_distribution(self, v: Variant, tally: Tally) -> None:
-        try:
-            # Seeds of the variant's draws differ from the reference's: independent draws, so
-            # under "no change" all 2K are exchangeable, as the permutation test assumes.
-            if self._reference is None:
-                self._reference = self._draws_KBSF(self.x, self.t, None, self.runner.seed + 1)
-            var_KBSF = self._draws_KBSF(v.x, v.upto, v.rows, self.runner.seed + 1 + DRAWS)
-        except TargetFailure as e:
-            tally.fail(e)
-            return
-        rows = slice(None) if v.rows is None else list(v.rows)
-        ref_KBSF = self._reference[:, rows, : v.upto]
-        if ref_KBSF.shape[-1] != var_KBSF.shape[-1]:  # another number of router calls: exact parts differ
-            ref_KBSF, var_KBSF = ref_KBSF[..., : self._width()], var_KBSF[..., : self._width()]
-        p, changed_S, change_S, excess_S = distribution_change(
-            ref_KBSF, var_KBSF, self.cal.resolution, self.alpha, gen=self._gen
-        )
-        tally.add(change_S, torch.zeros(v.upto, dtype=torch.long), changed_S, excess_S, v.label, p)
-        tally.distribution_comparisons += 1
-        tally.p_value = p if tally.p_value is None else min(tally.p_value, p)
+    def _resolutions(self, width: int) -> tuple[Tensor, list[tuple[int, int, bool]]]:
+        """Per compared column its resolution (0 for exact decisions); each output's columns and
+        whether they are a router's weights."""
+        res_F = torch.zeros(width, dtype=torch.float64)
+        ranges = []
+        offset = self._width()
+        for p in self.base.out.parts:
+            a, z = (p.start, p.stop) if not p.exact else (offset + p.start, offset + p.stop)
+            if z > width:
+                continue
+            if not p.exact:
+                res_F[a:z] = self.cal.resolutions[p.name]
+            ranges.append((a, z, p.weights))
+        covered = max((z for _, z, _ in ranges), default=0)
+        if covered < width:
+            ranges.append((covered, width, False))
+        return res_F, ranges
 
     def _width(self) -> int:
         return 0 if self.base.out.value_BTF is None else self.base.out.value_BTF.shape[-1]

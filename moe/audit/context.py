@@ -1,6 +1,6 @@
 """What a probe is given: the example, fresh positions to draw, the cut positions, seeded
 generators, and a few facts about the target found once per mode (its gate vectors, the token
-ids its routers favour, whether it is differentiable, positions that route differently).
+ids its routers favour, positions that route differently).
 
 Shape legend: B batch, T sequence, D input features per position, F output features per
 position, R future positions (T - t - 1).
@@ -8,13 +8,15 @@ position, R future positions (T - t - 1).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
 
 import torch
 from torch import Tensor
 
-from moe.audit.comparator import MAX_ROWS, Variant, spread
-from moe.audit.runner import Runner, TargetFailure
+from moe.audit.comparator import Variant, spread
+from moe.audit.packing import MAX_ROWS
+from moe.audit.runner import Runner, TargetFailure, TargetTimeout
 from moe.audit.target import AuditTarget, AuditUsageError, Outputs
 
 MAX_CUTS = 16
@@ -24,23 +26,48 @@ MAX_FLOOD_IDS = 8
 
 
 class Sampler:
-    """Fresh input positions: N(mean, std) of the example for floats, uniform ids for tokens."""
+    """Fresh input positions: N(mean, std) of the example for floats, uniform ids for tokens;
+    for tokens also the ids a target may treat specially (:attr:`special_ids`)."""
 
-    def __init__(self, example: Tensor, vocab_size: int | None) -> None:
+    def __init__(self, example: Tensor, vocab_size: int | None, special_ids: tuple[int, ...] | list[int] = ()) -> None:
         if example.dim() < 2 or example.shape[0] < 1 or example.shape[1] < 2:
             raise AuditUsageError(f"the example input must be [B >= 1, T >= 2, ...], got shape {tuple(example.shape)}")
         self.tokens = not example.is_floating_point()
+        self.named = tuple(dict.fromkeys(int(i) for i in special_ids))
+        if self.named and not self.tokens:
+            raise AuditUsageError("special ids apply to token inputs only; the example is float features")
         if self.tokens:
             if example.dtype not in (torch.int64, torch.int32):
                 raise AuditUsageError(f"token ids must be int64 (or int32), got {example.dtype}")
             if vocab_size is None or vocab_size < 1:
                 raise AuditUsageError("token inputs need a vocabulary size (vocab_size=...)")
             self.vocab_size = int(vocab_size)
+            bad = [i for i in self.named if not 0 <= i < self.vocab_size]
+            if bad:
+                raise AuditUsageError(f"special ids must lie in [0, {self.vocab_size}), got {bad}")
+            self.own = tuple(sorted({int(i) for i in example.flatten().tolist()} - set(self.named)))
         else:
             flat = example.detach().double()
             self.mean, self.std = float(flat.mean()), float(flat.std()) if flat.numel() > 1 else 1.0
             self.std = self.std if self.std > 0 else 1.0
         self.dtype, self.device = example.dtype, example.device
+
+    @property
+    def special_ids(self) -> dict[str, list[int]]:
+        """Token ids put in futures on purpose, by why: the smallest and largest id (end-of-text
+        and padding ids often sit at either end), the ids the user named, and every id of the
+        example (an id the target treats specially shows up there when the example is real data)."""
+        out = {}
+        for why, i in (("smallest", 0), ("largest", self.vocab_size - 1)):
+            if i not in self.named and i not in [v for vs in out.values() for v in vs]:
+                out[why] = [i]
+        extremes = [v for vs in out.values() for v in vs]
+        if self.named:
+            out["named"] = list(self.named)
+        own = [i for i in self.own if i not in extremes]
+        if own:
+            out["the example's own"] = own
+        return out
 
     def draw(self, shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
         if self.tokens:
@@ -70,7 +97,9 @@ class ProbeContext:
     every mode, so train and eval are probed alike).
 
     Public to probes: ``x`` (the example), ``b`` / ``t``, ``sampler``, ``trials``, ``cuts``,
-    ``mode``, ``base`` (the example's outputs in this mode), ``repeat_tolerance``, :meth:`gen`, :meth:`with_future`;
+    ``mode``, ``base`` (the example's outputs in this mode), ``repeat_tolerance``, ``regime``, ``quick``
+    (a pre-commit check: fewer variants), :meth:`gen`,
+    :meth:`with_future`;
     ``at`` and ``runner`` for probes that call the target themselves (the Jacobian)."""
 
     def __init__(
@@ -83,13 +112,15 @@ class ProbeContext:
         seed: int,
         mode: str,
         base: Outputs,
-        repeat_tolerance: float | None = None,
+        repeat_tolerance: Mapping[str, float] | None = None,
+        regime: str = "deterministic",
+        quick: bool = False,
     ) -> None:
         self.at, self.runner, self.x, self.sampler, self.trials, self.seed = at, runner, x, sampler, trials, seed
-        self.mode, self.base = mode, base
+        self.mode, self.base, self.regime, self.quick = mode, base, regime, quick
         self.repeat_tolerance = repeat_tolerance
-        """The mode's relative tolerance when the example repeats itself under one seed (None: it does
-        not, so no single forward can be compared with ``base``)."""
+        """The mode's relative tolerances (per float output) when the example repeats itself under
+        one seed (None: it does not, so no single forward can be compared with ``base``)."""
         self.b, self.t = x.shape[0], x.shape[1]
         self.cuts = spread(list(range(self.t - 1)), MAX_CUTS)
 
@@ -122,17 +153,15 @@ class ProbeContext:
         rest = [c for c in cells if c not in chosen]
         return chosen + spread(rest, k - len(chosen)) if len(chosen) < k else chosen
 
+    @property
+    def ids_tried(self) -> dict[str, list[int]]:
+        """The token ids the adversarial futures hold on purpose (:attr:`Sampler.special_ids`)."""
+        return self.sampler.special_ids
+
     @cached_property
     def gates(self) -> list[Tensor]:
         """[E, D] gate vectors of the routers that read the float input directly."""
         return self.at.gate_vectors(self.x.shape[-1]) if self.x.dim() == 3 and not self.sampler.tokens else []
-
-    @cached_property
-    def differentiable(self) -> bool:
-        try:
-            return self.runner.forward_with_grad(self.x) is not None
-        except TargetFailure:
-            return False
 
     @cached_property
     def flood_ids(self) -> list[int]:
@@ -141,13 +170,14 @@ class ProbeContext:
         if not self.at.routers:
             return []
         v = self.sampler.vocab_size
-        ids = torch.arange(v) if v <= MAX_ROWS else torch.randperm(v, generator=self.gen(4))[:MAX_ROWS]
+        rows = MAX_ROWS // 4
+        ids = torch.arange(v) if v <= rows else torch.randperm(v, generator=self.gen(4))[:rows]
         seq = ids.to(self.x.device, self.x.dtype)[:, None].expand(-1, min(self.t, 8))
         logits: list[Tensor] = []
         hooks = [r.gate.register_forward_hook(lambda _m, _i, o: logits.append(o.detach())) for r in self.at.routers]
         try:
             self.runner.forward(seq)
-        except TargetFailure:
+        except (TargetFailure, TargetTimeout):
             return []  # a target that cannot take this batch shape: no ranked ids
         finally:
             for h in hooks:

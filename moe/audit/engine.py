@@ -1,14 +1,17 @@
 """``audit()``: one target, each mode in turn, every registered probe judged by one comparator.
 
 Within a mode: :func:`~moe.audit.calibration.calibrate` measures the example's noise and picks
-the regime; the probes of kind "batch" run (separate forwards); then, if none of them found
-interference and the target claims (or is opaque about) batch invariance and repeats itself
-exactly in a doubled batch, perturbed copies share forwards; then the other probes in
-registration order (:mod:`moe.audit.registry`). A deterministic-regime target found to draw
+the regime (deterministic, seeded or distribution); in the first mode the order of any
+[B * T, ...] output is checked (:func:`check_flat_order`); the probes of kind "batch" run
+(separate forwards); then, if none of them found interference and the target claims (or is
+opaque about) batch invariance and repeats itself exactly in a doubled batch, perturbed copies
+share forwards, in packs sized by :mod:`moe.audit.packing`; then the other probes in
+registration order (:mod:`moe.audit.registry`). A target judged by a fixed seed found to draw
 data-dependent noise midway is audited again from the start of the mode by distribution.
 
 Before every forward the runner resets the target's buffers and seeds its generators; a forward
-that runs past ``forward_timeout`` stops the audit of the target (NOT AUDITED, with that reason),
+of the example's shape (or a shorter one) that runs past ``forward_timeout`` stops the audit of
+the target (NOT AUDITED, with that reason; a pack of copies that does is re-run copy by copy),
 and so does a target whose identical calls differ because its forward changes attributes outside
 its buffers (:attr:`~moe.audit.calibration.Calibration.stateful`).
 """
@@ -29,15 +32,20 @@ from torch import Tensor
 import moe.audit.probes  # noqa: F401  (registers the built-in probes)
 from moe.audit.advice import router_mechanism
 from moe.audit.agreement import target_agreement
-from moe.audit.calibration import calibrate
+from moe.audit.calibration import calibrate, resolution_of
 from moe.audit.comparator import Comparator, Misaligned, per_comparison_alpha
-from moe.audit.context import ProbeContext, Sampler, calibration_inputs
+from moe.audit.context import ProbeContext, Sampler, calibration_inputs, probe_generator
+from moe.audit.distribution import DRAWS
 from moe.audit.registry import Probe, registered_probes
 from moe.audit.report import AuditReport, ProbeResult
-from moe.audit.runner import Runner, TargetFailure, TargetTimeout
-from moe.audit.target import AuditTarget, AuditUsageError
+from moe.audit.runner import Runner, TargetFailure, TargetTimeout, cost_clock
+from moe.audit.target import AuditTarget, AuditUsageError, Outputs
 
 MODES = ("train", "eval")
+QUICK_MODES = ("eval",)
+"""The modes of a quick audit (``quick=True``, ``moe-audit --quick``) unless given."""
+TRIALS = 2
+"""Random futures per cut position (one in a quick audit) unless given."""
 FORWARD_TIMEOUT_S = 60.0
 """Default limit on one forward of the target, in seconds (``moe-audit --forward-timeout``)."""
 
@@ -46,14 +54,16 @@ def audit(
     target: Callable[[Tensor], Any],
     example: Tensor,
     *,
-    modes: tuple[str, ...] | list[str] = MODES,
-    trials: int = 2,
+    modes: tuple[str, ...] | list[str] | None = None,
+    trials: int | None = None,
     seed: int = 0,
     name: str | None = None,
     vocab_size: int | None = None,
     output: str | None = None,
+    special_ids: tuple[int, ...] | list[int] = (),
     probes: tuple[Probe, ...] | list[Probe] | None = None,
     forward_timeout: float | None = FORWARD_TIMEOUT_S,
+    quick: bool = False,
     progress: Callable[[str], None] | None = None,
     agreement: bool = True,
 ) -> AuditReport:
@@ -63,17 +73,23 @@ def audit(
     ids; a forward with an ``input_ids`` parameter gets them by that keyword) to [B, T, ...]: a
     tensor, a :class:`~moe.routing.Routing` (compared through ``dense()`` and exactly through
     ``mask()``), or a tuple / dict / dataclass (``ModelOutput``) holding one: the field
-    ``output`` (a key, attribute or tuple index), else ``logits``, else the first tensor.
+    every [B, T, ...] tensor (and [B * T, ...] one) it holds, each by name (:mod:`moe.audit.outputs`;
+    ``output``: comma-separated names to audit instead).
     ``example``: the input the probes perturb (B >= 1, T >= 2), on the target's device and in
     its dtype. ``trials``: random perturbations per cut position. ``vocab_size``: the id range
     resampled for token inputs (default: the first ``nn.Embedding`` of the target, else
-    ``example.max() + 1``). ``probes``: the probes to run (default: every registered one,
+    ``example.max() + 1``). ``special_ids``: token ids the target treats specially (an
+    end-of-document id, padding), put in futures besides the smallest and largest ids and the
+    example's own. ``probes``: the probes to run (default: every registered one,
     :func:`~moe.audit.registry.registered_probes`); the distribution regime's per-comparison
     level is derived from those that compare forwards. ``forward_timeout``: seconds one forward
     may take (None: no limit; enforced in the main thread on POSIX, see :mod:`moe.audit.runner`);
-    past it the target is not audited. ``progress``: called with one line per probe run.
-    ``agreement``: for a model target (token ids in, this package's routers inside), also measure
-    the routing agreement figures (:mod:`moe.agreement`) into ``report.agreement``.
+    past it the target is not audited. ``quick``: a pre-commit check: half the adversarial cut
+    positions and, unless given, eval mode only and one random future per cut (a leak of training
+    mode only is then not looked for). ``modes`` default to both, ``trials`` to 2.
+    ``progress``: called with one line per probe run. ``agreement``: for a model target (token ids
+    in, this package's routers inside), also measure the routing agreement figures
+    (:mod:`moe.agreement`) into ``report.agreement``.
 
     Train mode runs the target as a training step does: ``module.train()`` with gradients
     enabled and a float input that requires them; eval mode: ``module.eval()`` under
@@ -85,16 +101,32 @@ def audit(
     training flags are as before, and so are torch's, Python's and NumPy's random generators.
     """
     start = time.perf_counter()
-    modes = tuple(modes)
+    modes = tuple(modes) if modes is not None else (QUICK_MODES if quick else MODES)
+    trials = trials if trials is not None else (1 if quick else TRIALS)
     suite = _check_arguments(modes, trials, example, probes)
     if forward_timeout is not None and not forward_timeout > 0:
         raise AuditUsageError(f"forward_timeout must be a positive number of seconds or None, got {forward_timeout!r}")
+    clock = cost_clock(example)
+    clock_start = clock()
     at = AuditTarget(target, output=output)
-    sampler = Sampler(example, vocab_size if vocab_size is not None else _vocab_size(at, example))
+    sampler = Sampler(example, vocab_size if vocab_size is not None else _vocab_size(at, example), special_ids)
     alpha = per_comparison_alpha(sum(p.compares_forwards for p in suite))
-    report = AuditReport(name=name or _name_of(target), modes=modes, claims=at.claims, per_comparison_alpha=alpha)
+    report = AuditReport(
+        name=name or _name_of(target),
+        modes=modes,
+        claims=at.claims,
+        per_comparison_alpha=alpha,
+        test_level=alpha / len(DRAWS),
+        quick=quick,
+    )
     report.mechanisms = _mechanisms(at, modes)
-    session = _Session(Runner(at, seed, forward_timeout), sampler, trials, seed, suite, alpha, progress, start)
+    report.sized_from_length = [
+        at.router_name(r)
+        for r in at.routers
+        if getattr(r, "capacity_factor", None) is not None and getattr(r, "capacity_scope", "group") != "prefix"
+    ]
+    runner = Runner(at, seed, forward_timeout)
+    session = _Session(runner, sampler, trials, seed, suite, alpha, progress, start)
     with _rng_preserved(), at.state.preserved():
         for mode in modes:
             at.set_mode(mode)
@@ -102,6 +134,8 @@ def audit(
                 report.error = _audit_one_mode(session, report, example, mode)
             except TargetTimeout as e:
                 report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+            except TargetFailure as e:
+                report.error = f"the target failed on the example in {mode} mode ({e})"
             if report.error is not None:
                 break
         if agreement and report.error is None:
@@ -109,7 +143,10 @@ def audit(
     if report.error is None and not any(p.ran for p in report.probes if p.kind == "future" and p.compares_forwards):
         failures = [e for p in report.probes for e in p.errors]
         report.error = "no future-perturbation probe ran" + (f": {failures[0]}" if failures else "")
+    report.notes += _dtype_notes(example, at)
+    report.forwards = runner.cost.forwards
     report.seconds = time.perf_counter() - start
+    report.cost_seconds = clock() - clock_start
     return report
 
 
@@ -154,27 +191,52 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
     """Calibrate, then run every probe of ``mode`` into ``report``; the reason the target cannot
     be audited, or None. Raises :class:`TargetTimeout` from any forward past the time limit."""
     runner = session.runner
+    probes_x = calibration_inputs(example, session.sampler, session.seed)
     try:
-        cal = calibrate(runner, example, calibration_inputs(example, session.sampler, session.seed))
+        cal = calibrate(runner, example, probes_x)
+        if runner.target.flat_fields and mode == report.modes[0]:
+            report.notes += check_flat_order(runner, example, cal.base.out, session.sampler, session.seed)
+            if runner.target.time_major:  # read again in the order found
+                cal = calibrate(runner, example, probes_x)
     except TargetFailure as e:
-        return f"the target failed on the example in {mode} mode ({e})"
+        what = "its output breaks the audit's contract" if isinstance(e.error, AuditUsageError) else "the target failed"
+        return f"{what} on the example in {mode} mode ({e})"
     report.nonfinite[mode] = cal.nonfinite
+    report.noise_floors[mode] = cal.floor
+    report.outputs, report.outputs_not_audited = (
+        list(runner.target.audited),
+        [s.text() for s in runner.target.not_audited],
+    )
     if not cal.comparable:
         return f"nothing to compare in {mode} mode: all {cal.nonfinite} entries of the example's output are NaN or inf"
     if cal.stateful:
         return f"{cal.stateful} in {mode} mode"
     report.updated_buffers += [b for b in cal.updated_buffers if b not in report.updated_buffers]
-    repeats = cal.tolerance if cal.regime == "deterministic" else None
+    report.forward_seconds = min(report.forward_seconds or cal.seconds, cal.seconds)
+    repeats = cal.tolerances if cal.regime != "distribution" else None
     ctx = ProbeContext(
-        runner.target, runner, example, session.sampler, session.trials, session.seed, mode, cal.base.out, repeats
+        runner.target,
+        runner,
+        example,
+        session.sampler,
+        session.trials,
+        session.seed,
+        mode,
+        cal.base.out,
+        repeats,
+        cal.regime,
+        report.quick,
     )
     try:
         results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, session)
     except Misaligned:
         cal = cal.by_distribution()
+        ctx.regime, ctx.repeat_tolerance = cal.regime, None
         results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, session)
     report.probes += results
     report.regimes[mode] = cal.regime
+    if ctx.sampler.tokens:
+        report.ids_tried = ctx.ids_tried
     return None
 
 
@@ -194,11 +256,15 @@ def _run_probes(comparator: Comparator, ctx: ProbeContext, session: _Session) ->
 
 
 def _run(probe: Probe, comparator: Comparator, ctx: ProbeContext, session: _Session) -> ProbeResult | None:
-    began = time.perf_counter()
+    began, forwards = time.perf_counter(), session.runner.cost.forwards
     if probe.measure is not None:
         result = probe.measure(ctx)
     else:
-        result = comparator.judge(probe.variants(ctx), comparator.tally(probe.name, probe.kind))
+        tally = comparator.tally(probe.name, probe.kind)
+        result = comparator.judge(probe.variants(ctx), tally, probe.stop_at_first, probe.enough)
+    if result is not None:
+        result.forwards = session.runner.cost.forwards - forwards
+        result.seconds = time.perf_counter() - began
     if session.progress is not None:
         now = time.perf_counter()
         found = "not run" if result is None or not result.ran else ("change found" if result.leaks else "nothing found")
@@ -206,6 +272,61 @@ def _run(probe: Probe, comparator: Comparator, ctx: ProbeContext, session: _Sess
             f"{probe.name} ({ctx.mode}): {found} in {now - began:.1f} s ({now - session.start:.0f} s so far)"
         )
     return result
+
+
+def check_flat_order(runner: Runner, example: Tensor, base: Outputs, sampler: Sampler, seed: int) -> list[str]:
+    """Read each [B * T, ...] output in the order its rows follow: ``base`` (the example's
+    outputs, flat ones read as rows b * T + t) against one forward with only the last position
+    changed. Rows b * T + t change only at t = T - 1 when read so; a time-major flattening (row
+    t * B + b) changes the last B rows. A field that fits neither (every row moves: a leak,
+    noise) is read as b * T + t, and a note says so. Sets ``runner.target.time_major``."""
+    at = runner.target
+    flat = [p for p in base.parts if p.name in at.flat_fields]
+    b, t = example.shape[:2]
+    if not flat or b < 2:
+        return []
+    x = example.clone()
+    x[:, -1:] = sampler.draw((b, 1, *example.shape[2:]), probe_generator(seed, 9))
+    try:
+        moved = runner.forward(x).out
+    except TargetFailure:
+        return [f"{', '.join(p.name for p in flat)}: read as rows b*T+t (the check of the order failed)"]
+    notes = []
+    for part in flat:
+        a, z = (
+            base.value_BTF if not part.exact else base.exact_BTX,
+            moved.value_BTF if not part.exact else moved.exact_BTX,
+        )
+        changed_BT = (a[..., part.start : part.stop] != z[..., part.start : part.stop]).any(-1)
+        time_major_BT = changed_BT.reshape(t, b).T  # the same rows read as t * B + b
+        if bool(changed_BT.any()) and not bool(changed_BT[:, :-1].any()):
+            continue
+        if bool(time_major_BT.any()) and not bool(time_major_BT[:, :-1].any()):
+            at.time_major.add(part.name)
+            notes.append(f"{part.name}: rows are t*B+b (time-major), checked with a change at the last position")
+        else:
+            notes.append(f"{part.name}: read as rows b*T+t; a change at the last position moved other rows too")
+    return notes
+
+
+def _dtype_notes(example: Tensor, at: AuditTarget) -> list[str]:
+    """A float output computed in a coarser dtype than the float input: what it cannot show."""
+    if not example.is_floating_point():
+        return []
+    eps = torch.finfo(example.dtype).eps
+    out = []
+    for part in at.float_parts:
+        if part.dtype is not None and torch.finfo(part.dtype).eps > eps:
+            out.append(
+                f"{part.name} comes back {_dtype_name(part.dtype)} for a {_dtype_name(example.dtype)} input: a change "
+                f"below {resolution_of(part.dtype):.1e} of an entry's scale (the tolerance of {_dtype_name(part.dtype)}) "
+                "cannot be seen in it"
+            )
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _mechanisms(at: AuditTarget, modes: tuple[str, ...]) -> list[str]:

@@ -24,22 +24,23 @@ from torch import Tensor
 
 from moe.audit.comparator import Variant, spread
 from moe.audit.context import ProbeContext
-from moe.audit.runner import TargetFailure
 
-ADVERSARIAL_CUTS = 5
-"""Cut positions for the adversarial probe (spread over 0..T-2, ends included)."""
-MAX_EXPERTS_FLOODED = 4
-"""Experts flooded / drained per router and cut: the ones earlier tokens use most; also the
-earlier positions of each sample whose copies fill its future."""
-MAX_SOURCES = 16
-"""Positions of the whole example whose copies fill every sample's future (per cut)."""
+ADVERSARIAL_CUTS = 4
+"""Cut positions for the adversarial probe: 0 (the longest future, which overflows capacities
+counted over many later tokens) and T/4, T/2, 3T/4."""
+OWN_POSITIONS = 2
+"""Earlier positions of each sample whose copies fill its future (per cut)."""
+SOURCES = 4
+"""Positions of the whole example whose copies fill every sample's future (per cut; twice as
+many at cut 0): one per distinct largest output feature first (for a router's weights, one per
+top expert), then spread."""
+MAX_EXPERTS_FLOODED = 2
+"""Experts flooded / drained along a router's gate vectors per cut: the ones earlier tokens use most."""
 FLOOD_SCALE = 3.0
 """Scaled floods have this many times the input of the position they copy (or, along gate
 vectors, of the mean norm of an input position)."""
-GRADIENT_STEPS = 3
-"""Signed-gradient steps of the search for opaque targets."""
-GRADIENT_CUTS = 3
-"""Cut positions (of the adversarial ones) where opaque targets get the gradient search."""
+BATCH_SOURCES = 2
+"""Positions whose copies fill the other samples in the batch probe (per way of filling them)."""
 
 
 def _filled(x: Tensor, b: int, r: int, scale: float = 1.0) -> Tensor:
@@ -49,49 +50,75 @@ def _filled(x: Tensor, b: int, r: int, scale: float = 1.0) -> Tensor:
 
 
 def _scales(ctx: ProbeContext) -> tuple[float, ...]:
-    return (1.0,) if ctx.sampler.tokens else (1.0, FLOOD_SCALE, -FLOOD_SCALE)
+    return (1.0,) if ctx.sampler.tokens else (1.0, FLOOD_SCALE)
 
 
 def _how(scale: float) -> str:
     return "exact" if scale == 1.0 else f"x{scale:g}"
 
 
+def adversarial_cuts(t: int, quick: bool = False) -> list[int]:
+    """0, T/4, T/2, 3T/4 (distinct, below T - 1); 0 and T/2 for a quick audit."""
+    n = ADVERSARIAL_CUTS // 2 if quick else ADVERSARIAL_CUTS
+    return sorted({min(t - 2, round(i * t / n)) for i in range(n)})
+
+
 # -- adversarial future --------------------------------------------------------------------------
 def adversarial_future(ctx: ProbeContext) -> Iterator[Variant]:
     gen = ctx.gen(3)
-    cuts = spread(ctx.cuts, ADVERSARIAL_CUTS)
-    search = not ctx.sampler.tokens and not ctx.gates and ctx.base.value_BTF is not None and ctx.differentiable
+    cuts = adversarial_cuts(ctx.t, ctx.quick)
     for c in cuts:
         yield from _floods(ctx, c, gen)
-        if search and c in spread(cuts, GRADIENT_CUTS):
-            yield from _gradient_floods(ctx, c)
+        if ctx.sampler.tokens:
+            yield from _special_ids(ctx, c, own_ids=c in cuts[:3])
 
 
 def _floods(ctx: ProbeContext, c: int, gen: torch.Generator) -> Iterator[Variant]:
-    """Futures after cut c: the past repeated (scaled), each sample's future made of copies of
-    one of its earlier positions, every sample's future made of copies of one position of the
-    example, token ids a router favours or shuns, and floods along input-reading gate vectors."""
+    """Futures after cut c: every sample's future made of copies of one position of the example,
+    each sample's future made of copies of one of its earlier positions, the past repeated, token
+    ids a router favours or shuns, and floods along input-reading gate vectors."""
     past, r, b = ctx.x[:, : c + 1], ctx.t - c - 1, ctx.b
-    idx = torch.arange(r, device=past.device) % past.shape[1]
-    for s in (1.0,) if ctx.sampler.tokens else (FLOOD_SCALE, -FLOOD_SCALE):
-        yield ctx.with_future(c, past[:, idx] * s if s != 1.0 else past[:, idx], f"the past repeated {_how(s)}")
-    for p in spread(list(range(c + 1)), MAX_EXPERTS_FLOODED):
+    for sb, q in ctx.sources(SOURCES * (2 if c == 0 else 1)):
+        for s in _scales(ctx):
+            yield ctx.with_future(
+                c, _filled(ctx.x[sb, q], b, r, s), f"every sample's future = {_how(s)} copies of x[{sb}, {q}]"
+            )
+    for p in spread(list(range(c + 1)), OWN_POSITIONS):
         one = past[:, p : p + 1]
         for s in _scales(ctx):
             future = one.expand(b, r, *past.shape[2:])
             yield ctx.with_future(
                 c, future * s if s != 1.0 else future, f"each sample's future = {_how(s)} copies of its position {p}"
             )
-    for sb, q in ctx.sources(MAX_SOURCES):
-        for s in _scales(ctx)[:2]:
-            yield ctx.with_future(
-                c, _filled(ctx.x[sb, q], b, r, s), f"every sample's future = {_how(s)} copies of x[{sb}, {q}]"
-            )
+    idx = torch.arange(r, device=past.device) % past.shape[1]
+    for s in (1.0,) if ctx.sampler.tokens else (FLOOD_SCALE, -FLOOD_SCALE):
+        yield ctx.with_future(c, past[:, idx] * s if s != 1.0 else past[:, idx], f"the past repeated {_how(s)}")
     for i in ctx.flood_ids if ctx.sampler.tokens else ():
         yield ctx.with_future(c, torch.full((b, r), i, dtype=past.dtype, device=past.device), f"every future id = {i}")
     for gate_ED in ctx.gates:
         for label, f in gate_floods(ctx, past, r, gate_ED, gen):
             yield ctx.with_future(c, f, label)
+
+
+def _special_ids(ctx: ProbeContext, c: int, own_ids: bool) -> Iterator[Variant]:
+    """Token futures holding the ids a target may treat specially (:attr:`Sampler.special_ids`):
+    every future position one id, for the smallest, largest and named ids; and, where
+    ``own_ids``, the example's own ids in turn, R of them in every sample's future per variant,
+    so each of them stands after the cut in every sample once (an end-of-document id, a padding
+    id or a separator in the example is tried wherever the example put it)."""
+    special = ctx.sampler.special_ids
+    b, r = ctx.b, ctx.t - c - 1
+    like = ctx.x
+    for why in ("smallest", "largest", "named"):
+        for i in special.get(why, []):
+            yield ctx.with_future(
+                c, torch.full((b, r), i, dtype=like.dtype, device=like.device), f"every future id = {i} ({why})"
+            )
+    own = special.get("the example's own", []) if own_ids else []
+    for start in range(0, len(own), r):
+        shown = [own[(start + j) % len(own)] for j in range(r)]
+        future = torch.tensor(shown, dtype=like.dtype, device=like.device).expand(b, r)
+        yield ctx.with_future(c, future, f"every sample's future = the example's ids {shown[0]}..{shown[-1]}")
 
 
 def gate_floods(
@@ -121,50 +148,20 @@ def gate_floods(
     return out
 
 
-def _gradient_floods(ctx: ProbeContext, cut: int) -> Iterator[Variant]:
-    """Signed-gradient search over the future positions, for opaque differentiable targets:
-    push their outputs along (flood) or against (drain) the mean output of positions <= cut,
-    and along each of the output features those positions use most (for a router's dense
-    weights: each expert the earlier tokens chose)."""
-    u_BF = ctx.base.value_BTF[:, : cut + 1].nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).mean(1)
-    directions = [u_BF]
-    for f in u_BF.abs().sum(0).topk(min(MAX_EXPERTS_FLOODED // 2, u_BF.shape[1])).indices.tolist():
-        d_BF = torch.zeros_like(u_BF)
-        d_BF[:, f] = u_BF[:, f].sign()
-        directions.append(d_BF)
-    for d_BF in directions:
-        for sign in (1.0, -1.0):
-            x = ctx.x.detach().clone()
-            for _ in range(GRADIENT_STEPS):
-                try:
-                    value_BTF, wrt = ctx.runner.forward_with_grad(x)
-                except TargetFailure:
-                    break
-                objective = (
-                    sign * (value_BTF[:, cut + 1 :].nan_to_num(0.0, 0.0, 0.0) * d_BF[:, None].to(value_BTF)).sum()
-                )
-                try:
-                    (grad,) = torch.autograd.grad(objective, wrt, allow_unused=True)
-                except RuntimeError:  # the target's graph cannot be differentiated after all
-                    break
-                if grad is None:
-                    break
-                x[:, cut + 1 :] = (x[:, cut + 1 :] + ctx.sampler.std * grad[:, cut + 1 :].sign()).detach()
-            yield ctx.with_future(cut, x[:, cut + 1 :], "a signed-gradient search on the future")
-
-
 # -- batch interference --------------------------------------------------------------------------
 def batch_interference(ctx: ProbeContext) -> Iterator[Variant]:
-    """Sample 0 among changed other samples (resampled, copies of sample 0, copies of one of its
-    positions, floods along gate vectors, token ids routers favour), compared at sample 0; and
-    alone (B = 1). Then, for B > 1, sample 0 changed (resampled, copies of one position of
-    another sample), compared at every other sample; and the other samples made of copies of
-    one position of the last sample, compared at the last."""
+    """For B > 1, first the other samples made of copies of one position of the last sample,
+    compared at the last (what finds a capacity counted over the flattened batch most often);
+    then sample 0 among changed other samples (resampled, copies of sample 0, copies of one of its
+    positions, floods along gate vectors, token ids routers favour), compared at sample 0; sample
+    0 changed (resampled, copies of one position of another sample), compared at every other
+    sample; and sample 0 alone (B = 1)."""
+    if ctx.b > 1:
+        yield from _last_watched(ctx)
     yield from _others_changed(ctx)
     if ctx.b > 1:
-        yield Variant(ctx.x[:1], ctx.t, rows=(0,), label="sample 0 alone")
         yield from _first_changed(ctx)
-        yield from _last_watched(ctx)
+        yield Variant(ctx.x[:1], ctx.t, rows=(0,), label="sample 0 alone")
 
 
 def _others_changed(ctx: ProbeContext) -> Iterator[Variant]:
@@ -172,16 +169,15 @@ def _others_changed(ctx: ProbeContext) -> Iterator[Variant]:
     others = max(ctx.b, 2) - 1
     shape = (others, *ctx.x.shape[1:])
     x0 = ctx.x[:1]
-    blocks = [("the other samples resampled", ctx.sampler.draw(shape, gen)) for _ in range(ctx.trials)]
-    for s in _scales(ctx):
-        blocks.append((f"the other samples = {_how(s)} copies of sample 0", (x0 * s if s != 1.0 else x0).expand(shape)))
-    for _, q in ctx.sources(MAX_EXPERTS_FLOODED, samples=[0]):
-        for s in _scales(ctx)[:2]:
-            blocks.append((f"the other samples = {_how(s)} copies of x[0, {q}]", _filled(x0[0, q], others, ctx.t, s)))
-    for i in ctx.flood_ids if ctx.sampler.tokens else ():
+    blocks = [("the other samples resampled", ctx.sampler.draw(shape, gen))]
+    blocks.append(("the other samples = exact copies of sample 0", x0.expand(shape)))
+    for _, q in ctx.sources(BATCH_SOURCES, samples=[0]):
+        blocks.append((f"the other samples = exact copies of x[0, {q}]", _filled(x0[0, q], others, ctx.t)))
+    for i in ctx.flood_ids[:BATCH_SOURCES] if ctx.sampler.tokens else ():
         blocks.append((f"the other samples = id {i}", torch.full(shape, i, dtype=x0.dtype, device=x0.device)))
     for gate_ED in ctx.gates:
-        blocks += [(label, f[:1].expand(shape)) for label, f in gate_floods(ctx, x0, ctx.t, gate_ED, gen)]
+        label, flood = gate_floods(ctx, x0, ctx.t, gate_ED, gen)[0]
+        blocks.append((label, flood[:1].expand(shape)))
     for label, blk in blocks:
         yield Variant(torch.cat([x0, blk]), ctx.t, rows=(0,), label=label)
 
@@ -191,8 +187,8 @@ def _last_watched(ctx: ProbeContext) -> Iterator[Variant]:
     the last: a router that counts capacity over the flattened batch in sample order serves
     sample 0 first, so only a later sample can show that the others crowd it out."""
     last = ctx.b - 1
-    for _, q in ctx.sources(MAX_EXPERTS_FLOODED, samples=[last]):
-        for s in _scales(ctx)[:2]:
+    for _, q in ctx.sources(BATCH_SOURCES, samples=[last]):
+        for s in _scales(ctx):
             x = ctx.x.clone()
             x[:last] = _filled(ctx.x[last, q], last, ctx.t, s)
             yield Variant(x, ctx.t, rows=(last,), label=f"the other samples = {_how(s)} copies of x[{last}, {q}]")
@@ -201,10 +197,9 @@ def _last_watched(ctx: ProbeContext) -> Iterator[Variant]:
 def _first_changed(ctx: ProbeContext) -> Iterator[Variant]:
     gen = ctx.gen(8)
     rest = tuple(range(1, ctx.b))
-    firsts = [("sample 0 resampled", ctx.sampler.draw(tuple(ctx.x.shape[1:]), gen)) for _ in range(ctx.trials)]
-    for sb, q in ctx.sources(MAX_EXPERTS_FLOODED, samples=list(rest)):
-        for s in _scales(ctx)[:2]:
-            firsts.append((f"sample 0 = {_how(s)} copies of x[{sb}, {q}]", _filled(ctx.x[sb, q], 1, ctx.t, s)[0]))
+    firsts = [("sample 0 resampled", ctx.sampler.draw(tuple(ctx.x.shape[1:]), gen))]
+    for sb, q in ctx.sources(1, samples=list(rest)):
+        firsts.append((f"sample 0 = exact copies of x[{sb}, {q}]", _filled(ctx.x[sb, q], 1, ctx.t)[0]))
     for label, first in firsts:
         x = ctx.x.clone()
         x[0] = first

@@ -36,6 +36,12 @@ class Probe:
     """Inputs to compare with the example (their ``upto`` and ``rows`` say what is compared)."""
     measure: Callable[[ProbeContext], ProbeResult | None] | None = None
     """Instead of variants: the result itself (None: the probe does not apply to this target)."""
+    stop_at_first: bool = False
+    """Stop at the first forward that shows a change (the verdict is made; the positions reported
+    are those seen until then): for probes whose many variants look for one change anywhere."""
+    enough: int | None = None
+    """Stop once this many variants were compared (those the target fails on do not count): the
+    probe yields its preferred variants first and the rest as stand-ins (None: all of them)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

@@ -75,6 +75,21 @@ class ProbeResult:
     """The first distinct failures, each with its input shape and where the target raised."""
     skipped: str | None = None
     """Why the probe did not run at all on this target (e.g. an integer output has no gradient)."""
+    leaking_outputs: list[str] = field(default_factory=list)
+    """The outputs that moved (:mod:`moe.audit.outputs` names; "routing of NAME" for a router's
+    hooked decisions)."""
+    draws: int = 0
+    """The most seeds per input a distribution comparison of this probe drew (0: none)."""
+    inconclusive: list[str] = field(default_factory=list)
+    """Distribution comparisons whose last stage could neither call the change significant nor
+    dismiss it (with their figures): no verdict of "no change" for this probe."""
+    screened: int = 0
+    """Distribution regime: the variants run once under the audit seed to choose which to test
+    (``comparisons`` counts the tests)."""
+    forwards: int = 0
+    """Calls of the target this probe made."""
+    seconds: float = 0.0
+    """Wall time of this probe (forwards, comparisons and building its inputs)."""
 
     @property
     def ran(self) -> bool:
@@ -105,6 +120,12 @@ class ProbeResult:
             "skipped_lengths": self.skipped_lengths,
             "errors": self.errors,
             "skipped": self.skipped,
+            "leaking_outputs": self.leaking_outputs,
+            "draws": self.draws,
+            "inconclusive": self.inconclusive,
+            "screened": self.screened,
+            "forwards": self.forwards,
+            "seconds": round(self.seconds, 4),
         }
 
 
@@ -119,13 +140,20 @@ class AuditReport:
     probes: list[ProbeResult] = field(default_factory=list)
     seconds: float = 0.0
     regimes: dict[str, str] = field(default_factory=dict)
-    """Per audited mode: "deterministic" or "distribution" (how the comparator judged; a probe
-    may still judge its cross-shape comparisons of a stochastic target by distribution)."""
+    """Per audited mode: "deterministic", "seeded" (random draws, the same for one seed and input
+    shape: comparisons across shapes by distribution) or "distribution"
+    (:mod:`moe.audit.calibration`)."""
     nonfinite: dict[str, int] = field(default_factory=dict)
     """Per mode: NaN / inf entries in the example's output (compared as values, never ignored)."""
+    noise_floors: dict[str, float] = field(default_factory=dict)
+    """Per mode: the largest relative change between two forwards of the example under one seed
+    (the noise a deterministic comparison is judged against; 0 for a target that repeats itself)."""
     per_comparison_alpha: float | None = None
     """The level of each distribution comparison (Bonferroni over the probes that compare
     forwards, :func:`moe.audit.comparator.per_comparison_alpha`)."""
+    test_level: float | None = None
+    """The level of each test a distribution comparison makes (its stages of more draws share
+    ``per_comparison_alpha``, :data:`moe.audit.distribution.DRAWS`): a p-value at or below it counts."""
     error: str | None = None
     """Why the target could not be audited (it failed on the example, a forward ran past the time
     limit, two identical calls differ because it is stateful, or no future-perturbation probe
@@ -136,6 +164,28 @@ class AuditReport:
     updated_buffers: list[str] = field(default_factory=list)
     """Buffers the target's forwards change (the audit restores them before every forward: state
     carried from one call to the next, not a leak within a call)."""
+    outputs: list[str] = field(default_factory=list)
+    """The outputs audited, each with its shape (:mod:`moe.audit.outputs`)."""
+    outputs_not_audited: list[str] = field(default_factory=list)
+    """The outputs returned but not compared, each with why (a scalar loss, not per position)."""
+    ids_tried: dict[str, list[int]] = field(default_factory=dict)
+    """Token inputs: the ids put in futures on purpose, by why (smallest / largest id, named by
+    the user, the example's own); uniform random ids are drawn besides."""
+    forward_seconds: float = 0.0
+    """The fastest forward of the example measured in the audit: the unit of its cost (on
+    :func:`moe.audit.runner.cost_clock`: CPU time under one torch thread on the CPU, else wall time)."""
+    cost_seconds: float = 0.0
+    """The whole audit on the clock of ``forward_seconds``."""
+    forwards: int = 0
+    """Calls of the target the audit made."""
+    notes: list[str] = field(default_factory=list)
+    """What a reader should know about how the target was read (an output dtype coarser than the
+    input's, a flattening order that could not be checked)."""
+    quick: bool = False
+    """A pre-commit check (half the adversarial cuts): the report says what it left out."""
+    sized_from_length: list[str] = field(default_factory=list)
+    """The target's routers whose capacity is sized from the length of what they route (a
+    prefix alone gets a smaller one): why prefix-only forwards may differ without a leak."""
     agreement: dict[str, dict] | None = None
     """A model target's routing agreement figures (:mod:`moe.agreement`, eval mode): per figure
     (``decode``, ``batch``, ...) the two paths compared and the share of (token, layer) pairs
@@ -144,16 +194,31 @@ class AuditReport:
 
     @property
     def regime(self) -> str:
-        """ "deterministic" or "distribution"; "train: ..., eval: ..." where the modes differ."""
+        """ "deterministic", "seeded" or "distribution"; "train: ..., eval: ..." where modes differ."""
         kinds = set(self.regimes.values())
         if len(kinds) == 1:
             return kinds.pop()
         return ", ".join(f"{m}: {r}" for m, r in self.regimes.items()) or "none"
 
     @property
+    def forward_equivalents(self) -> float:
+        """The audit's time in forwards of the example, on one clock (0 when not measured)."""
+        return self.cost_seconds / self.forward_seconds if self.forward_seconds > 0 else 0.0
+
+    @property
     def leaks_in(self) -> list[str]:
         """Modes in which a future probe (random, adversarial, Jacobian) saw a leak."""
         return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.kind == "future")]
+
+    @property
+    def inconclusive_in(self) -> list[str]:
+        """Modes without a leak in which a future probe's distribution comparison could neither call
+        a change significant nor dismiss it: no verdict there."""
+        return [
+            m
+            for m in self.modes
+            if m not in self.leaks_in and any(p.inconclusive for p in self.probes if p.mode == m and p.kind == "future")
+        ]
 
     @property
     def leaks(self) -> bool:
@@ -227,38 +292,135 @@ class AuditReport:
 
     @property
     def verdict(self) -> str:
-        """NOT AUDITED, FALSE CLAIM, claims hold; for a target without claims LEAKS or clean."""
+        """NOT AUDITED, FALSE CLAIM, INCONCLUSIVE, claims hold; for a target without claims LEAKS,
+        INCONCLUSIVE or clean."""
         if self.error:
             return "NOT AUDITED"
         if self.false_claims:
             return "FALSE CLAIM"
-        if self.claims is None:
-            return "LEAKS" if self.leaks else "clean"
-        return "claims hold"
+        if self.claims is None and self.leaks:
+            return "LEAKS"
+        if self.inconclusive_in:
+            return "INCONCLUSIVE"
+        return "clean" if self.claims is None else "claims hold"
 
+    # -- the summary: a verdict line, then sections ---------------------------------------------
     def summary(self) -> str:
-        """What a reader needs once: the verdict; on a leak, which probe found it at which
-        positions and what to use instead; batch invariance and decode consistency; any false
-        claim; how the verdict was reached."""
+        """What a reader needs once: the verdict and what was audited; on a leak, which probe found
+        it at which positions and what to use instead; batch invariance and decode consistency;
+        any false claim; how the verdict was reached and on what evidence."""
         if self.error:
             return f"{self.name}: NOT AUDITED: {self.error}"
-        found = f"LEAKS in {', '.join(self.leaks_in)} mode" if self.leaks else "no leak found"
-        lines = [f"{self.name}: {found}" + ("" if self.claims is None else f" ({self.verdict})")]
+        lines = [self._verdict_line()]
+        for section in (
+            self._outputs_section,
+            self._findings_section,
+            self._batch_decode_section,
+            self._claims_section,
+            self._advice_section,
+            self._evidence_section,
+            self._agreement_section,
+        ):
+            lines += [f"  {line}" for line in section()]
+        return "\n".join(lines)
+
+    def _verdict_line(self) -> str:
+        if self.leaks:
+            found = f"LEAKS in {', '.join(self.leaks_in)} mode"
+        elif self.inconclusive_in:
+            found = f"INCONCLUSIVE in {', '.join(self.inconclusive_in)} mode (no leak shown, none ruled out)"
+        else:
+            found = "no leak found"
+        claims = "" if self.claims is None else f" ({self.verdict})"
+        where = (
+            f" in {self.outputs[0]}"
+            if len(self.outputs) == 1
+            else f" in {len(self.outputs)} outputs"
+            if self.outputs
+            else ""
+        )
+        return f"{self.name}: {found}{claims}{where}"
+
+    def _outputs_section(self) -> list[str]:
+        out = []
+        if len(self.outputs) > 1:
+            out.append(f"audited: {'; '.join(self.outputs)}")
+        if self.outputs_not_audited:
+            out.append(f"not audited (no positions to compare): {'; '.join(self.outputs_not_audited)}")
+        return out + list(self.notes)
+
+    def _findings_section(self) -> list[str]:
+        out = []
+        many = len(self.outputs) > 1
         for p in self._first_of_each([q for q in self.probes if q.kind == "future" and q.leaks]):
             how = f" ({p.found_by})" if p.found_by else ""
-            lines.append(
-                f"  found by {p.name} ({p.mode}): outputs at positions {_ranges(p.leaking_positions)} moved{how}"
+            what = (
+                f"{', '.join(p.leaking_outputs)} at positions" if many and p.leaking_outputs else "outputs at positions"
             )
+            out.append(f"found by {p.name} ({p.mode}): {what} {_ranges(p.leaking_positions)} moved{how}")
+        for p in self.probes:
+            if p.kind == "future" and p.inconclusive and p.mode in self.inconclusive_in:
+                out += [
+                    f"INCONCLUSIVE: {p.name} ({p.mode}): {text}; a less random instance of the target (its "
+                    "dropout off) is judged by a fixed seed instead"
+                    for text in p.inconclusive
+                ]
         if not self.leaks:
-            lines += [f"  {line}" for line in self._not_counted("future")]
-        lines.append(f"  batch-invariant: {self._batch_text()}")
-        lines.append(f"  decode-consistent: {self._decode_text()}")
-        lines += [f"  FALSE CLAIM: {c}" for c in self.false_claims]
-        lines += [f"  {line}" for line in advice(self)]
-        lines.append(f"  judged: {self._how_judged()}")
-        lines += [f"  {line}" for line in self._probe_notes()]
-        lines += [f"  {line}" for line in agreement_lines(self.agreement)]
-        return "\n".join(lines)
+            out += self._not_counted("future")
+        return out
+
+    def _batch_decode_section(self) -> list[str]:
+        return [f"batch-invariant: {self._batch_text()}", f"decode-consistent: {self._decode_text()}"]
+
+    def _claims_section(self) -> list[str]:
+        return [f"FALSE CLAIM: {c}" for c in self.false_claims]
+
+    def _advice_section(self) -> list[str]:
+        return advice(self)
+
+    def _evidence_section(self) -> list[str]:
+        out = [f"evidence: {self._evidence()}"]
+        if self.ids_tried:
+            out.append(f"token ids put in futures: {_ids_text(self.ids_tried)}")
+        out.append(f"judged: {self._how_judged()}")
+        return out + self._probe_notes()
+
+    def _agreement_section(self) -> list[str]:
+        """The routing agreement figures of a model target (none when there are none)."""
+        if self.agreement is None:
+            return []
+        if "error" in self.agreement:
+            return [f"routing agreement not measured: {self.agreement['error']}"]
+        out = ["routing agreement (eval; share of (token, layer) pairs routed to the same expert set):"]
+        for name, f in self.agreement.items():
+            if "skipped" in f:
+                out.append(f"  {name}: not measured: {f['skipped']}")
+            else:
+                out.append(
+                    f"  {name}: {100 * f['share']:.1f}% of {f['pairs']} pairs ({100 * f['tokens_all_layers']:.1f}% of "
+                    f"tokens in every layer): {f['reference']} vs {f['compared']}"
+                )
+        return out
+
+    def _evidence(self) -> str:
+        """What was compared, how often, per mode; and the noise it was judged against."""
+        per_mode = []
+        for mode in self.modes:
+            counts = [
+                f"{p.name} {p.comparisons}" + (f" (tested, of {p.screened} run once)" if p.screened else "")
+                for p in self.probes
+                if p.mode == mode and p.ran
+            ]
+            if counts:
+                per_mode.append(f"{mode}: " + ", ".join(counts))
+        floors = ", ".join(f"{m} {f:.1e}" for m, f in self.noise_floors.items())
+        return (
+            "comparisons per probe ("
+            + "; ".join(per_mode)
+            + "; random futures resample every position after a cut, adversarial ones fill it with copies "
+            "and floods, batch ones change the other samples, decode ones cut the sequence)"
+            + (f"; the example repeated under one seed moved by at most {floors} of an entry's scale" if floors else "")
+        )
 
     def _probe_notes(self) -> list[str]:
         """Probes that did not run (and why), or whose forwards failed (the first failure)."""
@@ -280,13 +442,12 @@ class AuditReport:
             return []
         p = max(over, key=lambda q: q.excess)
         by = f" ({p.largest_change_by})" if p.largest_change_by else ""
-        level = (
-            f", above the level {self.per_comparison_alpha:.0e} of one comparison" if self.per_comparison_alpha else ""
-        )
+        level = f", above the level {self.test_level:.0e} of one test" if self.test_level else ""
         p_text = f"p = {p.largest_change_p:.0e}" if p.largest_change_p is not None else "p unknown"
+        draws = f"the {p.draws} seeds drawn per input" if p.draws else "the seeds drawn per input"
         return [
             f"not counted: {p.name} ({p.mode}) changed outputs by up to {p.max_abs_delta:.3g}{by}, not significant "
-            f"over the seeds drawn per input ({p_text}{level}): the target's own randomness may explain it"
+            f"over {draws} ({p_text}{level}): the target's own randomness explains it as well"
         ]
 
     @staticmethod
@@ -296,7 +457,12 @@ class AuditReport:
 
     def _batch_text(self) -> str:
         if self.batch_invariant:
-            return "; ".join(["yes", *self._not_counted("batch")])
+            inconclusive = [
+                f"inconclusive: {p.name} ({p.mode}): {p.inconclusive[0]}"
+                for p in self.probes
+                if p.kind == "batch" and p.inconclusive
+            ]
+            return "; ".join(["yes", *inconclusive[:1], *self._not_counted("batch")])
         p = next(q for q in self.probes if q.kind == "batch" and q.leaks)
         return f"no: {p.name} ({p.mode}) moved the outputs of a sample" + (f" ({p.found_by})" if p.found_by else "")
 
@@ -304,30 +470,52 @@ class AuditReport:
         if self.decode_consistent:
             return "yes"
         p = next(q for q in self.probes if q.kind == "decode" and q.leaks)
-        return (
-            f"no: prefix-only forwards differ at positions {_ranges(p.leaking_positions)} ({p.mode}); not a leak by "
-            "itself (a capacity that depends on T differs without reading the future)"
+        where = f"prefix-only forwards differ at positions {_ranges(p.leaking_positions)} ({p.mode})"
+        if p.mode in self.leaks_in:
+            return f"no: {where}; the leak above changes what a prefix sees"
+        why = (
+            f"the capacity of {', '.join(self.sized_from_length)} is sized from the sequence length T"
+            if self.sized_from_length
+            else "the outputs depend on the length T, not on what later positions hold (no future probe moved them)"
         )
+        return f"no: {where}; not a leak by itself: {why}"
 
     def _how_judged(self) -> str:
         compared = sum(p.comparisons for p in self.probes)
         ran = sum(p.ran for p in self.probes)
         parts = [f"{ran} probe runs over {', '.join(self.modes)}, {compared} comparisons"]
         regimes = set(self.regimes.values())
-        if "deterministic" in regimes:
+        if regimes & {"deterministic", "seeded"}:
             tol = max((p.tolerance for p in self.probes if p.compares_forwards), default=0.0)
             parts.append(
                 f"same seed and reset buffers for every forward, a change counts above {tol:.1e} x the scale of "
                 "its entry (|before|, |after| or its row's median |entry|) or as any flip of a routing decision"
             )
-        if "distribution" in regimes or any(p.p_value is not None for p in self.probes):
+        if "seeded" in regimes:
+            seeded = ", ".join(m for m, r in self.regimes.items() if r == "seeded")
             parts.append(
-                f"random targets by permutation tests over seeds (level {self.per_comparison_alpha or 0:.0e} each)"
+                f"random in {seeded} mode: the same seed and input shape give the same draws, so inputs of the "
+                "example's shape are compared as above, other batch sizes and lengths by distribution"
+            )
+        dist = [p for p in self.probes if p.p_value is not None]
+        if dist:
+            draws = max(p.draws for p in dist)
+            smallest = min(p.p_value for p in dist if p.p_value is not None)
+            parts.append(
+                f"{sum(p.comparisons for p in dist if p.regime == 'distribution')} comparisons by permutation tests over "
+                f"up to {draws} seeds per input (level {self.test_level or 0:.0e} each, smallest p {smallest:.0e})"
             )
         nonfinite = sum(self.nonfinite.values())
         if nonfinite:
             parts.append(f"{nonfinite} NaN/inf output entries compared as values")
-        return f"{self.regime} regime; " + "; ".join(parts) + f"; {self.seconds:.1f} s"
+        if self.quick:
+            parts.append(
+                "quick check: half the adversarial cuts" + ("" if "train" in self.modes else ", eval mode only")
+            )
+        cost = f"{self.seconds:.2g} s"
+        if self.forward_seconds > 0:
+            cost += f", {self.forwards} forwards, {self.forward_equivalents:.0f} forward-equivalents"
+        return f"{self.regime} regime; " + "; ".join(parts) + f"; {cost}"
 
     @property
     def max_abs_delta(self) -> float:
@@ -352,14 +540,19 @@ class AuditReport:
             "name": self.name,
             "error": self.error,
             "regime": self.regime,
+            "regimes": self.regimes,
             "nonfinite": self.nonfinite,
+            "noise_floors": self.noise_floors,
             "per_comparison_alpha": self.per_comparison_alpha,
+            "test_level": self.test_level,
             "claimed_causal": None if claimed is None else all(claimed.values()),
             "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],
             "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,
             "claimed_decode_consistent": None if self.claims is None else self.claims.decode_consistent,
             "leaks": None if self.error else self.leaks,
             "leaks_in": self.leaks_in,
+            "inconclusive_in": self.inconclusive_in,
+            "verdict": self.verdict,
             "batch_invariant": self.batch_invariant,
             "decode_consistent": self.decode_consistent,
             "claims_hold": self.claims_hold,
@@ -369,8 +562,17 @@ class AuditReport:
             "routing_flips": self.routing_flips,
             "mechanisms": self.mechanisms,
             "updated_buffers": self.updated_buffers,
+            "outputs": self.outputs,
+            "outputs_not_audited": self.outputs_not_audited,
+            "ids_tried": self.ids_tried,
+            "notes": self.notes,
+            "quick": self.quick,
+            "sized_from_length": self.sized_from_length,
             "agreement": self.agreement,
             "seconds": round(self.seconds, 4),
+            "forwards": self.forwards,
+            "forward_seconds": self.forward_seconds,
+            "forward_equivalents": round(self.forward_equivalents, 1),
             "probes": [p.to_dict() for p in self.probes],
         }
 
@@ -380,12 +582,18 @@ class AuditReport:
 
     def table(self) -> str:
         """A per-probe table of this report (rows: probe x mode)."""
+        many = len(self.outputs) > 1
         head = ("probe", "mode", "found", "max |delta|", "first pos", "affected", "flips", "tolerance", "regime")
-        rows = [
-            (
+        head += ("outputs moved",) if many else ()
+        rows = []
+        for p in self.probes:
+            found = (
+                _LEAK_WORD[p.kind] if p.leaks else ("INCONCLUSIVE" if p.inconclusive else "-" if p.ran else "not run")
+            )
+            row = (
                 p.name,
                 p.mode,
-                _LEAK_WORD[p.kind] if p.leaks else ("-" if p.ran else "not run"),
+                found,
                 f"{p.max_abs_delta:.2e}",
                 "-" if p.first_leaking_position is None else str(p.first_leaking_position),
                 f"{p.fraction_affected:.0%}",
@@ -393,8 +601,7 @@ class AuditReport:
                 f"{p.tolerance:.1e}",
                 _REGIME_SHORT.get(p.regime, p.regime) + ("" if p.p_value is None else f" p={p.p_value:.0e}"),
             )
-            for p in self.probes
-        ]
+            rows.append(row + ((", ".join(p.leaking_outputs) or "-",) if many else ()))
         if self.error:  # no verdict to head the table with
             summary = f"{self.name}: NOT AUDITED: {self.error}"
         else:
@@ -403,30 +610,11 @@ class AuditReport:
                 f"batch-invariant: {_yes(self.batch_invariant)}; decode-consistent: {_yes(self.decode_consistent)}"
                 f"; regime: {self.regime}"
             )
+            if self.inconclusive_in:
+                summary += f"; INCONCLUSIVE in {', '.join(self.inconclusive_in)}"
         if self.false_claims:
             summary += "\nFALSE CLAIMS: " + "; ".join(self.false_claims)
         return "\n".join([summary, *self._probe_notes(), _format(head, rows)])
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def agreement_lines(agreement: dict[str, dict] | None) -> list[str]:
-    """The summary's lines of a report's ``agreement`` (none when there is none)."""
-    if agreement is None:
-        return []
-    if "error" in agreement:
-        return [f"routing agreement not measured: {agreement['error']}"]
-    lines = ["routing agreement (eval; share of (token, layer) pairs routed to the same expert set):"]
-    for name, f in agreement.items():
-        if "skipped" in f:
-            lines.append(f"  {name}: not measured: {f['skipped']}")
-        else:
-            lines.append(
-                f"  {name}: {100 * f['share']:.1f}% of {f['pairs']} pairs ({100 * f['tokens_all_layers']:.1f}% of "
-                f"tokens in every layer): {f['reference']} vs {f['compared']}"
-            )
-    return lines
 
 
 def reports_to_json(reports: list[AuditReport], indent: int | None = 2) -> str:
@@ -435,8 +623,9 @@ def reports_to_json(reports: list[AuditReport], indent: int | None = 2) -> str:
 
 SUMMARY_LEGEND = (
     "causal claim: what the target claims (train only / eval only: causal in that mode); ? = it claims "
-    "nothing (an opaque module: only leaks count). batch-inv, decode: claimed/found. verdict: claims hold, "
-    "FALSE CLAIM (either way), NOT AUDITED; for opaque targets LEAKS or clean."
+    "nothing (an opaque module: only leaks count). batch-inv, decode: claimed/found; decode in the modes the "
+    "claim covers, i.e. those claimed causal ((eval): the claim and the finding are eval mode's). verdict: "
+    "claims hold, FALSE CLAIM (either way), INCONCLUSIVE, NOT AUDITED; for opaque targets LEAKS or clean."
 )
 """Printed under :func:`summary_table`: what its columns and marks mean."""
 
@@ -454,11 +643,35 @@ def summary_table(reports: list[AuditReport]) -> str:
                 _claimed(r.claimed_causal),
                 ",".join(r.leaks_in) or "-",
                 f"{'?' if claims is None else _yes(claims.batch_invariant)}/{_yes(r.batch_invariant)}",
-                f"{'?' if claims is None else _yes(claims.decode_consistent)}/{'same' if r.decode_consistent else 'differs'}",
+                _decode_cell(r),
                 r.verdict,
             )
         )
     return _format(head, rows)
+
+
+def _decode_cell(r: AuditReport) -> str:
+    """claimed/found, in the modes the decode claim covers: a router causal only in eval claims
+    decode consistency in eval, so "yes/same (eval)" where its training mode differs."""
+    claimed = r.claimed_causal
+    if r.claims is None or claimed is None:
+        return f"?/{'same' if r.decode_consistent else 'differs'}"
+    covered = [m for m, c in claimed.items() if c] if r.claims.decode_consistent else list(r.modes)
+    covered = covered or list(r.modes)
+    found = "differs" if any(m in r.decode_differs_in for m in covered) else "same"
+    only = f" ({','.join(covered)})" if len(covered) < len(r.modes) else ""
+    return f"{_yes(r.claims.decode_consistent)}/{found}{only}"
+
+
+def _ids_text(ids: dict[str, list[int]]) -> str:
+    """e.g. "0 (smallest), 255 (largest), 2 (named), 41 of the example's own"."""
+    parts = []
+    for why, values in ids.items():
+        if len(values) <= 6:
+            parts.append(f"{', '.join(map(str, values))} ({why})")
+        else:
+            parts.append(f"{len(values)} ids ({why}: {', '.join(map(str, values[:4]))}, ...)")
+    return "; ".join(parts) + "; and uniform random ids"
 
 
 def _claimed(claimed: dict[str, bool] | None) -> str:
@@ -471,7 +684,7 @@ def _claimed(claimed: dict[str, bool] | None) -> str:
     return " ".join(f"{m} only" for m, c in claimed.items() if c)
 
 
-_REGIME_SHORT = {"deterministic": "det", "distribution": "dist"}
+_REGIME_SHORT = {"deterministic": "det", "seeded": "seeded", "distribution": "dist"}
 """The per-probe table's regime column (the summary line above it spells the regime out)."""
 _LEAK_WORD = {"future": "LEAKS", "batch": "MIXES", "decode": "DIFFERS"}
 """What the per-probe table prints for a probe that saw a change, by kind."""

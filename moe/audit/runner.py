@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe.audit.target import AuditTarget, Outputs, raise_site
+from moe.audit.target import AuditTarget, AuditUsageError, Outputs, raise_site
 
 Draws = tuple[tuple[str, tuple[int, ...]], ...]
 """The random draws of one forward, in order: (aten op, shape of what it drew)."""
@@ -40,7 +40,10 @@ class TargetFailure(Exception):
 
     def __init__(self, shape: tuple[int, ...], error: BaseException) -> None:
         self.shape, self.error, self.where = shape, error, raise_site(error)
-        super().__init__(f"input of shape {shape}: {type(error).__name__}: {error} (raised at {self.where})")
+        if isinstance(error, AuditUsageError):  # the target ran; what it returned is not auditable: no site to show
+            super().__init__(f"input of shape {shape}: {error}")
+        else:
+            super().__init__(f"input of shape {shape}: {type(error).__name__}: {error} (raised at {self.where})")
 
 
 class TargetTimeout(Exception):
@@ -102,6 +105,26 @@ def _warm_up_draw_recording() -> None:
         torch.ones(1) + 1
 
 
+def cost_clock(x: Tensor) -> Callable[[], float]:
+    """The clock the audit's cost is read on: this process's CPU time for a CPU input under one
+    torch thread (a machine shared with other jobs stretches wall time by several times, at
+    random); wall time otherwise (other devices run asynchronously, and idle torch threads that
+    spin burn CPU time that is no work)."""
+    return time.process_time if x.device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
+@dataclass
+class Cost:
+    """What the calls of the target cost so far."""
+
+    forwards: int = 0
+    """Calls of the target (forwards, with or without gradients)."""
+    samples: int = 0
+    """Samples run, summed over calls (a packed forward of P copies of B samples counts P * B)."""
+    seconds: float = 0.0
+    """Time inside the target's forwards (as :attr:`Runner.last_seconds` measures it)."""
+
+
 @dataclass
 class Forward:
     """One call of the target."""
@@ -118,6 +141,9 @@ class Runner:
 
     def __init__(self, target: AuditTarget, seed: int, timeout: float | None = None) -> None:
         self.target, self.seed, self.timeout = target, seed, timeout
+        self.cost = Cost()
+        self.last_seconds = 0.0
+        """How long the last call took, on :func:`cost_clock`."""
         if timeout:
             _warm_up_draw_recording()
 
@@ -139,13 +165,23 @@ class Runner:
         """``call(fresh copy of x)`` after :meth:`_reset`, within the time limit."""
         fresh = x.detach().clone(memory_format=torch.contiguous_format)
         self._reset(seed)
+        clock = cost_clock(x)
+        start = clock()
         try:
             with time_limit(self.timeout):
-                return call(fresh)
+                out = call(fresh)
+                if x.device.type == "cuda":  # the kernels ran when the clock stops, not just their launch
+                    torch.cuda.synchronize(x.device)
+                return out
         except _Expired:
             raise TargetTimeout(tuple(x.shape), self.timeout) from None
         except Exception as e:  # the target's own failure: reported with the shape, never raised
             raise TargetFailure(tuple(x.shape), e) from None
+        finally:
+            self.last_seconds = clock() - start
+            self.cost.forwards += 1
+            self.cost.samples += x.shape[0]
+            self.cost.seconds += self.last_seconds
 
     def forward(self, x: Tensor, seed: int | None = None, record: bool = False) -> Forward:
         """One call of the target on a fresh copy of x; ``record``: also list its random draws

@@ -35,6 +35,8 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("remoe", {"top_k": 2}),
     ("top_p", {"target_experts": 2}),
     ("topk", {"top_k": 2, "null_experts": 4}),
+    ("quantile", {"top_k": 2}),
+    ("seq_topk", {"top_k": 2}),
 ]
 """(router name, options): each option set that changes causality or batch invariance.
 Capacity factor 1.0 makes capacity bind at these small shapes."""

@@ -8,27 +8,42 @@ router call, or integer outputs), E experts.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from moe.audit.outputs import OutputError, Skipped, read_outputs
 from moe.audit.state import TargetState
 from moe.layer import MoELayer
 from moe.model import MoETransformer
 from moe.routing import Claims, Router, Routing
 
-DEFAULT_OUTPUT = "logits"
-"""The field read from a dict / dataclass output when ``output`` is not given and it has one."""
-
 
 class AuditUsageError(ValueError):
     """The target or its input cannot be audited as given (the message says what to fix)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """The columns one output (or one router's decisions) occupies in :class:`Outputs`."""
+
+    name: str
+    """The output's name (:mod:`moe.audit.outputs`), or "routing of NAME" for a router's hooked
+    decisions."""
+    exact: bool
+    """Compared exactly (in ``exact_BTX``): routing masks and integer / bool outputs."""
+    start: int
+    stop: int
+    dtype: torch.dtype | None = None
+    """The dtype the target computed a float output in (its resolution sets the tolerance)."""
+    weights: bool = False
+    """A Routing's dense weights: each entry judged at its token's largest weight, not at the
+    median of a row that is mostly zeros (:func:`~moe.audit.calibration.entry_scale`)."""
 
 
 @dataclass
@@ -36,12 +51,15 @@ class Outputs:
     """What one forward produced, split into what is compared with a tolerance and what exactly."""
 
     value_BTF: Tensor | None
-    """Float outputs (a router's dense weights, a layer's output, logits) in float64; None if
-    there are none. NaN and inf are kept: the comparator compares them as values."""
+    """Float outputs (a router's dense weights, a layer's output, logits; several outputs side by
+    side) in float64; None if there are none. NaN and inf are kept: the comparator compares them
+    as values."""
     exact_BTX: Tensor | None
-    """Exact decisions: routing masks of every router call, or an integer / bool output."""
+    """Exact decisions: routing masks of every router call, or integer / bool outputs."""
     dtype: torch.dtype | None = None
-    """The dtype the target computed value_BTF in (its resolution sets the tolerance)."""
+    """The coarsest dtype of the float outputs (None without float outputs)."""
+    parts: tuple[Part, ...] = ()
+    """Which columns of ``value_BTF`` / ``exact_BTX`` belong to which output."""
 
     def rows(self, start: int, stop: int) -> Outputs:
         """The outputs of samples start..stop-1 (for forwards that ran several copies at once)."""
@@ -49,45 +67,17 @@ class Outputs:
             None if self.value_BTF is None else self.value_BTF[start:stop],
             None if self.exact_BTX is None else self.exact_BTX[start:stop],
             self.dtype,
+            self.parts,
         )
 
-
-def _fields(out: Any) -> list[tuple[str, Any]] | None:
-    """(name, value) of a dict, a dataclass (transformers' ModelOutput is both) or a tuple / list."""
-    if isinstance(out, Mapping):
-        return [(str(k), v) for k, v in out.items()]
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        return [(f.name, getattr(out, f.name)) for f in dataclasses.fields(out)]
-    if isinstance(out, (tuple, list)):
-        return [(str(i), v) for i, v in enumerate(out)]
-    return None
+    @property
+    def float_parts(self) -> tuple[Part, ...]:
+        return tuple(p for p in self.parts if not p.exact)
 
 
-def select_output(out: Any, name: str | None = None) -> Tensor | Routing | None:
-    """The output the audit reads: ``out`` itself when it is a tensor or a Routing; else the field
-    ``name`` (a key, attribute or tuple index); else ``logits`` when present; else the first
-    tensor or Routing, searched depth first. None when there is nothing to read."""
-    if isinstance(out, (Tensor, Routing)):
-        return out
-    fields = _fields(out)
-    if fields is None:
-        return None
-    if name is not None:
-        named = dict(fields)
-        if name not in named:
-            raise AuditUsageError(
-                f"the target's output ({type(out).__name__}) has no field {name!r}; it has: "
-                f"{', '.join(k for k, v in fields if v is not None) or 'nothing'}"
-            )
-        return select_output(named[name])
-    named = dict(fields)
-    if isinstance(named.get(DEFAULT_OUTPUT), Tensor):
-        return named[DEFAULT_OUTPUT]
-    for _, item in fields:
-        found = select_output(item)
-        if found is not None:
-            return found
-    return None
+def coarsest(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    """The float dtype of largest eps among ``dtypes`` (None for none)."""
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
 
 
 def combine_claims(claims: list[Claims]) -> Claims:
@@ -135,10 +125,22 @@ class AuditTarget:
             raise AuditUsageError(f"the audit target must be an nn.Module or a callable, got {type(target).__name__}")
         self.fn = target
         self.output = output
+        """Comma-separated output names to audit (None: every per-position output, :mod:`moe.audit.outputs`)."""
         self.module = target if isinstance(target, nn.Module) else None
-        self.routers: list[Router] = (
-            [m for m in self.module.modules() if isinstance(m, Router)] if self.module is not None else []
-        )
+        named = [(n, m) for n, m in self.module.named_modules() if isinstance(m, Router)] if self.module else []
+        self.routers: list[Router] = [m for _, m in named]
+        self._router_names = {id(m): n or type(m).__name__ for n, m in named}
+        self.time_major: set[str] = set()
+        """Flat [B*T, ...] outputs found to be flattened time-major (row t * B + b), see
+        :func:`moe.audit.engine` (the check); the others are read as rows b * T + t."""
+        self.audited: tuple[str, ...] = ()
+        """The outputs the last forward gave for comparison, with their shapes (for the report)."""
+        self.not_audited: tuple[Skipped, ...] = ()
+        """The outputs of the last forward the audit does not compare, and why."""
+        self.flat_fields: tuple[str, ...] = ()
+        """The outputs of the last forward returned as [B * T, ...]."""
+        self.float_parts: tuple[Part, ...] = ()
+        """The float outputs of the last forward (their dtypes)."""
         self.ids_by_keyword = _takes_input_ids(target)
         self.autograd = False
         """Forwards run with gradients enabled and a float input that requires them (train mode)."""
@@ -174,10 +176,10 @@ class AuditTarget:
             self.module.train(mode == "train")
 
     @contextlib.contextmanager
-    def _router_masks(self, masks: list[Tensor]) -> Iterator[None]:
-        def hook(_module: nn.Module, _inputs: Any, out: Any) -> None:
+    def _router_masks(self, masks: list[tuple[str, Tensor]]) -> Iterator[None]:
+        def hook(module: nn.Module, _inputs: Any, out: Any) -> None:
             if isinstance(out, Routing):
-                masks.append(out.mask())
+                masks.append((f"routing of {self._router_names[id(module)]}", out.mask()))
 
         handles = [r.register_forward_hook(hook) for r in self.routers if r is not self.module]
         try:
@@ -195,7 +197,7 @@ class AuditTarget:
         """Run the target on x [B, T, ...] (the caller's copy: the target may change it) and
         split its outputs (no gradients kept; in train mode the forward builds its graph, as a
         training step does, and the graph is dropped)."""
-        masks: list[Tensor] = []
+        masks: list[tuple[str, Tensor]] = []
         b, t = x.shape[:2]
         with torch.set_grad_enabled(self.autograd), self._router_masks(masks):
             out = self._call(_requiring_grad(x)[1] if self.autograd and x.is_floating_point() else x)
@@ -237,30 +239,58 @@ class AuditTarget:
             return None
         return value, wrt
 
-    def _outputs(self, out: Any, masks: list[Tensor], b: int, t: int, keep_graph: bool) -> Outputs:
-        found = select_output(out, self.output)
-        if found is None:
-            raise AuditUsageError(
-                f"the target returned {type(out).__name__}; it must return a tensor of shape [B, T, ...], "
-                "a Routing, or a tuple / dict / dataclass holding one"
-            )
-        if isinstance(found, Routing):
-            if found.batch_shape != (b, t):
-                raise AuditUsageError(f"the target's Routing covers {found.batch_shape}, the input is [B={b}, T={t}]")
-            value, exact = found.dense(), found.mask().reshape(b, t, -1)
-        else:
-            if found.dim() < 2 or tuple(found.shape[:2]) != (b, t):
-                raise AuditUsageError(
-                    f"the target returned a tensor of shape {tuple(found.shape)} for an input of [B={b}, T={t}, ...]; "
-                    "the audit needs an output of shape [B, T, ...] (position t of the output belonging to input position t)"
-                )
-            value, exact = (found, None) if found.is_floating_point() else (None, found)
-        dtype = value.dtype if value is not None else None
-        if value is not None:
-            value = value.reshape(b, t, -1)
+    def _outputs(self, out: Any, masks: list[tuple[str, Tensor]], b: int, t: int, keep_graph: bool) -> Outputs:
+        """Every audited output side by side: float ones in ``value_BTF`` (float64, or with their
+        graph when ``keep_graph``), exact ones and the hooked routers' masks in ``exact_BTX``."""
+        try:
+            fields, skipped = read_outputs(out, b, t, self.output)
+        except OutputError as e:
+            raise AuditUsageError(str(e)) from None
+        values: list[tuple[str, Tensor]] = []
+        exact: list[tuple[str, Tensor]] = []
+        weights = {f.name for f in fields if isinstance(f.value, Routing)}
+        for f in fields:
+            if isinstance(f.value, Routing):
+                values.append((f.name, f.value.dense()))
+                exact.append((f"{f.name} (kept assignments)", f.value.mask()))
+                continue
+            v = f.value
+            if f.flat and f.name in self.time_major:
+                v = v.reshape(t, b, *v.shape[1:]).transpose(0, 1)
+            elif f.flat:
+                v = v.reshape(b, t, *v.shape[1:])
+            (values if v.is_floating_point() else exact).append((f.name, v))
+        exact += [(name, m) for name, m in masks if tuple(m.shape[:2]) == (b, t)]
+        self.audited = tuple(self._describe(f.name, f.shape, f.flat) for f in fields)
+        self.not_audited = tuple(skipped)
+        self.flat_fields = tuple(f.name for f in fields if f.flat)
+        parts: list[Part] = []
+        value_BTF = exact_BTX = None
+        if values:
+            flat = [v.reshape(b, t, -1) for _, v in values]
+            col = 0
+            for (name, v), w in zip(values, flat):
+                parts.append(Part(name, False, col, col + w.shape[-1], v.dtype, name in weights))
+                col += w.shape[-1]
+            wide = flat[0].dtype if len({w.dtype for w in flat}) == 1 else torch.float64
+            value_BTF = torch.cat([w.to(wide) for w in flat], dim=-1) if len(flat) > 1 else flat[0]
             if not keep_graph:
-                value = value.detach().double()
-        exact_parts = [exact.reshape(b, t, -1).long()] if exact is not None else []
-        exact_parts += [m.reshape(b, t, -1).long() for m in masks if m.shape[:2] == (b, t)]
-        exact_BTX = torch.cat(exact_parts, dim=-1) if exact_parts else None
-        return Outputs(value, exact_BTX, dtype)
+                value_BTF = value_BTF.detach().double()
+        if exact:
+            flat = [m.reshape(b, t, -1).long() for _, m in exact]
+            col = 0
+            for (name, _), w in zip(exact, flat):
+                parts.append(Part(name, True, col, col + w.shape[-1]))
+                col += w.shape[-1]
+            exact_BTX = torch.cat(flat, dim=-1)
+        self.float_parts = tuple(p for p in parts if not p.exact)
+        return Outputs(value_BTF, exact_BTX, coarsest([p.dtype for p in self.float_parts]), tuple(parts))
+
+    def router_name(self, router: Router) -> str:
+        """A router's path in the target (its class name for a router audited on its own)."""
+        return self._router_names[id(router)]
+
+    def _describe(self, name: str, shape: tuple[int, ...], flat: bool) -> str:
+        """e.g. "router_logits.0 [64, 4] (rows b*T+t)"."""
+        order = "" if not flat else " (rows t*B+b)" if name in self.time_major else " (rows b*T+t)"
+        return f"{name} {list(shape)}{order}"

@@ -5,8 +5,10 @@
     python -m moe.data prepare docs.jsonl --out data/docs --tokenizer path/to/hf_tokenizer_folder --workers 4
 
 Bad input is one line on stderr and exit status 2 (nothing is left behind looking complete).
-What a folder held that was not read (files that are not text, cache folders, files left out by
-``--include`` / ``--exclude``) is said in one line, and listed in the manifest.
+What a folder held that was not read (links to files already read, links to nothing, empty
+files, files that are not text, cache folders, files left out by ``--include`` / ``--exclude``)
+is said in one line, and listed in the manifest; so is why a trained tokenizer has fewer tokens
+than ``--train-tokenizer`` asked for.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 from moe.data.files import FileSelection
 from moe.data.prepare import PrepareConfig, prepare
+from moe.data.tokenizer import short_vocabulary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {args['out']}: {manifest['num_tokens']:,} tokens of {manifest['num_documents']:,} documents in "
         f"{len(manifest['shards'])} shards ({manifest['dtype']}, vocabulary {manifest['vocab_size']:,})"
     )
+    if args["train_tokenizer"] is not None and (
+        note := short_vocabulary(args["train_tokenizer"], manifest["vocab_size"])
+    ):
+        print(note)
     return 0
 
 

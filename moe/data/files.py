@@ -1,8 +1,13 @@
 """Which files of a user's folder are their text: the one rule behind both ``--data PATH`` (a
 byte corpus) and ``python -m moe.data prepare INPUT``.
 
-A folder is walked recursively, its files sorted by relative path. Skipped, and counted:
+A folder is walked recursively, following links to folders, its files sorted by relative path.
+Each file is read once: a path that names a file already read (a symbolic link to it, a hard
+link, a file under a linked folder; a folder reached again through a link is not walked again)
+is skipped, and a file's own path is kept before the links to it. Skipped, and counted:
 
+* links to a file or folder already read, and links that point at nothing;
+* empty files (0 bytes: no document);
 * hidden files and folders (a name starting with ``.``: ``.git``, ``.mypy_cache``, ...) and the
   cache folders of :data:`CACHE_DIRS` (``__pycache__``, ``node_modules``, ...);
 * files that ``include`` globs do not match, or ``exclude`` globs do (``fnmatch`` patterns
@@ -76,21 +81,37 @@ class FileSelection:
     """Cache folders skipped whole (:data:`CACHE_DIRS`)."""
     excluded: int = 0
     """Files left out by the include / exclude globs."""
+    already_read: list[str] = field(default_factory=list)
+    """Paths naming a file or folder already read, as ``"link -> the path read"`` (folders end in ``/``)."""
+    broken_links: list[str] = field(default_factory=list)
+    """Links that point at nothing."""
+    empty: list[str] = field(default_factory=list)
+    """Files of 0 bytes."""
 
     def left_out(self) -> dict:
         """What was left out, as a manifest records it (``FileSelection([], **left_out)`` reads it back)."""
-        return {"not_text": self.not_text, "cache_dirs": self.cache_dirs, "excluded": self.excluded}
+        return {
+            "not_text": self.not_text,
+            "cache_dirs": self.cache_dirs,
+            "excluded": self.excluded,
+            "already_read": self.already_read,
+            "broken_links": self.broken_links,
+            "empty": self.empty,
+        }
 
     def skipped(self) -> str:
         """What was left out, in words ("" when nothing was): counts, and the names of the
-        files that are not text (the first :data:`NAMES_SHOWN`)."""
+        files that are not text, read already, broken links or empty (the first :data:`NAMES_SHOWN`)."""
         parts = []
-        if self.not_text:
-            names = ", ".join(self.not_text[:NAMES_SHOWN])
-            more = f" and {len(self.not_text) - NAMES_SHOWN} more" if len(self.not_text) > NAMES_SHOWN else ""
-            parts.append(
-                f"{_count(len(self.not_text), 'file')} that {'is' if len(self.not_text) == 1 else 'are'} not text ({names}{more})"
-            )
+        for names, noun, verb, why in (
+            (self.already_read, "link", "points", "at a file or folder already read"),
+            (self.broken_links, "link", "points", "at nothing"),
+            (self.empty, "file", "is", "empty"),
+            (self.not_text, "file", "is", "not text"),
+        ):
+            if names:
+                verb = verb if len(names) == 1 else {"points": "point", "is": "are"}[verb]
+                parts.append(f"{_count(len(names), noun)} that {verb} {why} ({_names(names)})")
         if self.cache_dirs:
             kinds = ", ".join(sorted({Path(d).name for d in self.cache_dirs}))
             parts.append(f"{_count(len(self.cache_dirs), 'cache folder')} ({kinds})")
@@ -101,6 +122,11 @@ class FileSelection:
 
 def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - NAMES_SHOWN} more" if len(names) > NAMES_SHOWN else ""
+    return ", ".join(names[:NAMES_SHOWN]) + more
 
 
 def select_files(
@@ -119,37 +145,81 @@ def select_files(
         candidates, sel = [p], FileSelection([])
     else:
         candidates, sel = _walk(p, include, exclude)
+        candidates = _each_file_once(p, candidates, sel)
     for f in candidates:
-        if f.suffix in structured or is_text(f):
+        rel = f.name if f == p else f.relative_to(p).as_posix()
+        if f.stat().st_size == 0:
+            sel.empty.append(rel)
+        elif f.suffix in structured or is_text(f):
             sel.files.append(f)
         else:
-            sel.not_text.append(f.name if f == p else f.relative_to(p).as_posix())
+            sel.not_text.append(rel)
     if not sel.files and p.is_file():
-        raise ValueError(f"data file {str(p)!r} is not text (a NUL byte, or mostly not UTF-8)")
+        why = "is empty" if sel.empty else "is not text (a NUL byte, or mostly not UTF-8)"
+        raise ValueError(f"data file {str(p)!r} {why}")
     if not sel.files:
         why = sel.skipped()
         raise ValueError(f"data directory {str(p)!r} holds no text files" + (f" ({why})" if why else ""))
     return sel
 
 
+def _each_file_once(root: Path, candidates: list[Path], sel: FileSelection) -> list[Path]:
+    """``candidates`` (sorted) with each file once, by identity (device and inode, so symbolic
+    and hard links alike): a file's path without a link in it is kept before the paths through
+    links, the rest are recorded in ``sel``; links to nothing are recorded and left out."""
+    real_root = root.resolve()
+    kept: dict[tuple[int, int], Path] = {}
+    for f in sorted(candidates, key=lambda f: f.resolve() != real_root / f.relative_to(root)):  # stable
+        rel = f.relative_to(root).as_posix()
+        try:
+            st = f.stat()
+        except OSError:  # a link to nothing, or to itself
+            sel.broken_links.append(rel)
+            continue
+        first = kept.setdefault((st.st_dev, st.st_ino), f)
+        if first != f:
+            sel.already_read.append(f"{rel} -> {first.relative_to(root).as_posix()}")
+    sel.already_read.sort()
+    sel.broken_links.sort()
+    read = set(kept.values())
+    return [f for f in candidates if f in read]
+
+
 def _walk(root: Path, include: Sequence[str], exclude: Sequence[str]) -> tuple[list[Path], FileSelection]:
     """(the folder's files that pass the name rules, sorted; a selection holding what the
-    name rules skipped)."""
+    name rules skipped). Links to folders are followed once every real folder is walked, each
+    folder once (so a link to an enclosing folder, or to one read already, is recorded and ends)."""
     sel, found = FileSelection([]), []
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        for d in sorted(dirnames):
-            if d in CACHE_DIRS:
-                sel.cache_dirs.append((here / d).relative_to(root).as_posix())
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in CACHE_DIRS]
-        for name in filenames:
-            if name.startswith("."):
-                continue
-            rel = (here / name).relative_to(root).as_posix()
-            wanted = not include or any(fnmatch.fnmatchcase(rel, g) for g in include)
-            if wanted and not any(fnmatch.fnmatchcase(rel, g) for g in exclude):
-                found.append((rel, here / name))
-            else:
-                sel.excluded += 1
+    walked, tops, links = {root.resolve(): root}, [root], []
+    while tops:
+        for dirpath, dirnames, filenames in os.walk(tops.pop(0)):
+            here = Path(dirpath)
+            for d in sorted(dirnames):
+                if d in CACHE_DIRS:
+                    sel.cache_dirs.append((here / d).relative_to(root).as_posix())
+            dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in CACHE_DIRS]
+            for d in dirnames:  # os.walk does not descend into links: they wait for the real folders
+                if (here / d).is_symlink():
+                    links.append(here / d)
+                else:
+                    walked.setdefault((here / d).resolve(), here / d)
+            for name in filenames:
+                if name.startswith("."):
+                    continue
+                rel = (here / name).relative_to(root).as_posix()
+                wanted = not include or any(fnmatch.fnmatchcase(rel, g) for g in include)
+                if wanted and not any(fnmatch.fnmatchcase(rel, g) for g in exclude):
+                    found.append((rel, here / name))
+                else:
+                    sel.excluded += 1
+        if not tops:
+            for link in sorted(links):
+                first = walked.setdefault(link.resolve(), link)
+                if first == link:
+                    tops.append(link)
+                else:
+                    read = first.relative_to(root).as_posix() if first != root else "."
+                    sel.already_read.append(f"{link.relative_to(root).as_posix()}/ -> {read}/")
+            links = []
     sel.cache_dirs.sort()
     return [f for _, f in sorted(found)], sel

@@ -56,6 +56,20 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
     return tokenizer
 
 
+def short_vocabulary(asked: int, got: int) -> str:
+    """Why a BPE trained for ``asked`` tokens has ``got`` (fewer), in one line; "" when it has them
+    all. The trainer merges pairs of tokens within a word only (a piece of the byte-level
+    pre-tokenizer: a run of letters, of digits, of punctuation, of spaces) and stops when no
+    pair is left: every distinct word of its input is then one token."""
+    if got >= asked:
+        return ""
+    return (
+        f"the tokenizer has {got:,} tokens, not the {asked:,} asked for: BPE merges only within words "
+        "(runs of letters, digits, punctuation or spaces) and ran out of pairs to merge once every distinct "
+        "word of the input was one token; more, or more varied, text gives more"
+    )
+
+
 def _folder_eos(folder: Path) -> str | None:
     """The ``eos_token`` of a Hugging Face tokenizer folder's ``tokenizer_config.json``."""
     config = folder / "tokenizer_config.json"

@@ -20,6 +20,16 @@ Both row exchanges are autograd functions whose backward is the reverse exchange
 that sends or receives no rows, or an expert with no rows, is an ordinary case: every rank
 still joins every collective, with zero-length splits.
 
+Rank-deduplicated dispatch (``ExpertParallel(group, dedup=True)``,
+:func:`expert_parallel_ffn_dedup`): a token whose k experts live on m <= k ranks sends its
+row once to each of those m ranks (with, per assignment, the row's index, the local expert
+and the weight), the receiving rank sums the weighted outputs of its experts into one row
+per token, and one row per (token, rank) comes back: U (token, rank) pairs travel instead of
+A assignments, both ways. This is what makes group-limited routing (DeepSeek-V3's
+node-limited routing; its DeepEP dispatch sends a token once per node) cheaper to exchange:
+with the experts' groups mapped to ranks, m <= M. Results equal the per-assignment path to
+rounding (each token's rows are summed per rank first).
+
 Under ``torch.compile`` the exchange runs eagerly (``torch.compiler.disable``): the row
 all-to-all needs its split sizes as Python integers, read from the token counts on the host,
 so no graph can hold it; a block compiles into the graphs before and after it, with one
@@ -39,6 +49,7 @@ from torch import Tensor
 from kernels.reference import gather_rows, scatter_sum, sort_by_expert, token_slots
 from moe.experts import SwiGLUExperts, resolve_backend
 from moe.parallel.timing import PhaseTimer
+from moe.routing import count_indices
 
 T = TypeVar("T")
 
@@ -114,6 +125,19 @@ def exchange_counts(counts_E: Tensor, group=None) -> Tensor:
     return recv.view(size, -1)
 
 
+def _local_block(experts: SwiGLUExperts, num_experts: int, group) -> tuple[int, int, int, int]:
+    """(rank, size of ``group``, start, stop of this rank's experts); ValueError unless
+    ``experts`` holds exactly that block."""
+    rank, size = group_rank_size(group)
+    start, stop = local_expert_range(num_experts, group)
+    if experts.num_experts != stop - start:
+        raise ValueError(
+            f"rank {rank} holds {experts.num_experts} experts but E={num_experts} over {size} ranks "
+            f"needs {stop - start} per rank"
+        )
+    return rank, size, start, stop
+
+
 EAGER_UNDER_COMPILE = (
     "the token exchange runs eagerly between compiled graphs: its all-to-all split sizes are read on the host"
 )
@@ -140,13 +164,7 @@ def expert_parallel_ffn(
     ``moe.experts.BACKENDS``). ``timer`` (benchmarks only) records the phases "dispatch",
     "exchange", "experts", "combine" in forward and marks their boundaries for backward.
     """
-    rank, size = group_rank_size(group)
-    start, stop = local_expert_range(num_experts, group)
-    if experts.num_experts != stop - start:
-        raise ValueError(
-            f"rank {rank} holds {experts.num_experts} experts but E={num_experts} over {size} ranks "
-            f"needs {stop - start} per rank"
-        )
+    _, size, start, stop = _local_block(experts, num_experts, group)
     n = x_ND.shape[0]
     phase = timer.phase if timer is not None else _no_phase
     mark = timer.mark if timer is not None else _no_mark
@@ -185,6 +203,56 @@ def expert_parallel_ffn(
     return y_ND
 
 
+@torch.compiler.disable(reason=EAGER_UNDER_COMPILE)
+def expert_parallel_ffn_dedup(
+    x_ND: Tensor,
+    token_A: Tensor,
+    expert_A: Tensor,
+    weight_A: Tensor,
+    experts: SwiGLUExperts,
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "torch",
+) -> Tensor:
+    """:func:`expert_parallel_ffn` with each token's row sent once per rank that holds one of
+    its experts (see the module docstring): U = distinct (token, rank) pairs rows each way,
+    plus two int64 and one weight per assignment. Collective: every rank of ``group`` calls it."""
+    _, size, start, stop = _local_block(experts, num_experts, group)
+    per_rank = stop - start
+    n = x_ND.shape[0]
+    dest_A = expert_A // per_rank
+    order_S = torch.argsort(dest_A * n + token_A, stable=True)  # by destination, then token
+    dest_S, token_S = dest_A[order_S], token_A[order_S]
+    new_pair_S = torch.ones_like(dest_S, dtype=torch.bool)
+    new_pair_S[1:] = (dest_S[1:] != dest_S[:-1]) | (token_S[1:] != token_S[:-1])
+    pair_S = new_pair_S.long().cumsum(0) - 1
+    pair_token_U, pair_dest_U = token_S[new_pair_S], dest_S[new_pair_S]
+    pairs_P = count_indices(pair_dest_U, size)
+    counts_P2 = torch.stack([pairs_P, count_indices(dest_S, size)], 1)
+    recv_P2 = torch.empty_like(counts_P2)
+    guarded("count exchange", group, lambda: dist.all_to_all_single(recv_P2, counts_P2, group=group))
+    send_rows, send_assign = counts_P2[:, 0].tolist(), counts_P2[:, 1].tolist()
+    recv_rows, recv_assign = recv_P2[:, 0].tolist(), recv_P2[:, 1].tolist()
+    # per assignment: its pair's index within the destination's block, and the local expert
+    first_pair_P = pairs_P.cumsum(0) - pairs_P
+    meta_S2 = torch.stack([pair_S - first_pair_P[dest_S], expert_A[order_S] - dest_S * per_rank], 1)
+    meta_R2 = _all_to_all(meta_S2, recv_assign, send_assign, group)
+    slot_U, num_slots = token_slots(pair_token_U, n)
+    rows_UD = all_to_all_rows(gather_rows(x_ND, pair_token_U, slot_U, num_slots), recv_rows, send_rows, group)
+    weight_R = all_to_all_rows(weight_A[order_S].unsqueeze(1), recv_assign, send_assign, group).squeeze(1)
+    source_R = torch.repeat_interleave(torch.arange(size, device=x_ND.device), recv_P2[:, 1])
+    row_offset_P = recv_P2[:, 0].cumsum(0) - recv_P2[:, 0]
+    row_R = meta_R2[:, 0] + row_offset_P[source_R]
+    weights = (experts.w_gate, experts.w_up, experts.w_down)
+    if rows_UD.shape[0] > 0:
+        ffn = resolve_backend(backend, x_ND.device)
+        y_UD = ffn(rows_UD, row_R, meta_R2[:, 1], weight_R.to(rows_UD.dtype), *weights)
+    else:  # keep the backward joined to the reverse exchanges (see expert_parallel_ffn)
+        y_UD = rows_UD + sum(w.sum() for w in weights) * 0 + weight_R.sum() * 0
+    back_UD = all_to_all_rows(y_UD, send_rows, recv_rows, group)
+    return scatter_sum(back_UD, pair_token_U, slot_U, num_slots, n)
+
+
 class ExpertParallel:
     """The expert-parallel data path handed to an ``MoELayer`` (``moe.layer`` never imports
     this package): the process group the experts are split over and the dispatch ->
@@ -194,17 +262,20 @@ class ExpertParallel:
         layer = MoELayer(512, 1024, 8, expert_parallel=ep)
 
     ``moe.parallel`` finds expert-parallel layers by this object (see
-    ``moe.parallel.state.expert_parallel_layers``), never by their class. ``mesh`` (optional):
+    ``moe.parallel.state.expert_parallel_layers``), never by their class. ``dedup=True`` sends
+    a token's row once per rank holding one of its experts (:func:`expert_parallel_ffn_dedup`)
+    instead of once per assignment. ``mesh`` (optional):
     the run's full DeviceMesh, whose ``"ep"`` dim is ``group``; sharded checkpoints describe
     the experts on it (``moe.parallel.sharded_state``).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, mesh=None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, mesh=None, dedup: bool = False) -> None:
         group_rank_size(group)  # a clear error when torch.distributed is not initialised
         if mesh is not None and "ep" not in (mesh.mesh_dim_names or ()):
             raise ValueError(f"the mesh of an ExpertParallel needs an 'ep' dim, got {mesh.mesh_dim_names}")
         self.group = group
         self.mesh = mesh
+        self.dedup = dedup
 
     def local_range(self, num_experts: int) -> tuple[int, int]:
         """[start, stop) of the experts this rank holds."""
@@ -221,6 +292,12 @@ class ExpertParallel:
         backend: str = "torch",
         timer: PhaseTimer | None = None,
     ) -> Tensor:
+        if self.dedup:
+            if timer is not None:
+                raise ValueError("the phase timer measures the per-assignment exchange only (dedup=False)")
+            return expert_parallel_ffn_dedup(
+                x_ND, token_A, expert_A, weight_A, experts, num_experts, self.group, backend
+            )
         return expert_parallel_ffn(x_ND, token_A, expert_A, weight_A, experts, num_experts, self.group, backend, timer)
 
     def __repr__(self) -> str:

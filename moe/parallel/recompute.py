@@ -5,8 +5,9 @@ Modes (``apply_activation_checkpointing(blocks, mode)``):
 * ``"none"``: every activation is kept (the default);
 * ``"full"``: a block keeps only its input; the backward runs its forward again;
 * ``"selective"``: a block keeps the outputs of its matrix products and attention (the
-  expensive ops) and recomputes everything else (norms, activations, routing, gathers), an
-  op-level policy through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+  expensive ops; with ``backend="grouped_mm"`` the experts' grouped-GEMM operator, whose
+  outputs are its products) and recomputes everything else (norms, activations, routing,
+  gathers), an op-level policy through ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
 
 Losses and gradients equal the run without checkpointing: the recomputed forward repeats the
 same deterministic ops on the same inputs. Blocks may update buffers during their forward
@@ -36,6 +37,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from kernels.torch_grouped import GROUPED_FFN_OP
+
 MODES = ("none", "full", "selective")
 TRACED_REFUSAL = (
     "a checkpointed block must not be traced by torch.compile (the recomputation would replay the routers' buffer "
@@ -56,6 +59,7 @@ SAVED_OPS = frozenset(
         _aten._scaled_dot_product_flash_attention.default,
         _aten._scaled_dot_product_efficient_attention.default,
         getattr(getattr(_aten, "_scaled_dot_product_flash_attention_for_cpu", None), "default", None),
+        GROUPED_FFN_OP,
     )
     if op is not None
 )

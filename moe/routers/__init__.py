@@ -5,7 +5,9 @@ from moe.routers.capacity import CapacityRouter
 from moe.routers.ec_predictor import ExpertChoicePredictorRouter
 from moe.routers.ec_threshold import ExpertChoiceThresholdRouter
 from moe.routers.expert_choice import ExpertChoiceRouter
+from moe.routers.quantile import QuantileBalancingRouter
 from moe.routers.remoe import ReLURouter
+from moe.routers.seq_topk import SeqTopKRouter
 from moe.routers.token_choice import TokenChoiceBase, TopKRouter
 from moe.routers.top_p import TopPRouter
 from moe.routing import Router, registered_routers
@@ -34,7 +36,9 @@ __all__ = [
     "ExpertChoicePredictorRouter",
     "ExpertChoiceRouter",
     "ExpertChoiceThresholdRouter",
+    "QuantileBalancingRouter",
     "ReLURouter",
+    "SeqTopKRouter",
     "TokenChoiceBase",
     "TopKRouter",
     "TopPRouter",

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from moe.routers.replayed import weights_given_choices
 from moe.routers.token_choice import TokenChoiceBase
 from moe.routing import (
     Claims,
@@ -55,7 +54,6 @@ from moe.routing import (
     capacity_per_group,
     rank_within_segments,
     register_router,
-    slot_pairs,
     sort_into_segments,
 )
 
@@ -163,29 +161,17 @@ class CapacityRouter(TokenChoiceBase):
         self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
     ) -> Routing:
         """The given experts kept, nothing dropped. The record holds the kept experts only, so
-        weights are normalised (``normalize``) over the token's current top-k choices, before
-        drops as in :meth:`route` (a dropped choice keeps losing its share; see
-        ``moe.routers.replayed.weights_given_choices``), and the Switch loss counts those choices. A
-        decode state's kept counts are left as they were."""
-        n, k = logits_NE.shape[0], self.top_k
-        probs_NE, choice_NK, weight_NK = self.select(logits_NE)
-        token_A, slot_A = slot_pairs(expert_NK)
-        expert_A = expert_NK[token_A, slot_A]
-        self.record_load(expert_A)
-        stats = self._stats(expert_A, n * k)
-        group_size = batch_shape[1] if self.group == "sequence" else n
-        capacity = capacity_per_group(self.capacity_factor, group_size, k, self.num_experts)
-        stats["capacity"] = torch.full((), capacity, device=logits_NE.device)
-        return Routing(
-            token=token_A,
-            expert=expert_A,
-            weight=weights_given_choices(expert_NK, choice_NK, weight_NK, probs_NE, self.normalize)[token_A, slot_A],
-            num_tokens=n,
-            num_experts=self.num_experts,
-            aux_loss=self._aux_loss(logits_NE, probs_NE, choice_NK.reshape(-1)),
-            stats=stats,
-            batch_shape=batch_shape,
-        )
+        their weights are taken beside the token's current top-k choices, before drops as in
+        :meth:`route` (a dropped choice keeps its share; see
+        :meth:`~moe.routers.token_choice.TokenChoiceBase.weights_beside_choices`); the aux
+        losses are a forward's (they count the current top-k whatever was kept). A decode
+        state's kept counts are left as they were."""
+        scores_NE, weight_NK = self.weights_beside_choices(logits_NE, expert_NK)
+        routing = self.replayed_routing(logits_NE, scores_NE, expert_NK, weight_NK, batch_shape)
+        group_size = batch_shape[1] if self.group == "sequence" else logits_NE.shape[0]
+        capacity = capacity_per_group(self.capacity_factor, group_size, self.top_k, self.num_experts)
+        routing.stats["capacity"] = torch.full((), capacity, device=logits_NE.device)
+        return routing
 
     def _route(self, logits_NE: Tensor, batch_shape: tuple[int, int], state: CapacityDecodeState | None) -> Routing:
         """Route B sequences of T tokens; with ``state`` (prefix scope only) they are positions
@@ -193,7 +179,7 @@ class CapacityRouter(TokenChoiceBase):
         b, t = batch_shape
         n, e, k = logits_NE.shape[0], self.num_experts, self.top_k
         dev = logits_NE.device
-        probs_NE, expert_NK, weight_NK = self.select(logits_NE)
+        scores_NE, expert_NK, weight_NK = self.select(logits_NE)
 
         # Candidate assignments in token-major order: a = n*K + j.
         expert_A = expert_NK.reshape(-1)
@@ -212,7 +198,7 @@ class CapacityRouter(TokenChoiceBase):
         elif self.priority == "choice":
             priority_A = (choice_A * n + t_A * b + b_A).double()
         else:
-            priority_A = -probs_NE.detach().gather(1, expert_NK).reshape(-1).double()
+            priority_A = -scores_NE.detach().gather(1, expert_NK).reshape(-1).double()
 
         capacity = capacity_per_group(self.capacity_factor, group_size, k, e)
         if self.capacity_scope == "group":
@@ -242,7 +228,7 @@ class CapacityRouter(TokenChoiceBase):
             weight=weight_A,
             num_tokens=n,
             num_experts=e,
-            aux_loss=self._aux_loss(logits_NE, probs_NE, expert_NK.reshape(-1)),
+            aux_loss=self.token_choice_aux_loss(logits_NE, scores_NE, batch_shape),
             stats=stats,
             batch_shape=batch_shape,
             valid=valid_A,

@@ -38,12 +38,13 @@ from torch import Tensor
 from moe.checks import positive_int
 from moe.routers.expert_choice import ExpertChoiceRouter
 from moe.routing import (
+    SCORE_FUNCTIONS,
     Routing,
     TokenLocalRouter,
     capacity_per_group,
     count_indices,
     register_router,
-    softmax_or_sigmoid,
+    router_scores,
 )
 
 
@@ -54,9 +55,13 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
     Options: ``capacity_factor`` and ``group`` (define the expert-choice statistic being
     tracked), ``statistic`` ("group" | "population", see the module docstring),
     ``population_bins`` (histogram resolution of "population", default 4096), ``score``
-    ("softmax" | "sigmoid": the per-expert score compared with the threshold and used as the
-    combine weight), ``momentum`` (EMA decay, default 0.99), ``aux_loss_coef`` (Switch loss on
-    the thresholded assignments, default 0.01; 0 for Expert Threshold routing), ``z_loss_coef``.
+    ("softmax" | "sigmoid" | "sqrtsoftplus", :func:`moe.routing.router_scores`: the per-expert
+    score compared with the threshold and used as the combine weight; "sqrtsoftplus" is
+    unbounded, so only with ``statistic="group"``: the population's histogram covers [0, 1]),
+    ``route_scale`` (a constant factor on the combine weights, torchtitan's ``route_scale``;
+    default 1), ``momentum`` (EMA decay, default 0.99), ``aux_loss_coef`` (Switch loss on the
+    thresholded assignments, default 0.01; 0 for Expert Threshold routing),
+    ``seq_aux_loss_coef``, ``global_aux_loss_coef``, ``z_loss_coef``.
     """
 
     def __init__(
@@ -68,6 +73,7 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
         statistic: str = "group",
         population_bins: int = 4096,
         score: str = "softmax",
+        route_scale: float = 1.0,
         **options,
     ) -> None:
         super().__init__(d_model, num_experts, **options)
@@ -75,8 +81,13 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if statistic not in ("group", "population"):
             raise ValueError(f"statistic must be 'group' or 'population', got {statistic!r}")
-        if score not in ("softmax", "sigmoid"):
-            raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+        if score not in SCORE_FUNCTIONS:
+            raise ValueError(f"score must be one of {', '.join(map(repr, SCORE_FUNCTIONS))}, got {score!r}")
+        if score == "sqrtsoftplus" and statistic == "population":
+            raise ValueError("score='sqrtsoftplus' is unbounded: the population histogram covers [0, 1] (use 'group')")
+        if not route_scale > 0:
+            raise ValueError(f"route_scale must be > 0, got {route_scale!r}")
+        self.route_scale = float(route_scale)
         positive_int("population_bins", population_bins)
         self.momentum = momentum
         self.statistic = statistic
@@ -97,14 +108,14 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
     def _route(
         self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
     ) -> Routing:
-        probs_NE = softmax_or_sigmoid(logits_NE, self.score)
+        probs_NE = router_scores(logits_NE, self.score)
         mask_NE = probs_NE.detach() >= self.threshold.to(probs_NE.dtype) if chosen_NE is None else chosen_NE
         token_A, expert_A = mask_NE.nonzero(as_tuple=True)
         if record:
             self._record_cutoffs(probs_NE.detach(), batch_shape)
-        routing = self.make_routing(
-            logits_NE, probs_NE, token_A, expert_A, batch_shape, aux=self._aux_loss(logits_NE, probs_NE, expert_A)
-        )
+        aux = self._aux_loss(logits_NE, probs_NE, expert_A, token_A, batch_shape)
+        weights_NE = probs_NE * self.route_scale if self.route_scale != 1.0 else probs_NE
+        routing = self.make_routing(logits_NE, weights_NE, token_A, expert_A, batch_shape, aux=aux)
         routing.stats["threshold"] = self.threshold
         return routing
 

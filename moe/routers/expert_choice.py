@@ -57,6 +57,17 @@ class ExpertChoiceRouter(Router):
     def claims(self) -> Claims:
         return Claims(causal_train=False, causal_eval=False, batch_invariant=self.group == "sequence")
 
+    def decode_support(self) -> str | None:
+        """Why this router cannot decode (None if it can), and what to do instead."""
+        reason = super().decode_support()
+        if reason is None:
+            return None
+        return (
+            f"{reason}; to decode with a cache, train with ec_threshold (causal thresholds learned from expert "
+            "choice) or ec_predictor; to generate from this model, recompute every step without the cache "
+            "(generate(..., recompute=True); transformers: outside decoding(), use_cache=False)"
+        )
+
     def nominal_experts_per_token(self) -> float:
         return min(self.capacity_factor, float(self.num_experts))  # E experts x C = cf * S / E tokens, over S
 

@@ -36,7 +36,10 @@ class TopPRouter(TokenLocalRouter):
     many experts per token; default E), ``target_experts`` (None: p stays fixed; a number in
     [1, max_k]: p is adapted to hold the mean experts per token there), ``p_rate`` (p's step,
     default 0.002), ``entropy_loss_coef`` (default 1e-4), ``normalize`` (renormalise the kept
-    weights to sum to 1, default True), ``aux_loss_coef``, ``z_loss_coef``.
+    weights to sum to 1, default True), ``route_scale`` (a constant factor on the combine
+    weights, torchtitan's ``route_scale``; default 1), ``aux_loss_coef``,
+    ``seq_aux_loss_coef``, ``global_aux_loss_coef``, ``z_loss_coef``. The score is the
+    softmax only: a mass threshold needs scores that form a distribution.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class TopPRouter(TokenLocalRouter):
         p_rate: float = 0.002,
         entropy_loss_coef: float = 1e-4,
         normalize: bool = True,
+        route_scale: float = 1.0,
         **base,
     ) -> None:
         super().__init__(d_model, num_experts, **base)
@@ -67,6 +71,9 @@ class TopPRouter(TokenLocalRouter):
         self.p_rate = float(p_rate)
         self.entropy_loss_coef = float(entropy_loss_coef)
         self.normalize = bool(normalize)
+        if not route_scale > 0:
+            raise ValueError(f"route_scale must be > 0, got {route_scale!r}")
+        self.route_scale = float(route_scale)
         self.register_buffer("p", torch.full((), float(p), dtype=torch.float64))
         self._track_active_experts()
 
@@ -83,7 +90,7 @@ class TopPRouter(TokenLocalRouter):
         weight_NE = probs_NE
         if self.normalize:  # dense, then gathered: (token, expert) pairs are distinct, so no backward sums into one row
             weight_NE = probs_NE / (probs_NE * keep_NE).sum(-1, keepdim=True).clamp_min(1e-20)
-        weight_A = weight_NE[token_A, expert_A]
+        weight_A = weight_NE[token_A, expert_A] * self.route_scale
         if record:
             self._record_active(keep_NE)
         entropy = -(probs_NE * torch.log(probs_NE.clamp_min(1e-20))).sum(-1).mean()
@@ -93,7 +100,8 @@ class TopPRouter(TokenLocalRouter):
             weight=weight_A,
             num_tokens=n,
             num_experts=e,
-            aux_loss=self._aux_loss(logits_NE, probs_NE, expert_A) + self.entropy_loss_coef * entropy,
+            aux_loss=self._aux_loss(logits_NE, probs_NE, expert_A, token_A, batch_shape)
+            + self.entropy_loss_coef * entropy,
             stats={**served_stats(token_A, expert_A, n, e), "p": self.p.clone()},
             batch_shape=batch_shape,
         )

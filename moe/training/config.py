@@ -88,6 +88,11 @@ class TrainConfig:
             raise ValueError(
                 "pipeline_parallel runs the preset model over a reliable network: no packet_loss or hf_model"
             )
+        if par.pipeline_parallel > 1 and par.microbatches > 1 and m.router_options.get("global_aux_loss_coef", 0) > 0:
+            raise ValueError(
+                "global_aux_loss_coef over several microbatches counts the whole batch in a forward first, which "
+                "pipeline_parallel does not run: use microbatches=1 or no pipeline"
+            )
         if self.data.batch_size % par.microbatches:
             raise ValueError(f"batch_size={self.data.batch_size} is not divisible by microbatches={par.microbatches}")
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -110,11 +111,27 @@ class Session:
     report: RunReport
     entropy: RouterEntropy
     num_experts: int
+    steps_done: int = 0
+    """Steps finished and reported so far: where an interruption left the run."""
 
 
 class SetupError(ValueError):
     """The run cannot start as configured (a user error: ``experiments/train.py`` prints it in
     one line and exits 2)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped a run after it started stepping, and where: still a
+    KeyboardInterrupt to a caller of :func:`train`; ``experiments/train.py`` says it in one line
+    (:func:`moe.training.cli.main`)."""
+
+    def __init__(self, steps_done: int, steps: int, checkpoint_dir: Path | None, checkpoint: Path | None) -> None:
+        super().__init__(f"interrupted after step {steps_done} of {steps}")
+        self.steps_done, self.steps = steps_done, steps
+        self.checkpoint_dir = checkpoint_dir
+        """The run's --checkpoint-dir (None: it writes none)."""
+        self.checkpoint = checkpoint
+        """The last complete checkpoint there, which --resume loads (None: none yet)."""
 
 
 def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
@@ -126,7 +143,15 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
             session = prepare(cfg, corpus, info)
         except ValueError as e:
             raise SetupError(str(e)) from e
-        return run(session)
+        try:
+            return run(session)
+        except KeyboardInterrupt:
+            session.report.interrupted()
+            directory = cfg.checkpoint.directory
+            found = complete_checkpoints(directory) if directory is not None else []
+            raise Interrupted(
+                session.steps_done, cfg.optimizer.steps, directory, found[-1] if found else None
+            ) from None
     finally:
         if info.owns_group:
             dist.destroy_process_group()
@@ -151,6 +176,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
         corpus,
         total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters(),
         place.layout if info.world_size > 1 else None,
+        place.model.architecture if cfg.model.hf_model else None,
     )
     for line in resumed:
         report.say(line)
@@ -264,6 +290,7 @@ def run_eval(s: Session) -> dict:
         e.causal_stride,
         e.eval_batch_size,
         s.info.device,
+        causal_batch_size=e.causal_batch_size,
     )
 
 
@@ -274,6 +301,7 @@ def run(s: Session) -> TrainResult:
     final_eval: dict = {}
     train_time = 0.0
     place.model.train()
+    s.steps_done = s.start
     for step in range(s.start + 1, last + 1):
         record, dt = train_step(s, step)
         train_time += dt
@@ -282,6 +310,7 @@ def run(s: Session) -> TrainResult:
             record.update({f"eval/{k}": v for k, v in ev.items()})
             final_eval = ev if step == last else final_eval
         s.report.step(record)
+        s.steps_done = step
         if cfg.checkpoint.due(step, last):
             save_checkpoint(
                 cfg.checkpoint.directory,

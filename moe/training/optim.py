@@ -46,12 +46,16 @@ class OptimizerConfig:
             positive_int("schedule_steps", self.schedule_steps)
         if self.warmup_steps is not None:
             nonnegative_int("warmup_steps", self.warmup_steps)
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(
-                f"need lr > 0 and 0 <= min_lr_ratio <= 1, got lr={self.lr}, min_lr_ratio={self.min_lr_ratio}"
-            )
-        if self.weight_decay < 0 or self.grad_clip < 0 or not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError("need weight_decay >= 0, grad_clip >= 0 and betas in [0, 1)")
+        for name, ok, rule in (  # each value is judged alone: an error names only what is wrong
+            ("lr", self.lr > 0, "> 0"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("grad_clip", self.grad_clip >= 0, ">= 0"),
+            ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}")
 
     @property
     def schedule(self) -> int:

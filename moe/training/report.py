@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from moe.eval import format_difference
 from moe.model import ModelConfig
 from moe.training.checkpoint_files import truncate_jsonl
 from moe.training.config import TrainConfig
@@ -101,13 +102,15 @@ class RunReport:
         if line and self.main and self.log.log_every:
             tqdm.write(line)
 
-    def banner(self, corpus, num_params: int, layout=None) -> None:
-        """What is trained on what: the whole model's parameter count (not a rank's shard) and,
-        on more than one process, the mesh layout."""
+    def banner(self, corpus, num_params: int, layout=None, architecture: str | None = None) -> None:
+        """What is trained on what: the model (a transformers ``architecture`` named, from which
+        ``--hf-model``), the whole model's parameter count (not a rank's shard) and, on more than
+        one process, the mesh layout."""
         where = f"; mesh {layout}" if layout is not None else ""
+        which = f"transformers {architecture} ({self.cfg.model.hf_model}), " if architecture else ""
         self.say(
             f"data: {corpus.source}; {corpus.train.numel():,} train / {corpus.val.numel():,} val tokens; "
-            f"model: {num_params:,} parameters, router {self.cfg.model.router} {self.cfg.model.router_options}"
+            f"model: {which}{num_params:,} parameters, router {self.cfg.model.router} {self.cfg.model.router_options}"
             f"{where}"
         )
 
@@ -126,6 +129,12 @@ class RunReport:
         step, every = record["step"], self.log.log_every
         if every and (step % every == 0 or step == self.cfg.optimizer.steps):
             self.say(log_line(record))
+
+    def interrupted(self) -> None:
+        """Ctrl-C stopped the run: the progress bar ends its line, the wandb run ends as failed."""
+        self.bar.close()
+        if self.run is not None:
+            self.run.finish(exit_code=130)
 
     def close(self, final_eval: dict) -> None:
         self.bar.close()
@@ -147,6 +156,6 @@ def log_line(record: dict) -> str:
     if "eval/causal_loss" in record:
         line += (
             f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
-            f"{record['eval/causal_loss']:.4f} gap {record['eval/leakage_gap']:+.4f}"
+            f"{record['eval/causal_loss']:.4f} gap {format_difference(record['eval/leakage_gap'])}"
         )
     return line

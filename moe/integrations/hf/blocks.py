@@ -6,7 +6,10 @@ K experts per token.
 Every supported family (transformers 5.x) stores its experts the same way (``gate_up_proj``
 [E, 2F, D], ``down_proj`` [E, D, F], SiLU) and gates with ``softmax(x W^T)`` over the E
 experts followed by the top K, renormalised or not; they differ in where K and the
-renormalisation live and in their shared expert. :data:`FAMILIES` says so per block class.
+renormalisation live and in their shared expert. DeepSeek-V3 gates with sigmoid scores, a
+fixed ``e_score_correction_bias`` for selection, group-limited top-K (``n_group``,
+``topk_group``) and ``routed_scaling_factor``, which ``topk`` reproduces with its balance bias
+sharing that buffer. :data:`FAMILIES` says so per block class.
 The replacement block shares the original's parameters (the gate weight becomes the
 router's gate weight, the expert tensors are viewed by ``FusedSwiGLUExperts``): nothing is
 copied, and a swapped checkpoint keeps its parameter objects.
@@ -36,8 +39,13 @@ class Family:
     normalize: bool | None
     """Whether the K kept probabilities are renormalised to sum to 1; None: the gate's
     ``norm_topk_prob`` says (a config field)."""
-    shared_expert: bool = False
-    """Whether the block adds ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (Qwen2-MoE)."""
+    shared_expert: str | None = None
+    """Attribute of the block's shared expert(s), added to the routed output; None: none."""
+    shared_expert_gate: str | None = None
+    """Attribute of the linear whose sigmoid scales the shared output per token (Qwen2-MoE);
+    None: the shared output is added as it is (DeepSeek-V3)."""
+    deepseek_gate: bool = False
+    """The gate is DeepSeek-V3's ``DeepseekV3TopkRouter`` (sigmoid, bias, groups, scale)."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -51,8 +59,10 @@ FAMILIES: dict[str, Family] = {
     "FlexOlmoSparseMoeBlock": Family("gate", normalize=None),
     "Qwen3MoeSparseMoeBlock": Family("gate", normalize=None),
     # ... plus a sigmoid-gated shared expert
-    "Qwen2MoeSparseMoeBlock": Family("gate", normalize=None, shared_expert=True),
-    "Qwen3NextSparseMoeBlock": Family("gate", normalize=None, shared_expert=True),
+    "Qwen2MoeSparseMoeBlock": Family("gate", None, "shared_expert", "shared_expert_gate"),
+    "Qwen3NextSparseMoeBlock": Family("gate", None, "shared_expert", "shared_expert_gate"),
+    # sigmoid + correction bias, group-limited top-k, renormalise iff norm_topk_prob, scale; shared experts
+    "DeepseekV3MoE": Family("gate", None, "shared_experts", deepseek_gate=True),
 }
 """Block class name -> its family. Blocks of other classes are left alone."""
 
@@ -66,7 +76,7 @@ class HFMoEBlock(nn.Module):
 
     ``moe`` routes with any registered router and runs the original experts' weights; a
     shared expert, where the family has one, is the original module, added as the original
-    adds it. After each forward, ``routing`` holds that forward's :class:`moe.Routing` (aux
+    adds it (scaled by ``sigmoid(shared_expert_gate(x))`` where the family gates it). After each forward, ``routing`` holds that forward's :class:`moe.Routing` (aux
     loss, stats); :func:`swapped_routings` collects them over a model. Inside
     :func:`decoding`, ``decode_state`` is set and each call routes the next tokens of the
     sequences being generated (transformers' ``generate`` with its KV cache passes only those).
@@ -85,13 +95,17 @@ class HFMoEBlock(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         y_BTD, self.routing = self.moe(hidden_states, return_routing=True, decode_state=self.decode_state)
         if self.shared_expert is not None:
-            y_BTD = y_BTD + torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+            shared_BTD = self.shared_expert(hidden_states)
+            if self.shared_expert_gate is not None:
+                shared_BTD = torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared_BTD
+            y_BTD = y_BTD + shared_BTD
         return y_BTD
 
 
-def family_router_options(router: str, top_k: int, normalize: bool) -> dict:
+def family_router_options(router: str, top_k: int, normalize: bool, token_choice: dict | None = None) -> dict:
     """The options that make ``router`` spend the family's compute: token-choice routers get the
-    family's K and renormalisation (so ``topk`` reproduces the family exactly), expert-choice
+    family's K and renormalisation, and ``token_choice`` (the rest of the family's top-k: DeepSeek-V3's
+    score function, groups and scale), so ``topk`` reproduces the family exactly; expert-choice
     routers ``capacity_factor=K`` (each expert keeps K/E of the tokens: K experts per token on
     average). Other routers get nothing."""
     known = registered_routers()
@@ -99,7 +113,7 @@ def family_router_options(router: str, top_k: int, normalize: bool) -> dict:
         raise ValueError(f"unknown router {router!r}; known routers: {', '.join(sorted(known))}")
     cls = known[router]
     if issubclass(cls, TokenChoiceBase):
-        return {"top_k": top_k, "normalize": normalize}
+        return {"top_k": top_k, "normalize": normalize, **(token_choice or {})}
     if issubclass(cls, ExpertChoiceRouter):
         return {"capacity_factor": float(top_k)}
     return {}
@@ -145,15 +159,30 @@ def swap_block(
             f"{experts.gate_up_proj.shape[0]} x {experts.gate_up_proj.shape[2]}"
         )
     fused = _local_experts(experts.gate_up_proj, experts.down_proj, expert_parallel)
-    options = {**family_router_options(router, gate.top_k, bool(normalize)), **router_options}
+    own = deepseek_router_options(gate) if family.deepseek_gate else None
+    options = {**family_router_options(router, gate.top_k, bool(normalize), own), **router_options}
     moe_router = build_router(router, d_model=d, num_experts=e, **options)
     moe_router.gate.weight = gate.weight
+    if family.deepseek_gate and isinstance(moe_router, TokenChoiceBase):
+        moe_router.balance_bias = gate.e_score_correction_bias  # shared: the buffer is the balance bias
     layer = MoELayer(
         d, fused.d_ff, e, router=moe_router, backend=backend, expert_parallel=expert_parallel, experts=fused
     )
-    if family.shared_expert:
-        return HFMoEBlock(layer, block.shared_expert, block.shared_expert_gate)
-    return HFMoEBlock(layer)
+    shared = None if family.shared_expert is None else getattr(block, family.shared_expert)
+    shared_gate = None if family.shared_expert_gate is None else getattr(block, family.shared_expert_gate)
+    return HFMoEBlock(layer, shared, shared_gate)
+
+
+def deepseek_router_options(gate: nn.Module) -> dict:
+    """The ``topk`` options of a transformers ``DeepseekV3TopkRouter`` (modeling_deepseek_v3.py):
+    sigmoid scores, ``n_group`` groups of which each token keeps ``topk_group`` (scored by the
+    sum of their best two biased scores), the kept weights renormalised iff ``norm_topk_prob``
+    and scaled by ``routed_scaling_factor``. Its ``e_score_correction_bias`` becomes the
+    router's ``balance_bias`` (added for selection only, as DeepSeek-V3 adds it)."""
+    options = {"gate": "sigmoid", "route_scale": float(gate.routed_scaling_factor)}
+    if gate.num_group is not None and gate.num_group > 1:
+        options.update(num_expert_groups=int(gate.num_group), num_limited_groups=int(gate.topk_group))
+    return options
 
 
 def swap_moe_blocks(
@@ -161,12 +190,12 @@ def swap_moe_blocks(
 ) -> nn.Module:
     """Replace, in place, every sparse MoE block of a transformers model (a class in
     :data:`FAMILIES`: Mixtral, MiniMax, GraniteMoE, OLMoE, FlexOlmo, Qwen2-MoE, Qwen3-MoE,
-    Qwen3-Next) by an :class:`HFMoEBlock` routing with ``router``; return the model.
+    Qwen3-Next, DeepSeek-V3) by an :class:`HFMoEBlock` routing with ``router``; return the model.
 
     The new blocks share the original parameters (no copy). ``router_options`` go to
     ``moe.build_router`` on top of the family's own (see :func:`family_router_options`):
     ``swap_moe_blocks(model, "topk")`` computes what the original model computes.
-    ``backend`` is ``MoELayer``'s ("torch", "triton", "auto"). With ``expert_parallel`` (a
+    ``backend`` is ``MoELayer``'s ("torch", "triton", "grouped_mm", "auto"). With ``expert_parallel`` (a
     ``moe.parallel.ExpertParallel``) each block keeps only this rank's experts (copies of
     their slice) and exchanges tokens with the other ranks, as ``MoELayer`` does.
 

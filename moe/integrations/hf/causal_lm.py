@@ -41,8 +41,26 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
             "head_dim": 16,
         },
     ),
+    "deepseek-v3-tiny": (
+        "deepseek_v3",
+        {
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "intermediate_size": 64,
+            "first_k_dense_replace": 0,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        },
+    ),
 }
-"""Name -> (transformers model_type, family-specific fields) of the built-in tiny random configs."""
+"""Name -> (transformers model_type, family-specific fields) of the built-in tiny random configs
+(DeepSeek-V3: 8 routed experts in 4 groups, 2 groups per token, one shared expert)."""
 
 TINY_COMMON = {
     "hidden_size": 64,
@@ -197,6 +215,15 @@ class HFCausalLM(nn.Module):
     def num_parameters(self) -> int:
         """All parameters (shared ones once)."""
         return sum(p.numel() for p in self.parameters())
+
+    @property
+    def architecture(self) -> str:
+        """The wrapped model's transformers class (``OlmoeForCausalLM``), named by its config's
+        model type (the class itself is renamed once FSDP2 shards it)."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        model_type = self.hf.config.model_type
+        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)
 
 
 def build_hf_model(
