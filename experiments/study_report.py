@@ -198,7 +198,10 @@ def plot_paired(ax, sub: list[dict]) -> None:
     ax.set_yticks(y, [f"{s['router']} (n {s['paired_n']}) {verdict_words(s)}" for s in sub], fontsize=8)
     ax.invert_yaxis()
     baselines = " / ".join(sorted({s["baseline"] for s in sub}))
-    ax.set(title=f"minus {baselines}, paired by seed (95% t interval)", xlabel="loss difference, nats (< 0: better)")
+    ax.set(
+        title=f"minus {baselines}, paired by seed (95% t interval per comparison; verdicts Holm-adjusted)",
+        xlabel="loss difference, nats (< 0: better)",
+    )
     ax.legend(fontsize=8)
 
 
