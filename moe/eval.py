@@ -130,19 +130,10 @@ def evaluate(
         if with_train_mode:
             model.train()
             train_WT.append(_nll(model, idx_BT, targets_BT, device))
-    model.eval()
-    decode_batch = batch_size if causal_batch_size is None else positive_int("causal_batch_size", causal_batch_size)
-    for start in range(0, num_windows if causal else 0, decode_batch):
-        idx_BT = idx_WT[start : start + decode_batch].to(device)
-        targets_BT = targets_WT[start : start + decode_batch].to(device)
-        if causal_method == "cache":
-            causal_WP.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, causal_stride, seq_len, device))
-        else:
-            causal_WP.append(
-                torch.cat(
-                    [_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:] for t in pos_P.tolist()], 1
-                )
-            )
+    if causal:
+        decode_batch = batch_size if causal_batch_size is None else positive_int("causal_batch_size", causal_batch_size)
+        model.eval()
+        causal_WP = _causal_nll(model, idx_WT, targets_WT, pos_P, causal_stride, causal_method, decode_batch, device)
     model.train(was_training)
     return {**_summary(torch.cat(tf_WT), causal_WP, train_WT, pos_P, num_windows), **balance.summary()}
 
@@ -196,6 +187,30 @@ def _nll(
     if balance is not None:
         balance.add(getattr(out, "routings", None))
     return lm_loss(out.logits, targets_BT, reduction="none").double().cpu()
+
+
+def _causal_nll(
+    model: nn.Module,
+    idx_WT: Tensor,
+    targets_WT: Tensor,
+    pos_P: Tensor,
+    stride: int,
+    method: str,
+    batch: int,
+    device: torch.device,
+) -> list[Tensor]:
+    """float64 [B, P] per chunk of ``batch`` windows decoded together: the loss at each evaluated
+    position through the cache (``method`` "cache") or from a forward of its prefix alone."""
+    out = []
+    for start in range(0, idx_WT.shape[0], batch):
+        idx_BT = idx_WT[start : start + batch].to(device)
+        targets_BT = targets_WT[start : start + batch].to(device)
+        if method == "cache":
+            out.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, stride, idx_WT.shape[1], device))
+        else:
+            prefixes = [_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:] for t in pos_P.tolist()]
+            out.append(torch.cat(prefixes, 1))
+    return out
 
 
 def _decoded_nll(

@@ -23,6 +23,7 @@ ordinary (:data:`STOP_EXCEEDANCES`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,34 @@ def _indicators(values_KBSF: Tensor) -> Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _relabel(
+    statistic_PL: Callable[[Tensor], Tensor],
+    observed: float,
+    k: int,
+    alpha: float,
+    permutations: int,
+    budget: int,
+    gen: torch.Generator,
+) -> tuple[float, float]:
+    """(p, critical value of the max statistic at ``alpha``) from random relabellings of the 2k
+    draws, in doubling chunks of at most ``budget``; stopped early, once the observed value is
+    clearly ordinary, with the sequential p of Besag and Clifford (1991) (h exceedances in L
+    relabellings: p = h / L) and an infinite critical value (no position significant)."""
+    null_P: list[Tensor] = []
+    done = exceed = 0
+    while done < permutations:
+        n = min(budget, max(FIRST_PERMUTATIONS, done), permutations - done)  # doubling chunks
+        null_P.append(statistic_PL((torch.rand(n, 2 * k, generator=gen).argsort(1) < k).float()).amax(1))
+        done += n
+        exceed += int((null_P[-1] >= observed).sum())
+        if exceed >= STOP_EXCEEDANCES:  # clearly not significant: no more relabelling
+            return exceed / done, math.inf
+    null = torch.cat(null_P).sort().values
+    return (1.0 + exceed) / (1.0 + permutations), float(
+        null[min(permutations - 1, math.ceil((1 - alpha) * permutations))]
+    )
+
+
 def distribution_change(
     ref_KBSF: Tensor,
     var_KBSF: Tensor,
@@ -135,23 +164,8 @@ def distribution_change(
     observed_L = statistic_PL((torch.arange(2 * k) >= k).float()[None])[0]
     observed = float(observed_L.max()) * (1 - TIE)
     budget = max(1, NULL_BUDGET // max(1, z_NM.shape[1]))
-    null_P: list[Tensor] = []
-    done = exceed = 0
-    while done < permutations:
-        n = min(budget, max(FIRST_PERMUTATIONS, done), permutations - done)  # doubling chunks
-        null_P.append(statistic_PL((torch.rand(n, 2 * k, generator=gen).argsort(1) < k).float()).amax(1))
-        done += n
-        exceed += int((null_P[-1] >= observed).sum())
-        if exceed >= STOP_EXCEEDANCES:  # clearly not significant: a sequential p-value, no more relabelling
-            break
-    if done < permutations:
-        p = exceed / done  # Besag and Clifford (1991): h exceedances in L relabellings give p = h / L
-        significant_BS = torch.zeros(b, s, dtype=torch.bool)
-    else:
-        null = torch.cat(null_P).sort().values
-        p = (1.0 + exceed) / (1.0 + permutations)
-        critical = float(null[min(permutations - 1, math.ceil((1 - alpha) * permutations))])
-        significant_BS = (observed_L > critical).reshape(b, s)
+    p, critical = _relabel(statistic_PL, observed, k, alpha, permutations, budget, gen)
+    significant_BS = (observed_L > critical).reshape(b, s)
     mean_change_BSF = (mean_var_BSF - mean_ref_BSF).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     excess_BSF = mean_change_BSF / resolution_BSF
     counted_F = res_F > 0
