@@ -101,6 +101,7 @@ def test_bench_kernels_dry_run_checks_first_and_reports_consistent_numbers(tmp_p
     assert saved["auto_rule"]["triton_over_grouped_mm_fwd_bwd"] == saved["triton_over_grouped_mm_fwd_bwd"]
 
 
+@needs("triton", "triton")
 def test_auto_rule_needs_triton_correct_and_faster_at_every_shape():
     bench = load_script("bench_kernels")
     paths = {"triton": {"ok": True}, "grouped_mm": {"ok": True}}
@@ -163,6 +164,7 @@ def test_bench_kernels_rejects_unknown_shape(tmp_path):
         bench.main(["--dry-run", "--shapes", "Z", "--out-dir", str(tmp_path)])
 
 
+@needs("triton", "triton")
 def test_bench_model_step_dry_run_backends_and_compiled(tmp_path):
     """One router with both backends and compiled (the Triton interpreter takes seconds a step;
     the whole list runs in gpu_check.sh's slow dry run); every registered router has a configuration."""

@@ -11,7 +11,7 @@ import math
 import sys
 
 import pytest
-from extras import need
+from extras import need, needs
 from helpers import ROOT
 
 from moe.training import TrainConfig
@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT / "experiments"))  # importable by name, also in the
 import router_study as study  # noqa: E402
 import study_report as report  # noqa: E402
 import study_stats as stats  # noqa: E402
+
+pytestmark = needs("scipy", "study")  # the study checks for scipy before it trains a row, and its statistics use it
 
 QUICK = ["--quick", "--workers", "1", "--seeds", "0"]
 FIELDS = (

@@ -11,10 +11,13 @@ import math
 import sys
 
 import pytest
+from extras import needs
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "experiments"))
 import study_stats as stats  # noqa: E402
+
+pytestmark = needs("scipy", "study")  # paired t-tests
 
 
 def row(

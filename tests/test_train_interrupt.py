@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, SUBPROCESS_ENV, TRAIN_SCRIPT
 
+import moe.training.checkpoint_files as checkpoint_files
 import moe.training.loop as loop
 from moe.training import TrainConfig, train
 from moe.training.cli import interrupted_line
@@ -118,6 +119,39 @@ def test_train_raises_a_keyboard_interrupt_that_says_how_far_it_got(tmp_path, mo
     stop = caught.value
     assert isinstance(stop, Interrupted)
     assert (stop.steps_done, stop.steps, stop.checkpoint) == (4, 8, tmp_path / "step-00000003")
+
+
+def test_ctrl_c_during_a_checkpoint_save_waits_for_the_save(tmp_path, monkeypatch):
+    """A SIGINT that arrives while DCP writes is held until the checkpoint is complete (DCP
+    would wrap the KeyboardInterrupt in a CheckpointException: a traceback, exit 1)."""
+    write = checkpoint_files.save_sharded
+    sent = []
+
+    def interrupted_while_writing(*args, **kwargs):
+        if not sent:
+            sent.append(os.getpid())
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, delivered in the middle of the save
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_files, "save_sharded", interrupted_while_writing)
+    cfg = TrainConfig.flat(
+        preset="tiny",
+        steps=8,
+        batch_size=2,
+        seq_len=16,
+        max_bytes=20_000,
+        eval_every=0,
+        log_every=0,
+        progress=False,
+        model={"d_model": 32, "moe_d_ff": 32},
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=3,
+    )
+    with pytest.raises(Interrupted) as caught:
+        train(cfg)
+    assert sent and caught.value.checkpoint == tmp_path / "step-00000003"  # written whole, then stopped
+    assert complete(tmp_path, 3) and not list(tmp_path.glob(".tmp-*"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
 
 
 def test_the_line_of_a_run_with_a_checkpoint_dir_but_no_checkpoint_yet(tmp_path):

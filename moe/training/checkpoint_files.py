@@ -19,12 +19,16 @@ checksums existed have none to verify and are accepted as they are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -132,6 +136,24 @@ def rotation_victims(checkpoints: list[Path], keep: int) -> list[Path]:
     return [p for p in victims if p != spare]
 
 
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """SIGINT (Ctrl-C) arriving inside the block is held and delivered again, to the handler
+    that was there before, once the block has ended. Only the main thread can handle signals:
+    elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
 def save_checkpoint(
     checkpoint_dir: Path,
     model: nn.Module,
@@ -144,7 +166,23 @@ def save_checkpoint(
     wandb_run_id: str | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically (see the module docstring) and delete all but
-    the last ``keep`` complete ones (see :func:`rotation_victims`). Call on every rank."""
+    the last ``keep`` complete ones (see :func:`rotation_victims`); Ctrl-C waits for the end of
+    the save. Call on every rank."""
+    with sigint_deferred():
+        return _save(checkpoint_dir, model, optimizer, step, cfg, mcfg, info, keep, wandb_run_id)
+
+
+def _save(
+    checkpoint_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    cfg: TrainConfig,
+    mcfg: ModelConfig,
+    info: DistInfo,
+    keep: int,
+    wandb_run_id: str | None,
+) -> Path:
     final = checkpoint_path(checkpoint_dir, step)
     tmp = checkpoint_dir / f".tmp-{final.name}"
     if info.is_main:
