@@ -147,11 +147,15 @@ def test_ctrl_c_during_a_checkpoint_save_waits_for_the_save(tmp_path, monkeypatc
         checkpoint_dir=str(tmp_path),
         checkpoint_every=3,
     )
-    with pytest.raises(Interrupted) as caught:
-        train(cfg)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job inherits SIG_IGN
+    try:
+        with pytest.raises(Interrupted) as caught:
+            train(cfg)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert sent and caught.value.checkpoint == tmp_path / "step-00000003"  # written whole, then stopped
     assert complete(tmp_path, 3) and not list(tmp_path.glob(".tmp-*"))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is back
 
 
 def test_the_line_of_a_run_with_a_checkpoint_dir_but_no_checkpoint_yet(tmp_path):
