@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from study_stats import ALPHA, pool_sweep, summarise, t_halfwidth
+from study_stats import ALPHA, pool_sweep, registered_rows, summarise, t_halfwidth
 
 from moe.eval import format_difference
 
@@ -52,8 +52,18 @@ def panel_caption(sub: list[dict]) -> str:
     )
 
 
+def held_out(result: dict, registration: dict | None) -> tuple[dict, int]:
+    """The result with the registered rows removed while the registered test has no verdict, and
+    how many were removed: no table or figure shows an interim look at a test fixed in advance."""
+    if registration is None or registration.get("verdict") is not None:
+        return result, 0
+    held = {id(r) for r in registered_rows(registration, result["rows"])}
+    return {**result, "rows": [r for r in result["rows"] if id(r) not in held]}, len(held)
+
+
 def markdown(result: dict, registration: dict | None = None) -> str:
     head = [SMOKE, ""] if result.get("quick") else []
+    result, held = held_out(result, registration)
     lines = head + [
         f"Router study ({len(result['rows'])} rows, {result['wall_time_s'] / 60:.0f} min of runs). Losses in nats on "
         "the same validation positions, mean ± standard error over seeds; causal = what decoding computes (KV cache, "
@@ -108,11 +118,11 @@ def markdown(result: dict, registration: dict | None = None) -> str:
                 f"{verdict_words(s)} |"
             )
     if registration is not None:
-        lines += ["", *registration_lines(registration)]
+        lines += ["", *registration_lines(registration, held)]
     return "\n".join(lines) + "\n"
 
 
-def registration_lines(registration: dict) -> list[str]:
+def registration_lines(registration: dict, held: int = 0) -> list[str]:
     """The registered test and, once every registered row is stored, its verdict."""
     seeds = registration["seeds"]
     lines = [
@@ -122,7 +132,12 @@ def registration_lines(registration: dict) -> list[str]:
     ]
     verdict = registration.get("verdict")
     if verdict is None:
-        return lines + ["", "Verdict: not yet (rows still running)."]
+        total = len(registration["seeds"]) * (1 + len(registration["challengers"]))
+        return lines + [
+            "",
+            f"Verdict: not yet: {held} of its {total} rows are stored, held out of the tables and figures above "
+            "until every row is and the verdict is recorded (no interim look).",
+        ]
     lines += ["", "| challenger | causal diff | 95% t interval | t | p | Holm p | ahead on | decision |"]
     lines.append("|---|---:|---:|---:|---:|---:|---|---|")
     for c in verdict["challengers"]:
@@ -277,6 +292,7 @@ def render(result: dict, json_path: Path, registration: dict | None = None) -> s
     tmp.replace(json_path)
     table = markdown(result, registration)
     json_path.with_suffix(".md").write_text(table)
+    result = held_out(result, registration)[0]
     if result["rows"]:
         plot(result, json_path.with_suffix(".png"))
     sweep = [s for s in pool_sweep(result["rows"]) if "paired_diff" in s]

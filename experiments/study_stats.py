@@ -192,6 +192,14 @@ def pool_sweep(rows: list[dict]) -> list[dict]:
     return out
 
 
+def registered_rows(registration: dict, rows: list[dict]) -> list[dict]:
+    """The stored rows that belong to a registered test: its corpus and size, its baseline and
+    challengers, its seeds."""
+    labels, seeds = {registration["baseline"], *registration["challengers"]}, set(registration["seeds"])
+    where = (registration["corpus"], registration["size"])
+    return [r for r in rows if (r["corpus"], r["size"]) == where and r["router"] in labels and r["seed"] in seeds]
+
+
 def registered_verdict(registration: dict, rows: list[dict]) -> dict:
     """The registered test on the stored rows: each challenger's causal-loss differences from the
     baseline paired over exactly the registered seeds, the paired t-test, Holm over the
@@ -199,8 +207,7 @@ def registered_verdict(registration: dict, rows: list[dict]) -> dict:
     if registration.get("test") != "paired t-test, two-sided, Holm over the challengers":
         raise StudyError(f"unknown registered test {registration.get('test')!r}")
     seeds, alpha = registration["seeds"], registration["alpha"]
-    panel = [r for r in rows if (r["corpus"], r["size"]) == (registration["corpus"], registration["size"])]
-    by = {(r["router"], r["seed"]): r for r in panel}
+    by = {(r["router"], r["seed"]): r for r in registered_rows(registration, rows)}
     labels = [registration["baseline"], *registration["challengers"]]
     missing = [f"{label} seed {s}" for label in labels for s in seeds if (label, s) not in by]
     if missing:

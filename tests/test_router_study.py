@@ -335,6 +335,19 @@ def test_the_registered_verdict_uses_exactly_the_registered_seeds():
         stats.registered_verdict(registration(test="z-test"), rows)
 
 
+def test_registered_rows_stay_out_of_the_tables_until_the_verdict():
+    # seeds 0-1 explored; seeds 6-7 registered and stored, seed 8 still running: no interim look
+    rows = [_row(r, s, 12, 3.5 + 0.01 * s, 3.5 + 0.01 * s) for r in ("topk_aux", "expert_threshold") for s in (0, 1)]
+    rows += [_row(r, s, 12, 3.0, 3.0) for r in ("topk_aux", "expert_threshold", "top_p") for s in (6, 7)]
+    rows += [_row("top_p", 0, 12, 3.4, 3.4)]  # explored, unregistered seed: shown
+    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, registration())
+    assert "Router study (5 rows" in table and "| c | s | top_p | 1 |" in table and "| c | s | topk_aux | 2 |" in table
+    assert "Verdict: not yet: 6 of its 9 rows are stored, held out of the tables" in table
+    done = registration(verdict={"challengers": [], "alpha": 0.05, "n_seeds": 3})
+    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, done)
+    assert "Router study (11 rows" in table and "| c | s | top_p | 3 |" in table and "| c | s | topk_aux | 4 |" in table
+
+
 def test_a_registration_runs_only_once_committed(tmp_path, capsys):
     path = tmp_path / "reg.json"
     path.write_text(json.dumps(registration()))
