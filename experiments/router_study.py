@@ -53,6 +53,7 @@ import hashlib
 import json
 import math
 import multiprocessing
+import platform
 import shutil
 import statistics
 import subprocess
@@ -303,6 +304,20 @@ def check_data(spec: dict, rows: list[dict]) -> None:
             )
 
 
+def machine() -> dict:
+    """What a row ran on: its training is bit-exact across commits on one CPU type, not across CPU
+    types (another instruction set rounds differently, and the run lands like another seed)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return {
+        "cpu": names[0] if names else platform.processor(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def run_row(spec: dict) -> dict:
     """Train and evaluate one row (in a worker process)."""
     torch.set_num_threads(1)
@@ -323,6 +338,7 @@ def run_row(spec: dict) -> dict:
         batched = {"causal_loss_batched": again["causal_loss"], "causal_batched_eval_batch": e.eval_batch_size}
     return {
         **{k: spec[k] for k in ("key", "corpus", "size", "router", "seed", "commit", "data_sha256")},
+        "machine": machine(),
         "causal_eval_batch": decoded_together,
         **batched,
         "router_name": spec["fields"]["router"] if spec["router"] != "dense" else "dense",
@@ -472,6 +488,12 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
     done = {r["key"] for r in result["rows"]}
     for spec in specs:
         check_data(spec, result["rows"])
+    unhashed = sorted({r["corpus"] for r in result["rows"] if "data_sha256" not in r})
+    if unhashed:
+        print(
+            f"router_study: stored rows of {', '.join(unhashed)} recorded no data_sha256: their data is not checked",
+            file=sys.stderr,
+        )
     todo = [{**spec, "command": command, "commit": commit} for spec in specs if spec["key"] not in done]
     return json_path, result, todo
 

@@ -11,6 +11,7 @@ import math
 import sys
 
 import pytest
+import torch
 from extras import need, needs
 from helpers import ROOT
 
@@ -49,6 +50,9 @@ def test_quick_study_writes_rows_and_update_adds_without_rerunning(tmp_path):
         assert all(k in r for k in FIELDS), sorted(set(FIELDS) - set(r))
         assert r["config"]["model"]["router"] == r["router_name"] and r["config"]["seed"] == 0
         assert r["causal_method"] == "cache" and r["leakage_gap"] == pytest.approx(0.0, abs=1e-6)
+        assert (
+            r["machine"]["threads"] == 1 and r["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        )
     corpus = TrainConfig.flat(**study.row_config("stdlib-bytes", "quick", "topk_aux", 0, True)).data.load()
     tokens = b"".join(split.long().numpy().tobytes() for split in (corpus.train, corpus.val))
     assert {r["data_sha256"] for r in first["rows"]} == {hashlib.sha256(b"256" + tokens).hexdigest()}
@@ -176,6 +180,13 @@ def test_an_update_on_other_data_than_the_stored_rows_stops(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "not the data the stored rows trained on" in capsys.readouterr().err
     assert json.loads(path.read_text())["rows"] == [stored]  # nothing trained, nothing written
+
+
+def test_stored_rows_that_recorded_no_data_hash_are_named(tmp_path, capsys):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"rows": [{"key": "0123456789abcdef", "corpus": "stdlib-bytes"}], "wall_time_s": 0.0}))
+    study.plan(study.parse([*QUICK, "--update", "--json", str(path)]))
+    assert "stored rows of stdlib-bytes recorded no data_sha256: their data is not checked" in capsys.readouterr().err
 
 
 def test_every_study_router_has_the_dense_compute():
