@@ -91,6 +91,11 @@ def test_expert_parallel_training_matches_single_process_capacity(tmp_path):
     _run_pair(tmp_path, ["--router", "capacity", "--router-option", "capacity_factor=1.0"])
 
 
+def test_expert_exchange_is_checked():
+    with pytest.raises(ValueError, match="expert_exchange must be one of per_assignment, dedup, got 'once'"):
+        config_from_args([*COMMON, "--expert-exchange", "once"])
+
+
 @pytest.mark.slow
 def test_bf16_gradient_reduce_is_applied(tmp_path):
     # FSDP2 reduce-scatters in bf16 (moe.parallel.reduce_precision): the losses move, a little,

@@ -8,9 +8,9 @@
 * Data parallelism with microbatches (2 ranks x 2 microbatches, float64): the sequence and
   global balance losses and their gradients equal one process forwarding the whole batch; the
   micro-batch loss equals it with one microbatch per rank.
-* The trainer under FSDP2 and expert parallelism with 2 microbatches (4 processes, slow): the
-  losses, aux losses (sequence and global) and gradient norms of 12 steps equal the
-  single-process run.
+* The trainer under FSDP2 and expert parallelism with 2 microbatches (4 processes, slow), also
+  with ``expert_exchange="dedup"``: the losses, aux losses (sequence and global) and gradient
+  norms of 12 steps equal the single-process run.
 """
 
 from __future__ import annotations
@@ -184,7 +184,12 @@ def test_expert_and_data_parallel_with_every_feature_equal_one_process():
 
 
 # -- the trainer ---------------------------------------------------------------------------------
-LAYOUTS = {"dp_shard2_ep2": (1, 2), "ep4": (1, 4), "dp_replicate2_ep2": (2, 2)}
+LAYOUTS = {
+    "dp_shard2_ep2": (1, 2, "per_assignment"),
+    "ep4": (1, 4, "per_assignment"),
+    "dp_replicate2_ep2": (2, 2, "per_assignment"),
+    "dp_shard2_ep2_dedup": (1, 2, "dedup"),  # the groups map to the 2 ranks: one row per token each way
+}
 FEATURES = dict(
     router="topk",
     # the micro-batch loss depends on how a step is cut; the sequence and global ones do not
@@ -200,10 +205,15 @@ def _curves(history: list[dict]) -> list[tuple[float, ...]]:
 
 
 def _trainer_worker(rank: int, world: int) -> dict:
-    return {
-        name: _curves(train(TrainConfig.flat(dp_replicate=r, expert_parallel=p, **FEATURES, **TINY_RUN)).history)
-        for name, (r, p) in LAYOUTS.items()
-    }
+    curves = {}
+    for name, (r, p, exchange) in LAYOUTS.items():
+        res = train(
+            TrainConfig.flat(dp_replicate=r, expert_parallel=p, expert_exchange=exchange, **FEATURES, **TINY_RUN)
+        )
+        paths = {m.expert_parallel.dedup for m in res.model.modules() if isinstance(m, MoELayer)}
+        assert paths == {exchange == "dedup"}, f"{name}: the layers' exchanges are dedup={paths}"
+        curves[name] = _curves(res.history)
+    return curves
 
 
 @pytest.mark.slow

@@ -161,10 +161,12 @@ class ParallelMesh:
         """FSDP2 mesh of the expert weights: (dp_shard,) or (dp_replicate, dp_shard)."""
         return self.mesh["dp_shard"] if self.layout.dp_replicate == 1 else self.mesh["dp_replicate", "dp_shard"]
 
-    def expert_parallel(self) -> ExpertParallel | None:
+    def expert_parallel(self, dedup: bool = False) -> ExpertParallel | None:
         """The data path to hand to the MoE layers (None when P = 1: experts stay whole and are
-        sharded with the dense weights)."""
-        return ExpertParallel(self.mesh["ep"].get_group(), self.stage_mesh) if self.layout.expert_parallel > 1 else None
+        sharded with the dense weights); ``dedup``: the rank-deduplicated exchange."""
+        if self.layout.expert_parallel == 1:
+            return None
+        return ExpertParallel(self.mesh["ep"].get_group(), self.stage_mesh, dedup=dedup)
 
 
 def mixed_precision(device: torch.device, reduce_dtype: torch.dtype = torch.float32) -> MixedPrecisionPolicy:

@@ -32,6 +32,7 @@ from moe.parallel.steps import choose_strategy
 from moe.routing import Router
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXCHANGES = ("per_assignment", "dedup")
 
 
 @dataclass
@@ -72,6 +73,11 @@ class ParallelConfig:
     freed, so FSDP2's freed collective buffers leave the resident set and peak_memory_mib
     follows the tensors (docs/scaling.md: 4 ranks of the 268M model). 0 leaves glibc's dynamic
     default; $MALLOC_MMAP_THRESHOLD_, when set, wins over both."""
+    expert_exchange: str = "per_assignment"
+    """With expert_parallel > 1, what the all-to-all sends (``moe.parallel.exchange``):
+    per_assignment (a token's row once per chosen expert) or dedup (once per rank holding one of
+    its experts, the rank's partial sums coming back: fewer bytes when a token's experts share a
+    rank, e.g. under group-limited routing). Same outputs and gradients up to summation order."""
     grad_reduce_dtype: str = "fp32"
     """Precision of the data-parallel gradient reduce-scatter: fp32, or bf16 to measure the bias
     low precision adds (bf16 is applied; its difference from an fp32 reduction of the same
@@ -86,6 +92,8 @@ class ParallelConfig:
             )
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
+        if self.expert_exchange not in EXCHANGES:
+            raise ValueError(f"expert_exchange must be one of {', '.join(EXCHANGES)}, got {self.expert_exchange!r}")
         if self.grad_reduce_dtype not in REDUCE_DTYPES:
             raise ValueError(
                 f"grad_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.grad_reduce_dtype!r}"
@@ -172,7 +180,7 @@ def place_model(cfg, num_experts: int | None, build: Callable[[object], nn.Modul
         layout.check_experts(num_experts)
     strategy_cls.check_world(world)
     pmesh = ParallelMesh(layout, info.device.type) if world > 1 and strategy_cls.uses_mesh else None
-    model = build(pmesh.expert_parallel() if pmesh is not None else None)
+    model = build(pmesh.expert_parallel(dedup=par.expert_exchange == "dedup") if pmesh is not None else None)
     place = Placement(
         model,
         model,
