@@ -65,7 +65,8 @@ def markdown(result: dict, registration: dict | None = None) -> str:
     head = [SMOKE, ""] if result.get("quick") else []
     result, held = held_out(result, registration)
     lines = head + [
-        f"Router study ({len(result['rows'])} rows, {result['wall_time_s'] / 60:.0f} min of runs). Losses in nats on "
+        f"Router study ({len(result['rows'])} rows{f', {held} registered rows held out' if held else ''}, "
+        f"{result['wall_time_s'] / 60:.0f} min of runs). Losses in nats on "
         "the same validation positions, mean ± standard error over seeds; causal = what decoding computes (KV cache, "
         "or each prefix recomputed), with 'decoded together' sequences routed in one batch (1: a sequence decoded "
         "alone; it matters only for routers that are not batch-invariant); gap = causal - teacher-forced; MaxVio = "

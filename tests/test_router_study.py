@@ -352,7 +352,11 @@ def test_registered_rows_stay_out_of_the_tables_until_the_verdict():
     rows += [_row(r, s, 12, 3.0, 3.0) for r in ("topk_aux", "expert_threshold", "top_p") for s in (6, 7)]
     rows += [_row("top_p", 0, 12, 3.4, 3.4)]  # explored, unregistered seed: shown
     table = report.markdown({"rows": rows, "wall_time_s": 60.0}, registration())
-    assert "Router study (5 rows" in table and "| c | s | top_p | 1 |" in table and "| c | s | topk_aux | 2 |" in table
+    assert (
+        "Router study (5 rows, 6 registered rows held out" in table
+        and "| c | s | top_p | 1 |" in table
+        and "| c | s | topk_aux | 2 |" in table
+    )
     assert "Verdict: not yet: 6 of its 9 rows are stored, held out of the tables" in table
     done = registration(verdict={"challengers": [], "alpha": 0.05, "n_seeds": 3})
     table = report.markdown({"rows": rows, "wall_time_s": 60.0}, done)
