@@ -43,6 +43,23 @@ def complete(directory: Path, step: int) -> bool:
     return (directory / f"step-{step:08d}" / "COMPLETE").exists()
 
 
+def _checkpointed_run(checkpoint_dir: Path) -> TrainConfig:
+    """8 tiny steps with a checkpoint every 3."""
+    return TrainConfig.flat(
+        preset="tiny",
+        steps=8,
+        batch_size=2,
+        seq_len=16,
+        max_bytes=20_000,
+        eval_every=0,
+        log_every=0,
+        progress=False,
+        model={"d_model": 32, "moe_d_ff": 32},
+        checkpoint_dir=str(checkpoint_dir),
+        checkpoint_every=3,
+    )
+
+
 def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume_it_in_one_line(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = [*TINY, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
@@ -101,19 +118,7 @@ def test_train_raises_a_keyboard_interrupt_that_says_how_far_it_got(tmp_path, mo
         return step(s, k)
 
     monkeypatch.setattr(loop, "train_step", interrupted_at_step_5)
-    cfg = TrainConfig.flat(
-        preset="tiny",
-        steps=8,
-        batch_size=2,
-        seq_len=16,
-        max_bytes=20_000,
-        eval_every=0,
-        log_every=0,
-        progress=False,
-        model={"d_model": 32, "moe_d_ff": 32},
-        checkpoint_dir=str(tmp_path),
-        checkpoint_every=3,
-    )
+    cfg = _checkpointed_run(tmp_path)
     with pytest.raises(KeyboardInterrupt) as caught:
         train(cfg)
     stop = caught.value
@@ -134,19 +139,7 @@ def test_ctrl_c_during_a_checkpoint_save_waits_for_the_save(tmp_path, monkeypatc
         return write(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint_files, "save_sharded", interrupted_while_writing)
-    cfg = TrainConfig.flat(
-        preset="tiny",
-        steps=8,
-        batch_size=2,
-        seq_len=16,
-        max_bytes=20_000,
-        eval_every=0,
-        log_every=0,
-        progress=False,
-        model={"d_model": 32, "moe_d_ff": 32},
-        checkpoint_dir=str(tmp_path),
-        checkpoint_every=3,
-    )
+    cfg = _checkpointed_run(tmp_path)
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job inherits SIG_IGN
     try:
         with pytest.raises(Interrupted) as caught:

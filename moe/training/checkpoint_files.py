@@ -154,6 +154,7 @@ def sigint_deferred() -> Iterator[None]:
             os.kill(os.getpid(), signal.SIGINT)
 
 
+@sigint_deferred()
 def save_checkpoint(
     checkpoint_dir: Path,
     model: nn.Module,
@@ -167,22 +168,7 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of ``step`` atomically (see the module docstring) and delete all but
     the last ``keep`` complete ones (see :func:`rotation_victims`); Ctrl-C waits for the end of
-    the save. Call on every rank."""
-    with sigint_deferred():
-        return _save(checkpoint_dir, model, optimizer, step, cfg, mcfg, info, keep, wandb_run_id)
-
-
-def _save(
-    checkpoint_dir: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    cfg: TrainConfig,
-    mcfg: ModelConfig,
-    info: DistInfo,
-    keep: int,
-    wandb_run_id: str | None,
-) -> Path:
+    the save (:func:`sigint_deferred`, entered afresh by each call). Call on every rank."""
     final = checkpoint_path(checkpoint_dir, step)
     tmp = checkpoint_dir / f".tmp-{final.name}"
     if info.is_main:
