@@ -23,6 +23,11 @@ def pm(value: float, se: float, digits: int = 4, sign: bool = False) -> str:
     return v if math.isnan(se) else f"{v} ± {se:.{digits}f}"
 
 
+def cell(s: dict, k: str, digits: int = 4) -> str:
+    """The mean of ``k`` over a summary entry's seeds, with its standard error."""
+    return pm(s[k], s[k + "_se"], digits)
+
+
 def versus(s: dict) -> str:
     """The paired comparison of one summary entry, in words and numbers."""
     if "paired_diff" not in s:
@@ -52,20 +57,49 @@ def panel_caption(sub: list[dict]) -> str:
     )
 
 
-def held_out(result: dict, registration: dict | None) -> tuple[dict, int]:
-    """The result with the registered rows removed while the registered test has no verdict, and
-    how many were removed: no table or figure shows an interim look at a test fixed in advance."""
-    if registration is None or registration.get("verdict") is not None:
-        return result, 0
-    held = {id(r) for r in registered_rows(registration, result["rows"])}
-    return {**result, "rows": [r for r in result["rows"] if id(r) not in held]}, len(held)
+def split_registered(result: dict, registration: dict | None) -> tuple[dict, list[dict]]:
+    """The result without the registered test's rows, and those rows. They never join the
+    exploratory tables and figures: before the verdict so that nobody takes an interim look at a
+    test fixed in advance, after it so that each table keeps one seed set per panel and one
+    family of tests (the registered rows get a table and a figure of their own)."""
+    if registration is None:
+        return result, []
+    mine = registered_rows(registration, result["rows"])
+    held = {id(r) for r in mine}
+    return {**result, "rows": [r for r in result["rows"] if id(r) not in held]}, mine
+
+
+TABLE_HEAD = [
+    "| corpus | size | router | seeds | active params | teacher-forced | causal | decoded together | gap | "
+    "MaxVio | dead | experts/token | tokens/s | vs best top-k (causal) | verdict |",
+    "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+]
+
+
+def summary_line(s: dict) -> str:
+    """One router of one panel as a row of the main table."""
+    return (
+        f"| {s['corpus']} | {s['size']} | {s['router']} | {len(s['seeds'])} | {s['active_params']:,} | "
+        f"{cell(s, 'teacher_forced_loss')} | {cell(s, 'causal_loss')} | {'/'.join(map(str, s['causal_eval_batch']))} | "
+        f"{cell(s, 'leakage_gap')} | {cell(s, 'max_vio', 3)} | {s['dead_experts']} | {cell(s, 'active_experts_mean', 2)} | "
+        f"{s['tokens_per_s']:,.0f} | {versus(s)} | {verdict_words(s)} |"
+    )
+
+
+def held_words(registered: list[dict], registration: dict | None) -> str:
+    """What the table's head says of the registered rows it leaves out."""
+    if not registered:
+        return ""
+    if registration.get("verdict") is None:
+        return f", {len(registered)} registered rows held out"
+    return f"; the registered test's {len(registered)} rows in their own table below"
 
 
 def markdown(result: dict, registration: dict | None = None) -> str:
     head = [SMOKE, ""] if result.get("quick") else []
-    result, held = held_out(result, registration)
+    result, registered = split_registered(result, registration)
     lines = head + [
-        f"Router study ({len(result['rows'])} rows{f', {held} registered rows held out' if held else ''}, "
+        f"Router study ({len(result['rows'])} rows{held_words(registered, registration)}, "
         f"{result['wall_time_s'] / 60:.0f} min of runs). Losses in nats on "
         "the same validation positions, mean ± standard error over seeds; causal = what decoding computes (KV cache, "
         "or each prefix recomputed), with 'decoded together' sequences routed in one batch (1: a sequence decoded "
@@ -75,22 +109,11 @@ def markdown(result: dict, registration: dict | None = None) -> str:
         f"t interval, the paired t-test (seeds - 1 degrees of freedom) and its p Holm-adjusted over the panel's "
         f"tests; verdict at a family-wise {ALPHA}. The pool sweep's arms are in the second table.",
         "",
-        "| corpus | size | router | seeds | active params | teacher-forced | causal | decoded together | gap | "
-        "MaxVio | dead | experts/token | tokens/s | vs best top-k (causal) | verdict |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        *TABLE_HEAD,
     ]
 
-    def f(s, k, digits=4):
-        return pm(s[k], s[k + "_se"], digits)
-
     summary = summarise(result["rows"])
-    for s in summary:
-        lines.append(
-            f"| {s['corpus']} | {s['size']} | {s['router']} | {len(s['seeds'])} | {s['active_params']:,} | "
-            f"{f(s, 'teacher_forced_loss')} | {f(s, 'causal_loss')} | {'/'.join(map(str, s['causal_eval_batch']))} | "
-            f"{f(s, 'leakage_gap')} | {f(s, 'max_vio', 3)} | {s['dead_experts']} | {f(s, 'active_experts_mean', 2)} | "
-            f"{s['tokens_per_s']:,.0f} | {versus(s)} | {verdict_words(s)} |"
-        )
+    lines += [summary_line(s) for s in summary]
     lines += ["", "Verdicts per panel:", ""]
     for panel in sorted({(s["corpus"], s["size"]) for s in summary}):
         sub = [s for s in summary if (s["corpus"], s["size"]) == panel]
@@ -114,12 +137,15 @@ def markdown(result: dict, registration: dict | None = None) -> str:
             tf = f"{pm(s['paired_diff_tf'], s['paired_diff_tf_se'], sign=True)}" if "paired_diff" in s else "no control"
             lines.append(
                 f"| {s['corpus']} | {s['size']} | {s['router']} | {s['batch_size']} | {s['pool']:,} | "
-                f"{len(s['seeds'])} | {f(s, 'teacher_forced_loss')} | {f(s, 'causal_loss')} | "
-                f"{'/'.join(map(str, s['causal_eval_batch']))} | {f(s, 'leakage_gap')} | {tf} | {versus(s)} | "
+                f"{len(s['seeds'])} | {cell(s, 'teacher_forced_loss')} | {cell(s, 'causal_loss')} | "
+                f"{'/'.join(map(str, s['causal_eval_batch']))} | {cell(s, 'leakage_gap')} | {tf} | {versus(s)} | "
                 f"{verdict_words(s)} |"
             )
     if registration is not None:
-        lines += ["", *registration_lines(registration, held)]
+        lines += ["", *registration_lines(registration, len(registered))]
+        if registration.get("verdict") is not None:
+            lines += ["", "Its rows (the baseline column is the registered test's numbers):", "", *TABLE_HEAD]
+            lines += [summary_line(s) for s in summarise(registered)]
     return "\n".join(lines) + "\n"
 
 
@@ -236,6 +262,41 @@ def plot_experts(ax, sub: list[dict], rows: list[dict], panel: tuple[str, str]) 
     ax.legend(fontsize=7)
 
 
+def plot_registered(registration: dict, rows: list[dict], path: Path) -> None:
+    """The registered test: each challenger's causal loss minus the baseline's, one dot per
+    registered seed, with the mean, its 95% t interval and the recorded verdict."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["router"], r["seed"]): r["causal_loss"] for r in rows}
+    verdicts = registration["verdict"]["challengers"]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 1.1 * len(verdicts)))
+    for y, c in enumerate(verdicts):
+        diffs = [by[c["challenger"], s] - by[registration["baseline"], s] for s in registration["seeds"]]
+        ax.scatter(diffs, [y + 0.18] * len(diffs), s=14, color="tab:gray", label="one seed" if y == 0 else None)
+        ax.errorbar(
+            c["diff"], y, xerr=c["ci95"], fmt="o", capsize=4, color="tab:blue", label="mean, 95% t" if y == 0 else None
+        )
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(
+        range(len(verdicts)),
+        [f"{c['challenger']}: {c['decision']} (Holm p {c['p_holm']:.2g})" for c in verdicts],
+        fontsize=8,
+    )
+    ax.set_ylim(len(verdicts) - 0.4, -0.6)
+    ax.set(
+        title=f"registered test: minus {registration['baseline']}, {registration['corpus']}, {registration['size']}, "
+        f"{len(registration['seeds'])} seeds",
+        xlabel="causal loss difference, nats (< 0: better)",
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def pool_panels(sweep: list[dict]) -> list[tuple[str, str]]:
     """The corpus x size panels of the sweep that hold more than one pool size."""
     pools: dict[tuple[str, str], set[int]] = {}
@@ -293,9 +354,11 @@ def render(result: dict, json_path: Path, registration: dict | None = None) -> s
     tmp.replace(json_path)
     table = markdown(result, registration)
     json_path.with_suffix(".md").write_text(table)
-    result = held_out(result, registration)[0]
+    result, registered = split_registered(result, registration)
     if result["rows"]:
         plot(result, json_path.with_suffix(".png"))
+    if registration is not None and registration.get("verdict") is not None:
+        plot_registered(registration, registered, json_path.with_name(json_path.stem + "_registered.png"))
     sweep = [s for s in pool_sweep(result["rows"]) if "paired_diff" in s]
     if pool_panels(sweep):
         plot_pool(sweep, json_path.with_name(json_path.stem + "_pool.png"))

@@ -346,10 +346,13 @@ def test_the_registered_verdict_uses_exactly_the_registered_seeds():
         stats.registered_verdict(registration(test="z-test"), rows)
 
 
-def test_registered_rows_stay_out_of_the_tables_until_the_verdict():
+def test_registered_rows_stay_out_of_the_tables_until_the_verdict_and_then_get_their_own(tmp_path):
     # seeds 0-1 explored; seeds 6-7 registered and stored, seed 8 still running: no interim look
     rows = [_row(r, s, 12, 3.5 + 0.01 * s, 3.5 + 0.01 * s) for r in ("topk_aux", "expert_threshold") for s in (0, 1)]
-    rows += [_row(r, s, 12, 3.0, 3.0) for r in ("topk_aux", "expert_threshold", "top_p") for s in (6, 7)]
+    rows += [
+        _row(r, s, 12, 3.0, 3.0 + d * s) for r, d in (("topk_aux", 0), ("expert_threshold", -0.01)) for s in (6, 7)
+    ]
+    rows += [_row("top_p", s, 12, 3.0, 3.0 + 0.001 * s * s) for s in (6, 7)]
     rows += [_row("top_p", 0, 12, 3.4, 3.4)]  # explored, unregistered seed: shown
     table = report.markdown({"rows": rows, "wall_time_s": 60.0}, registration())
     assert (
@@ -358,9 +361,28 @@ def test_registered_rows_stay_out_of_the_tables_until_the_verdict():
         and "| c | s | topk_aux | 2 |" in table
     )
     assert "Verdict: not yet: 6 of its 9 rows are stored, held out of the tables" in table
-    done = registration(verdict={"challengers": [], "alpha": 0.05, "n_seeds": 3})
-    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, done)
-    assert "Router study (11 rows" in table and "| c | s | top_p | 3 |" in table and "| c | s | topk_aux | 4 |" in table
+    assert "Its rows" not in table
+    rows += [
+        _row("topk_aux", 8, 12, 3.0, 3.0),
+        _row("expert_threshold", 8, 12, 3.0, 2.91),
+        _row("top_p", 8, 12, 3.0, 3.05),
+    ]
+    done = registration(verdict=stats.registered_verdict(registration(), rows))
+    result = {"rows": rows, "wall_time_s": 60.0}
+    explored, registered = report.render(result, tmp_path / "s.json", done).split("Its rows")
+    # the exploratory table keeps its seeds; the registered rows are a table of their own whose
+    # comparison column is the registered test's
+    assert "Router study (5 rows; the registered test's 9 rows in their own table below" in explored
+    assert "| c | s | top_p | 1 |" in explored and "| c | s | topk_aux | 2 |" in explored
+    et, tp = done["verdict"]["challengers"]
+    assert f"| {et['challenger']} | {et['diff']:+.4f} ± {et['se']:.4f} |" in explored
+    for c in (et, tp):
+        line = next(x for x in registered.splitlines() if x.startswith(f"| c | s | {c['challenger']} | 3 |"))
+        assert (
+            f"{c['diff']:+.4f} ± {c['se']:.4f} vs topk_aux" in line
+            and f"p {c['p']:.2g}, Holm p {c['p_holm']:.2g};" in line
+        )
+    assert (tmp_path / "s_registered.png").is_file() and (tmp_path / "s.png").is_file()
 
 
 def test_a_registration_runs_only_once_committed(tmp_path, capsys):
