@@ -334,3 +334,19 @@ def test_adapter_hands_blocks_a_fresh_contiguous_copy():
     x_BTD = x_TBD.transpose(0, 1)
     assert not x_BTD.is_contiguous()
     torch.testing.assert_close(mixtral(x_BTD), mixtral.block(x_BTD.contiguous()), rtol=0, atol=0)
+
+
+def test_the_zoo_audits_every_output_a_block_or_model_returns(fast_rows):
+    """A block's router logits beside its hidden output, a model's logits beside every layer's
+    router logits: each audited (flat [B*T, E] read as tokens), or listed with why not."""
+    lm = fast_rows["MixtralForCausalLM"].report
+    assert lm.outputs == [
+        "logits [2, 8, 64]",
+        "router_logits.0 [16, 4] (rows b*T+t)",
+        "router_logits.1 [16, 4] (rows b*T+t)",
+    ]
+    assert fast_rows["MixtralSparseMoeBlock"].report.outputs == ["output [2, 8, 16]"]
+    doge = fast_rows["DogeCDMoE"].report
+    assert doge.outputs == ["0 [2, 8, 16]"] and doge.outputs_not_audited[0].startswith("1 [2, 16, 2] (not per position")
+    llama4 = next(e for e in discover(["llama4"]) if e.cls_name == "Llama4TextMoe")
+    assert zoo_run.audit_entry(llama4, modes=("eval",)).report.outputs == ["0 [2, 8, 16]", "1 [16, 4] (rows b*T+t)"]

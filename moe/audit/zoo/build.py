@@ -396,7 +396,9 @@ def example_for(entry: ZooEntry, seed: int = 0) -> Tensor:
 
 
 class _BlockAdapter(nn.Module):
-    """x_BTD -> y_BTD for a block that may return (hidden, router_logits, ...) or flat [B*T, D].
+    """x_BTD -> the block's outputs: its hidden output as y_BTD (some blocks return it flat, as
+    [B*T, D]), then whatever else it returns (router logits or scores, often flat [B*T, E]),
+    each read by the audit by its shape, as a user's own target's outputs are.
 
     Each call hands the block a fresh contiguous copy, as a model would: blocks ``.view()`` and
     scale their input in place (router jitter)."""
@@ -405,18 +407,25 @@ class _BlockAdapter(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x_BTD: Tensor) -> Tensor:
+    def forward(self, x_BTD: Tensor) -> Tensor | tuple:
         out = self.block(x_BTD.clone(memory_format=torch.contiguous_format))
-        y = out[0] if isinstance(out, (tuple, list)) else out
-        return y.reshape(x_BTD.shape)
+        if not isinstance(out, (tuple, list)):
+            return out.reshape(x_BTD.shape)
+        hidden, *rest = out
+        return (hidden.reshape(x_BTD.shape), *rest)
+
+
+def hidden_output(out: Tensor | tuple) -> Tensor:
+    """The hidden output y_BTD of what a zoo target returns."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 class _LMAdapter(nn.Module):
-    """ids_BT -> logits_BTV of a causal LM (no cache)."""
+    """ids_BT -> a causal LM's output (no cache): its logits and every layer's router logits."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, ids_BT: Tensor) -> Tensor:
-        return self.model(input_ids=ids_BT.contiguous(), use_cache=False).logits
+    def forward(self, ids_BT: Tensor) -> Any:
+        return self.model(input_ids=ids_BT.contiguous(), use_cache=False, output_router_logits=True)

@@ -18,7 +18,17 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from moe.audit import AuditReport, AuditUsageError, audit
-from moe.audit.zoo.build import VOCAB, Built, ZooEntry, build, discover, example_for, reason, transformers_module
+from moe.audit.zoo.build import (
+    VOCAB,
+    Built,
+    ZooEntry,
+    build,
+    discover,
+    example_for,
+    hidden_output,
+    reason,
+    transformers_module,
+)
 from moe.audit.zoo.frameworks import FRAMEWORKS, FrameworkConfig, installed
 
 MODES = ("train", "eval")
@@ -118,7 +128,7 @@ def _dropped(target: nn.Module, x: Tensor, modes: tuple[str, ...]) -> dict[str, 
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for mode in modes:
             target.train(mode == "train")
-            y_BTD = target(x)
+            y_BTD = hidden_output(target(x))
             out[mode] = float((y_BTD == 0).all(-1).float().mean())
     return out
 
