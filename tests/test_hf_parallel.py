@@ -21,6 +21,7 @@ from test_materialize import assert_same_state
 
 from moe.data import load_corpus
 from moe.integrations.hf import build_hf_model
+from moe.integrations.hf.blocks import HFMoEBlock
 from moe.parallel import full_state_dict
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.materialize import FromSource
@@ -82,3 +83,47 @@ def test_from_source_refuses_a_source_on_the_wrong_rank_and_a_wrong_shape():
         fill("weight", torch.empty(3, 2))
     with pytest.raises(ValueError, match="no parameter 'bias'"):
         fill("bias", torch.empty(2))
+
+
+DEEPSEEK = dict(
+    hf_model="deepseek-v3-tiny",
+    router="topk",
+    router_options={"balance_rate": 0.01, "seq_aux_loss_coef": 1e-4},
+    seed=3,
+    steps=4,
+    wandb_mode="disabled",
+    **HF_RUN,
+)
+"""The tiny DeepSeek-V3 swapped for ours: sigmoid scores, 2 of 4 expert groups per token, its
+e_score_correction_bias as our balance bias, trained loss-free, and a shared expert."""
+
+
+def balance_biases(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [m.moe.router.balance_bias.detach().clone() for m in model.modules() if isinstance(m, HFMoEBlock)]
+
+
+def _deepseek_worker(rank: int, world: int) -> dict:
+    out = {}
+    for exchange in ("per_assignment", "dedup"):
+        cfg = TrainConfig.flat(**DEEPSEEK, expert_parallel=2, expert_exchange=exchange)
+        session = prepare(cfg, corpus(), setup_distributed("cpu"))
+        out[exchange] = (curves(run(session).history), balance_biases(session.place.model))
+    return out
+
+
+def test_swapped_deepseek_v3_under_expert_parallelism_is_the_single_process_model():
+    """Its 4 groups of 2 experts map to the 2 ranks (the deduplicated exchange sends a token to
+    each of its 2 groups' rank once): per-step loss, aux loss and gradient norm equal one process,
+    and so does the correction bias that loss-free balancing moved from the global counts."""
+    cfg = TrainConfig.flat(**DEEPSEEK)
+    session = prepare(cfg, corpus(), setup_distributed("cpu"))
+    ref, ref_bias = curves(run(session).history), balance_biases(session.place.model)
+    assert len(ref_bias) == 2 and all(b.abs().max() > 0 for b in ref_bias), "the bias did not train"
+    per_rank = ok_values(run_local(_deepseek_worker, 2, timeout_s=600))
+    for exchange, (got, bias) in per_rank[0].items():
+        assert len(got) == len(ref) == DEEPSEEK["steps"]
+        for step, (g, w) in enumerate(zip(got, ref), 1):
+            for key, a, b in zip(KEYS, g, w):
+                assert abs(a - b) <= REL_TOL * abs(b), f"{exchange} step {step} {key}: {a!r} vs {b!r}"
+        for layer, (a, b) in enumerate(zip(bias, ref_bias)):
+            torch.testing.assert_close(a, b, rtol=REL_TOL, atol=1e-7, msg=f"{exchange} layer {layer} bias")

@@ -39,6 +39,10 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
             "intermediate_size": 64,
             "shared_expert_intermediate_size": 96,
             "head_dim": 16,
+            # Qwen3-Next's pattern, shortened: linear attention, then full attention (the real
+            # model has a full-attention layer every 4th). By the default interval both layers
+            # of the tiny model were linear, and transformers' cache cannot decode without one.
+            "layer_types": ["linear_attention", "full_attention"],
         },
     ),
     "deepseek-v3-tiny": (
@@ -56,6 +60,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
             "qk_rope_head_dim": 8,
             "qk_nope_head_dim": 8,
             "v_head_dim": 16,
+            # Multi-head latent attention: every head reads one latent KV, and DeepSeek-V3's own
+            # config says so with num_key_value_heads = num_attention_heads. Left at 2,
+            # transformers 5.24 repeats the expanded keys twice and fails on a call of more than
+            # one new token through the cache (chunked decoding, the causal evaluation).
+            "num_key_value_heads": 4,
         },
     ),
 }
