@@ -25,18 +25,11 @@ import torch
 
 from moe.data import Corpus, is_prepared, load_corpus
 from moe.data.shards import read_manifest
-from moe.model import ModelConfig, MoETransformer
+from moe.model import MoETransformer
+from moe.training import load_export
 
 BOUNDARY_SEARCH = 4096
 """How many validation tokens the default prompt's start is looked for in."""
-
-
-def load_export(path: str) -> MoETransformer:
-    """The model of an ``export_model`` file ({"model": state dict, "model_config": fields}), in eval mode."""
-    saved = torch.load(path, map_location="cpu", weights_only=False)
-    model = MoETransformer(ModelConfig(**saved["model_config"]))
-    model.load_state_dict(saved["model"])
-    return model.eval()
 
 
 def default_prompt(corpus: Corpus, num_tokens: int, eot_id: int | None) -> tuple[list[int], str]:
@@ -91,9 +84,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     args = p.parse_args(argv)
     model = load_export(args.export)
     corpus = load_corpus(args.data)
-    if model.cfg.vocab_size != corpus.vocab_size:
+    if model.vocab_size < corpus.vocab_size or (
+        isinstance(model, MoETransformer) and model.vocab_size != corpus.vocab_size
+    ):
         p.error(
-            f"the model has vocab_size={model.cfg.vocab_size}, the data {args.data!r} {corpus.vocab_size}: "
+            f"the model has vocab_size={model.vocab_size}, the data {args.data!r} {corpus.vocab_size}: "
             "pass the --data it was trained on"
         )
     if args.prompt is not None:
@@ -114,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         )
     print(f"--- prompt: {len(prompt):,} tokens {where} ---")
     print(corpus.decode(prompt))
-    note = cropped(len(prompt), args.max_new_tokens, model.cfg.max_seq_len)
+    note = cropped(len(prompt), args.max_new_tokens, model.max_seq_len)
     for k, row in enumerate(out_BS):
         which = f" {k + 1} of {args.num_samples}" if args.num_samples > 1 else ""
         print(f"--- sample{which}: {args.max_new_tokens:,} new tokens ---")

@@ -42,7 +42,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import router_study  # noqa: E402  (the study's routers, sizes, recipe, corpus and row config)
-from generate import load_export  # noqa: E402
 
 ROOT = router_study.ROOT
 LABELS = router_study.SETS["causal"] + router_study.SETS["leaking"]
@@ -117,7 +116,7 @@ def measure_router(label: str, seed: int, num_windows: int, batch_size: int, qui
     torch.set_num_threads(1)
     from moe.data import eval_offsets, windows
     from moe.lm import lm_loss
-    from moe.training import TrainConfig
+    from moe.training import TrainConfig, load_export
 
     start = time.perf_counter()
     s = setting(quick)

@@ -4,8 +4,8 @@
 - ``build``: the model section, the resolved ModelConfig and the model;
 - ``batches``: the data section and each rank's batch of each step;
 - ``optim``: the optimizer section, AdamW and the learning-rate schedule;
-- ``checkpointing``: the checkpoint section (where, how often, resume);
-- ``checkpoint``: atomic sharded checkpoints and exact resume;
+- ``checkpoint_config``: the checkpoint section (where, how often, resume);
+- ``checkpoint_files``: atomic sharded checkpoints and exact resume, the exported model and its loader;
 - ``metrics``: the logging section, per-step metrics and the wandb run;
 - ``report``: what rank 0 prints and writes each step;
 - ``distributed``: process-group setup from torchrun's environment, router-state sync;
@@ -18,9 +18,20 @@ and the step strategies in :mod:`moe.parallel`.
 """
 
 from moe.training.build import build_model, model_config
+from moe.training.checkpoint_files import load_export
 from moe.training.cli import config_from_args, main
 from moe.training.config import TrainConfig
 from moe.training.loop import TrainResult, train
 from moe.training.optim import lr_at
 
-__all__ = ["TrainConfig", "TrainResult", "build_model", "config_from_args", "lr_at", "main", "model_config", "train"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "build_model",
+    "config_from_args",
+    "load_export",
+    "lr_at",
+    "main",
+    "model_config",
+    "train",
+]

@@ -197,3 +197,17 @@ def total_parameters(mcfg: ModelConfig) -> int:
     """Parameters of the whole model (whatever the layout: counted on the meta device)."""
     with torch.device("meta"):
         return MoETransformer(mcfg).num_parameters()
+
+
+def hf_recipe(section: ModelSection, model: nn.Module, backend: str) -> dict | None:
+    """What rebuilds the swapped Hugging Face model of a run (``moe.integrations.hf.hf_model_from_config``'s
+    arguments: its transformers config as a dict, the router, its options, the backend); None
+    for the preset model."""
+    if not section.hf_model:
+        return None
+    return dict(
+        config=model.hf.config.to_dict(),
+        router=section.router,
+        router_options=dict(section.router_options),
+        backend=backend,
+    )

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.model import ModelConfig
+from moe.model import ModelConfig, MoETransformer
 from moe.parallel import full_state_dict
 from moe.parallel.sharded_state import load_sharded, save_sharded
 from moe.training.config import TrainConfig
@@ -216,11 +216,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return meta
 
 
-def export_model(path: Path, model: nn.Module, mcfg: ModelConfig, info: DistInfo, pipeline_group=None) -> None:
+def export_model(
+    path: Path, model: nn.Module, mcfg: ModelConfig, info: DistInfo, pipeline_group=None, hf: dict | None = None
+) -> None:
     """A consolidated single-process state dict of the model in one file (for small models:
     every rank gathers the whole model; with pipeline parallelism ``model`` is one stage and
-    the stages' parts are gathered over ``pipeline_group``). Written atomically by rank 0;
-    call on every rank."""
+    the stages' parts are gathered over ``pipeline_group``), with what rebuilds it: the model
+    config, and for a swapped Hugging Face model ``hf`` (its transformers config as a dict,
+    router, router options, backend). Written atomically by rank 0; call on every rank."""
     state = (
         full_state_dict(model) if info.world_size > 1 else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     )
@@ -231,9 +234,23 @@ def export_model(path: Path, model: nn.Module, mcfg: ModelConfig, info: DistInfo
     if info.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        torch.save({"model": state, "model_config": dataclasses.asdict(mcfg)}, tmp)
+        torch.save({"model": state, "model_config": dataclasses.asdict(mcfg), "hf": hf}, tmp)
         os.replace(tmp, path)
     _barrier()
+
+
+def load_export(path: str | Path) -> nn.Module:
+    """The model of an :func:`export_model` file, in eval mode: a ``MoETransformer``, or the
+    swapped Hugging Face model (``HFCausalLM``, the ``[hf]`` extra) a ``--hf-model`` run trained."""
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    if saved.get("hf") is not None:
+        from moe.integrations.hf import hf_model_from_config  # the [hf] extra, imported only when asked for
+
+        model = hf_model_from_config(**saved["hf"])
+    else:
+        model = MoETransformer(ModelConfig(**saved["model_config"]))
+    model.load_state_dict(saved["model"])
+    return model.eval()
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:

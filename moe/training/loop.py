@@ -63,7 +63,7 @@ from moe.parallel.memory import largest_peak_mib, limit_cpu_malloc
 from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
 from moe.training.batches import local_batch
-from moe.training.build import build_run_model, model_config, total_parameters
+from moe.training.build import build_run_model, hf_recipe, model_config, total_parameters
 from moe.training.checkpoint_files import (
     EXPORT_NAME,
     checkpoint_path,
@@ -324,7 +324,8 @@ def run(s: Session) -> TrainResult:
                 s.report.run_id,
             )
     if cfg.checkpoint.export_model:
-        export_model(cfg.checkpoint.directory / EXPORT_NAME, place.model, s.mcfg, s.info, place.pp_group)
+        hf = hf_recipe(cfg.model, place.model, s.mcfg.backend)
+        export_model(cfg.checkpoint.directory / EXPORT_NAME, place.model, s.mcfg, s.info, place.pp_group, hf)
     s.entropy.close()
     final_eval = final_eval or run_eval(s)
     s.report.close(final_eval)

@@ -25,6 +25,7 @@ from moe.integrations.hf.causal_lm import (
     HFCache,
     HFCausalLM,
     build_hf_model,
+    hf_model_from_config,
     load_hf_model,
     tiny_config,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "build_hf_model",
     "decoding",
     "family_router_options",
+    "hf_model_from_config",
     "load_hf_model",
     "swap_moe_blocks",
     "swapped_routings",

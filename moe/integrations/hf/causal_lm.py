@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from moe.generation import generate
 from moe.integrations.hf.blocks import HFMoEBlock, swap_moe_blocks, swapped_routings
 from moe.lm import ModelOutput, check_token_ids, lm_loss
 from moe.routing import DecodeState
@@ -221,6 +222,21 @@ class HFCausalLM(nn.Module):
         ``torch.compile`` take one at a time, as the preset model's blocks)."""
         return self.hf.get_decoder().layers
 
+    @property
+    def max_seq_len(self) -> int:
+        """The positions the model reads (its config's ``max_position_embeddings``)."""
+        return self.hf.config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.config.vocab_size
+
+    def generate(self, idx: Tensor | list[Tensor], max_new_tokens: int, **options) -> Tensor | list[Tensor] | tuple:
+        """Sample as ``MoETransformer.generate`` does (:func:`moe.generation.generate`: the same
+        options, the same seeded draws), through transformers' KV cache and the routers' decode
+        states, in a context of :attr:`max_seq_len` positions."""
+        return generate(self, idx, max_new_tokens, context=self.max_seq_len, **options)
+
     def num_parameters(self) -> int:
         """All parameters (shared ones once)."""
         return sum(p.numel() for p in self.parameters())
@@ -233,6 +249,15 @@ class HFCausalLM(nn.Module):
 
         model_type = self.hf.config.model_type
         return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)
+
+
+def hf_model_from_config(config: dict, router: str, router_options: dict, backend: str = "torch") -> HFCausalLM:
+    """A swapped model as a run built it, from its transformers config (``config.to_dict()``),
+    with random fp32 weights (what ``--export-model`` files hold is loaded into it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
+    return HFCausalLM(swap_moe_blocks(model, router, backend=backend, **router_options))
 
 
 def build_hf_model(
