@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe.checks import positive_int
+
 
 @torch.no_grad()
 def generate(
@@ -52,6 +54,7 @@ def generate(
     a decode-consistent router, a full forward of those S tokens gives the same, up to
     rounding).
     """
+    positive_int("context", context)
     prompts = _checked_prompts(idx, max_new_tokens, temperature, top_k)
     lengths = [p.numel() for p in prompts]
     b, shortest, total = len(prompts), min(lengths), max(lengths) + max_new_tokens

@@ -11,6 +11,7 @@ from helpers import DEEPSEEK_V3_STYLE, ROUTER_CONFIGS, identity_router
 
 import moe
 from moe.eval import evaluate
+from moe.generation import generate
 from moe.model import MoETransformer, preset
 
 # Decode-consistent configurations; capacity factor 0.5 so that capacity routers drop.
@@ -225,6 +226,8 @@ def test_generate_sampling_is_seeded_and_checks_its_arguments():
     ]:
         with pytest.raises(ValueError, match=match):
             model.generate(**kwargs)
+    with pytest.raises(ValueError, match="context must be a positive integer, got None"):
+        generate(model, prompt, 1, context=None)  # an HF config without max_position_embeddings
 
 
 PAST_THE_CONTEXT = [(*DECODE_CONFIGS[i], False) for i in (0, 2, 4)] + [(*NOT_DECODABLE[0], True)]
