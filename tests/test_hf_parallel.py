@@ -25,7 +25,7 @@ from moe.integrations.hf.blocks import HFMoEBlock
 from moe.parallel import full_state_dict
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.materialize import FromSource
-from moe.training import TrainConfig, train
+from moe.training import TrainConfig, load_export, train
 from moe.training.distributed import setup_distributed
 from moe.training.loop import prepare, run
 
@@ -102,24 +102,27 @@ def balance_biases(model: torch.nn.Module) -> list[torch.Tensor]:
     return [m.moe.router.balance_bias.detach().clone() for m in model.modules() if isinstance(m, HFMoEBlock)]
 
 
-def _deepseek_worker(rank: int, world: int) -> dict:
+def _deepseek_worker(rank: int, world: int, export_dir: str) -> dict:
     out = {}
     for exchange in ("per_assignment", "dedup"):
-        cfg = TrainConfig.flat(**DEEPSEEK, expert_parallel=2, expert_exchange=exchange)
+        export = dict(checkpoint_dir=f"{export_dir}/{exchange}", export_model=True)
+        cfg = TrainConfig.flat(**DEEPSEEK, expert_parallel=2, expert_exchange=exchange, **export)
         session = prepare(cfg, corpus(), setup_distributed("cpu"))
         out[exchange] = (curves(run(session).history), balance_biases(session.place.model))
     return out
 
 
-def test_swapped_deepseek_v3_under_expert_parallelism_is_the_single_process_model():
+def test_swapped_deepseek_v3_under_expert_parallelism_is_the_single_process_model(tmp_path):
     """Its 4 groups of 2 experts map to the 2 ranks (the deduplicated exchange sends a token to
     each of its 2 groups' rank once): per-step loss, aux loss and gradient norm equal one process,
-    and so does the correction bias that loss-free balancing moved from the global counts."""
-    cfg = TrainConfig.flat(**DEEPSEEK)
+    and so does the correction bias that loss-free balancing moved from the global counts; the
+    exported model (every rank's experts gathered) loads as the single-process model."""
+    cfg = TrainConfig.flat(**DEEPSEEK, checkpoint_dir=str(tmp_path / "one"), export_model=True)
     session = prepare(cfg, corpus(), setup_distributed("cpu"))
     ref, ref_bias = curves(run(session).history), balance_biases(session.place.model)
     assert len(ref_bias) == 2 and all(b.abs().max() > 0 for b in ref_bias), "the bias did not train"
-    per_rank = ok_values(run_local(_deepseek_worker, 2, timeout_s=600))
+    want = load_export(tmp_path / "one" / "model.pt").state_dict()
+    per_rank = ok_values(run_local(_deepseek_worker, 2, str(tmp_path), timeout_s=600))
     for exchange, (got, bias) in per_rank[0].items():
         assert len(got) == len(ref) == DEEPSEEK["steps"]
         for step, (g, w) in enumerate(zip(got, ref), 1):
@@ -127,3 +130,8 @@ def test_swapped_deepseek_v3_under_expert_parallelism_is_the_single_process_mode
                 assert abs(a - b) <= REL_TOL * abs(b), f"{exchange} step {step} {key}: {a!r} vs {b!r}"
         for layer, (a, b) in enumerate(zip(bias, ref_bias)):
             torch.testing.assert_close(a, b, rtol=REL_TOL, atol=1e-7, msg=f"{exchange} layer {layer} bias")
+        exported = load_export(tmp_path / exchange / "model.pt").state_dict()
+        assert exported.keys() == want.keys()
+        for name, value in exported.items():  # rounding, through Adam, moves weights by ~1e-5 (measured);
+            # another rank's experts or a wrong order would move them by their size, ~0.02
+            torch.testing.assert_close(value, want[name], rtol=0, atol=1e-4, msg=f"{exchange} export {name}")
