@@ -53,11 +53,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from kernels.dispatch_combine import combine, dispatch
-from kernels.metadata import routing_metadata
-from kernels.moe_ffn import moe_ffn_triton
-from kernels.reference import moe_ffn_reference
-from kernels.torch_grouped import moe_ffn_grouped_mm
+from causal_moe_kernels.dispatch_combine import combine, dispatch
+from causal_moe_kernels.metadata import routing_metadata
+from causal_moe_kernels.moe_ffn import moe_ffn_triton
+from causal_moe_kernels.reference import moe_ffn_reference
+from causal_moe_kernels.torch_grouped import moe_ffn_grouped_mm
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import moe
-from kernels.reference import grouped_swiglu, sort_by_expert
+from causal_moe_kernels.reference import grouped_swiglu, sort_by_expert
 from moe.model import SwiGLU
 
 

@@ -25,7 +25,7 @@ gloo, one thread each), so a peak is that configuration's alone:
    transients (the peak is reset before that step: ``/proc/self/clear_refs`` on CPU).
 3. **torch.compile / eager step time** on CPU, one process and FSDP2 over 2 processes, the
    ``--ac-model``: median step time after the first (compiling) steps. While compiled, the
-   torch data path is one opaque operator (``torch.ops.moe_kernels.sorted_moe_ffn``: the eager sorted
+   torch data path is one opaque operator (``torch.ops.causal_moe_kernels.sorted_moe_ffn``: the eager sorted
    path with output shapes known from its inputs), so the expert FLOPs are the eager ones.
 
 4. **The trainer's own figures** (``--part trainer``): ``experiments/train.py`` on 1 and 4

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import combine_rows, gather_rows, grouped_swiglu, sort_by_expert, token_slots
+from causal_moe_kernels.reference import combine_rows, gather_rows, grouped_swiglu, sort_by_expert, token_slots
 from moe.layer import MoELayer, update_routers
 from moe.model import SwiGLU
 from moe.training.batches import local_batch

@@ -26,7 +26,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$(pwd):$(pwd)/kernels${PYTHONPATH:+:$PYTHONPATH}"   # moe/ and the kernels (kernels/causal_moe_kernels) without an install
 export WANDB_MODE=disabled
 unset TRITON_INTERPRET
 status=0

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from kernels.launch import TRITON_MISSING, triton_installed
-from kernels.reference import moe_ffn_reference
+from causal_moe_kernels.launch import TRITON_MISSING, triton_installed
+from causal_moe_kernels.reference import moe_ffn_reference
 from moe.checks import positive_int
 
 MoEFFN = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -25,7 +25,7 @@ MoEFFN = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tens
 
 BACKENDS: dict[str, Callable[[], MoEFFN]] = {
     "torch": lambda: moe_ffn_reference,
-    "triton": lambda: __import__("kernels.moe_ffn", fromlist=["moe_ffn_triton"]).moe_ffn_triton,
+    "triton": lambda: __import__("causal_moe_kernels.moe_ffn", fromlist=["moe_ffn_triton"]).moe_ffn_triton,
     "grouped_mm": lambda: _grouped_mm_backend(),
 }
 """Backend name -> loader of its function (loaded lazily, so no backend is imported early)."""
@@ -38,7 +38,7 @@ holds the rule and the evidence; no GPU has run them yet)."""
 
 def _grouped_mm_backend() -> MoEFFN:
     # an import statement, not __import__: torch.compile traces it (the module is loaded by then)
-    from kernels.torch_grouped import moe_ffn_grouped_mm
+    from causal_moe_kernels.torch_grouped import moe_ffn_grouped_mm
 
     return moe_ffn_grouped_mm
 

@@ -16,7 +16,9 @@ import moe
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = str(ROOT / "experiments" / "train.py")
-SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+SOURCE_PATH = os.pathsep.join([str(ROOT), str(ROOT / "kernels")])
+"""This checkout's packages on PYTHONPATH: moe/ at the root, causal_moe_kernels under kernels/."""
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": SOURCE_PATH, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
 """The environment of a script run as a user would: this checkout importable, no wandb, one thread."""
 
 

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import SOURCE_PATH
 
 from moe.audit import cli
 from moe.audit.suite import BuiltinTarget
@@ -372,7 +372,7 @@ def test_decode_inconsistency_is_not_printed_as_a_leak(capsys):
 
 def test_python_dash_m_end_to_end(target_file):
     """`python -m moe.audit` in a fresh interpreter: table on stdout, exit code 1 for a leak."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH}
     proc = subprocess.run(
         [
             sys.executable,

@@ -2,7 +2,7 @@
 
 Two routers must compile: dropless ``topk`` and ``capacity`` with ``capacity_scope="prefix"``.
 While traced, the capacity router returns the fixed-size routing form and the torch data path
-is one opaque operator (``torch.ops.moe_kernels.sorted_moe_ffn``, the sorted path with an output shape
+is one opaque operator (``torch.ops.causal_moe_kernels.sorted_moe_ffn``, the sorted path with an output shape
 known from its inputs); both are checked here against their eager counterparts, and the
 compiled layer against the eager layer.
 
@@ -19,7 +19,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import moe
-from kernels.reference import moe_ffn_reference
+from causal_moe_kernels.reference import moe_ffn_reference
 from moe.experts import FusedSwiGLUExperts
 from moe.model import MoETransformer, preset
 from moe.parallel.compile import compile_blocks
@@ -122,7 +122,7 @@ def test_traced_operator_equals_the_eager_sorted_path():
         torch.randn(e, f, d, dtype=torch.float64),
     ]
     outs = []
-    for fn in (moe_ffn_reference, lambda *a: torch.ops.moe_kernels.sorted_moe_ffn(*a)[0]):
+    for fn in (moe_ffn_reference, lambda *a: torch.ops.causal_moe_kernels.sorted_moe_ffn(*a)[0]):
         leaves = [t.clone().requires_grad_(True) for t in (x, weight, *ws)]
         y = fn(leaves[0], token_A, expert_A, leaves[1], *leaves[2:])
         (y * torch.arange(n * d, dtype=torch.float64).view(n, d).sin()).sum().backward()
@@ -149,16 +149,18 @@ def test_operators_fake_kernels_match_real_ones_on_strided_experts():
     weight = torch.rand(6)
     forward = (x, token_A, expert_A, weight, *ws)
     torch.library.opcheck(
-        torch.ops.moe_kernels.sorted_moe_ffn.default, forward, test_utils=("test_schema", "test_faketensor")
+        torch.ops.causal_moe_kernels.sorted_moe_ffn.default, forward, test_utils=("test_schema", "test_faketensor")
     )
-    saved = torch.ops.moe_kernels.sorted_moe_ffn(*forward)[1:]
+    saved = torch.ops.causal_moe_kernels.sorted_moe_ffn(*forward)[1:]
     backward = (torch.randn(n, d), *forward, *saved)
     torch.library.opcheck(
-        torch.ops.moe_kernels.sorted_moe_ffn_backward.default, backward, test_utils=("test_schema", "test_faketensor")
+        torch.ops.causal_moe_kernels.sorted_moe_ffn_backward.default,
+        backward,
+        test_utils=("test_schema", "test_faketensor"),
     )
-    real = torch.ops.moe_kernels.sorted_moe_ffn_backward(*backward)
+    real = torch.ops.causal_moe_kernels.sorted_moe_ffn_backward(*backward)
     with torch._subclasses.FakeTensorMode() as mode:
-        fake = torch.ops.moe_kernels.sorted_moe_ffn_backward(*(mode.from_tensor(t) for t in backward))
+        fake = torch.ops.causal_moe_kernels.sorted_moe_ffn_backward(*(mode.from_tensor(t) for t in backward))
     for i, (r, k) in enumerate(zip(real, fake, strict=True)):
         assert (r.shape, r.stride()) == (k.shape, k.stride()), f"gradient {i}: real {r.stride()}, fake {k.stride()}"
 
@@ -171,8 +173,8 @@ def test_traced_graph_calls_the_sorted_operator_once_per_layer():
     graphs: list = []
     run(layer, torch.randn(2, 9, 16), torch.compile(layer, backend=recording_backend(graphs), fullgraph=True))
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count("moe_kernels.sorted_moe_ffn.default") == 1, targets
-    assert targets.count("moe_kernels.sorted_moe_ffn_backward.default") == 1, targets
+    assert targets.count("causal_moe_kernels.sorted_moe_ffn.default") == 1, targets
+    assert targets.count("causal_moe_kernels.sorted_moe_ffn_backward.default") == 1, targets
 
 
 @pytest.mark.parametrize("name,opts", LAYERS)

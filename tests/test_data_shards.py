@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import SOURCE_PATH
 
 from moe.data import (
     Corpus,
@@ -146,7 +147,7 @@ def peak_rss(directory: Path, num_tokens: int, shards: int) -> tuple[int, int]:
         "tokenizer": "none",
     }
     (directory / "manifest.json").write_text(json.dumps(manifest))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-c", RSS_SCRIPT, str(directory)],
         env=env,

@@ -31,7 +31,7 @@ from extras import need
 from helpers import ROUTER_CONFIGS
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
+import causal_moe_kernels
 import moe
 
 
@@ -144,12 +144,12 @@ def test_recorder_catches_colliding_accumulation():
 
 
 def triton_kernels() -> dict[str, object]:
-    """Every kernel function of the ``kernels`` package, found through its ``Kernel`` wrappers."""
+    """Every kernel function of the ``causal_moe_kernels`` package, found through its ``Kernel`` wrappers."""
     need("triton", "triton")
-    from kernels.launch import Kernel
+    from causal_moe_kernels.launch import Kernel
 
     found = {}
-    for info in pkgutil.iter_modules(kernels.__path__, "kernels."):
+    for info in pkgutil.iter_modules(causal_moe_kernels.__path__, "causal_moe_kernels."):
         module = importlib.import_module(info.name)
         for obj in vars(module).values():
             if isinstance(obj, Kernel):

@@ -12,13 +12,13 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, SUBPROCESS_ENV
+from helpers import ROOT, SOURCE_PATH, SUBPROCESS_ENV
 
 HIDDEN = ROOT / "tests" / "hidden"
 
 
 def run_without(modules: list[str], args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = {**SUBPROCESS_ENV, "PYTHONPATH": f"{HIDDEN}{os.pathsep}{ROOT}", "HIDDEN_MODULES": ",".join(modules)}
+    env = {**SUBPROCESS_ENV, "PYTHONPATH": f"{HIDDEN}{os.pathsep}{SOURCE_PATH}", "HIDDEN_MODULES": ",".join(modules)}
     return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -26,8 +26,8 @@ LAYER_WITHOUT_TRITON = """
 import importlib.util, sys
 import torch
 import moe
-from kernels.reference import moe_ffn_reference
-from kernels.torch_grouped import moe_ffn_grouped_mm
+from causal_moe_kernels.reference import moe_ffn_reference
+from causal_moe_kernels.torch_grouped import moe_ffn_grouped_mm
 from moe.experts import resolve_backend
 
 assert importlib.util.find_spec("triton") is None, "the hiding did not work"

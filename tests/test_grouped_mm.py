@@ -1,4 +1,4 @@
-"""The grouped-GEMM backend (``backend="grouped_mm"``, ``kernels.torch_grouped``) against the float64
+"""The grouped-GEMM backend (``backend="grouped_mm"``, ``causal_moe_kernels.torch_grouped``) against the float64
 reference, output and every gradient, for both expert layouts, eager, compiled and expert-parallel.
 
 ``torch._grouped_mm`` has no float64, so the backend runs in float32 (and bfloat16) and is compared
@@ -19,9 +19,9 @@ from test_compile import HOST_READS, recording_backend
 from test_compile import run as run_layer
 from test_fused_experts import fused_from, per_token_reference
 
-import kernels.torch_grouped as torch_grouped
-from kernels.reference import moe_ffn_reference
-from kernels.torch_grouped import aligned, moe_ffn_grouped_mm
+import causal_moe_kernels.torch_grouped as torch_grouped
+from causal_moe_kernels.reference import moe_ffn_reference
+from causal_moe_kernels.torch_grouped import aligned, moe_ffn_grouped_mm
 from moe import MoELayer
 from moe.experts import CUDA_AUTO, FusedSwiGLUExperts, SwiGLUExperts, resolve_backend
 from moe.parallel import ExpertParallel, load_full_state_dict
@@ -201,8 +201,8 @@ def test_compiled_layer_is_one_graph_calling_the_operator_and_equals_eager(name,
     assert len(graphs) == 2, f"expected one forward and one backward graph, got {len(graphs)}"
     targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert not [t for t in targets if any(h in t for h in HOST_READS)], targets
-    assert targets.count("moe_kernels.grouped_mm_moe_ffn.default") == 1, targets
-    assert targets.count("moe_kernels.grouped_mm_moe_ffn_backward.default") == 1, targets
+    assert targets.count("causal_moe_kernels.grouped_mm_moe_ffn.default") == 1, targets
+    assert targets.count("causal_moe_kernels.grouped_mm_moe_ffn_backward.default") == 1, targets
     ref = copy.deepcopy(layer)
     ref.backend = "torch"
     for i, (g, r) in enumerate(zip(got, run_layer(ref, x), strict=True)):
@@ -225,7 +225,10 @@ def test_fake_kernels_match_real_strides_on_transposed_experts():
     fused = fused_from(SwiGLUExperts(E, 8, 12))
     ws = (fused.w_gate, fused.w_up, fused.w_down)
     forward = (torch.randn(N, 8), TOKEN_A, EXPERT_A, torch.rand(TOKEN_A.numel()), *ws)
-    op, backward_op = torch.ops.moe_kernels.grouped_mm_moe_ffn, torch.ops.moe_kernels.grouped_mm_moe_ffn_backward
+    op, backward_op = (
+        torch.ops.causal_moe_kernels.grouped_mm_moe_ffn,
+        torch.ops.causal_moe_kernels.grouped_mm_moe_ffn_backward,
+    )
     torch.library.opcheck(op.default, forward, test_utils=("test_schema", "test_faketensor"))
     backward = (torch.randn(N, 8), *forward, *op(*forward)[1:])
     torch.library.opcheck(backward_op.default, backward, test_utils=("test_schema", "test_faketensor"))

@@ -1,6 +1,6 @@
 """Triton kernels against their PyTorch references, forward and every gradient.
 
-On a machine without CUDA every kernel runs in the Triton interpreter: ``kernels.launch``
+On a machine without CUDA every kernel runs in the Triton interpreter: ``causal_moe_kernels.launch``
 chooses per launch (CPU tensors are interpreted, CUDA tensors compiled), so nothing here
 depends on ``TRITON_INTERPRET`` or on import order. The interpreter is slow: shapes are
 small, the larger sweep is ``@pytest.mark.slow``.
@@ -21,14 +21,15 @@ import sys
 import pytest
 import torch
 from extras import need
+from helpers import SOURCE_PATH
 
 need("triton", "triton")
 
-from kernels.dispatch_combine import combine, combine_reference, dispatch, dispatch_reference  # noqa: E402
-from kernels.grouped_mm import grouped_mm, grouped_mm_reference  # noqa: E402
-from kernels.metadata import routing_metadata, routing_metadata_reference  # noqa: E402
-from kernels.moe_ffn import moe_ffn_triton  # noqa: E402
-from kernels.reference import moe_ffn_reference  # noqa: E402
+from causal_moe_kernels.dispatch_combine import combine, combine_reference, dispatch, dispatch_reference  # noqa: E402
+from causal_moe_kernels.grouped_mm import grouped_mm, grouped_mm_reference  # noqa: E402
+from causal_moe_kernels.metadata import routing_metadata, routing_metadata_reference  # noqa: E402
+from causal_moe_kernels.moe_ffn import moe_ffn_triton  # noqa: E402
+from causal_moe_kernels.reference import moe_ffn_reference  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 EPS = {torch.float32: 2e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}
@@ -286,14 +287,14 @@ def test_moe_ffn_under_cpu_autocast_matches_bf16_reference():
 def test_interpreter_env_var_set_globally_still_works():
     """With TRITON_INTERPRET=1 set before triton is imported, the kernels still run and agree."""
     code = (
-        "import torch; from kernels.moe_ffn import moe_ffn_triton; from kernels.reference import moe_ffn_reference\n"
+        "import torch; from causal_moe_kernels.moe_ffn import moe_ffn_triton; from causal_moe_kernels.reference import moe_ffn_reference\n"
         "g = torch.Generator().manual_seed(0); x = torch.randn(6, 16, generator=g)\n"
         "ws = [torch.randn(3, 16, 16, generator=g) / 4 for _ in range(3)]\n"
         "t = torch.arange(6).repeat_interleave(2); e = torch.tensor([0, 1, 1, 2, 0, 2, 2, 1, 0, 1, 1, 0]); w = torch.rand(12, generator=g)\n"
         "d = (moe_ffn_triton(x, t, e, w, *ws) - moe_ffn_reference(x, t, e, w, *ws)).abs().max().item()\n"
         "assert d < 1e-5, d\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": SOURCE_PATH}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
 

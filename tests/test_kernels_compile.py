@@ -37,13 +37,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-import kernels.dispatch_combine as dispatch_combine_mod  # noqa: E402
-import kernels.grouped_mm as grouped_mm_mod  # noqa: E402
-import kernels.launch as launch_mod  # noqa: E402
-from kernels.dispatch_combine import combine, dispatch  # noqa: E402
-from kernels.grouped_mm import DUAL, LINEAR, SWIGLU, SWIGLU_BWD, grouped_mm  # noqa: E402
-from kernels.metadata import routing_metadata  # noqa: E402
-from kernels.moe_ffn import moe_ffn_triton  # noqa: E402
+import causal_moe_kernels.dispatch_combine as dispatch_combine_mod  # noqa: E402
+import causal_moe_kernels.grouped_mm as grouped_mm_mod  # noqa: E402
+import causal_moe_kernels.launch as launch_mod  # noqa: E402
+from causal_moe_kernels.dispatch_combine import combine, dispatch  # noqa: E402
+from causal_moe_kernels.grouped_mm import DUAL, LINEAR, SWIGLU, SWIGLU_BWD, grouped_mm  # noqa: E402
+from causal_moe_kernels.metadata import routing_metadata  # noqa: E402
+from causal_moe_kernels.moe_ffn import moe_ffn_triton  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED = 227 * 1024  # bytes of shared memory one block may use on an H100/H200
@@ -71,7 +71,7 @@ def record_launches(monkeypatch, run) -> list[Launch]:
 
         def launch(*args, **kwargs):
             launches.append(Launch(kernel.fn, args, kwargs))
-            if kernel.fn.__module__ == "kernels.metadata":  # launchers index with its output
+            if kernel.fn.__module__ == "causal_moe_kernels.metadata":  # launchers index with its output
                 options = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
                 with launch_mod._nested_jit_interpreted():
                     kernel.form(True)[grid](*args, **options)

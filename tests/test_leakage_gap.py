@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import SOURCE_PATH
 from torch import nn
 
 from moe.eval import evaluate
@@ -20,7 +21,7 @@ SCRIPT = str(ROOT / "experiments" / "leakage_gap.py")
 
 
 def run(args, timeout):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH, "WANDB_MODE": "disabled"}
     proc = subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

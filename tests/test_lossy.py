@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from kernels.reference import moe_ffn_reference
+from causal_moe_kernels.reference import moe_ffn_reference
 from moe import MoELayer
 from moe.experts import SwiGLUExperts
 from moe.parallel import ExpertParallel, expert_parallel_ffn, local_expert_range, reduce_gradients

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.reference import moe_ffn_reference
+from causal_moe_kernels.reference import moe_ffn_reference
 from moe import MoELayer, update_routers
 from moe.model import ModelConfig, MoETransformer
 from moe.parallel import (

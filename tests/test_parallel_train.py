@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_run_flags
+from helpers import SOURCE_PATH, tiny_run_flags
 
 from moe.training import config_from_args, train
 
@@ -27,7 +27,7 @@ REL_TOL = 1e-4
 
 
 def _torchrun(args: list[str], nproc: int, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": SOURCE_PATH, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
         "-m",

@@ -121,7 +121,7 @@ class CountOp(TorchDispatchMode):
 def test_selective_keeps_the_grouped_mm_operator_and_full_reruns_it():
     """backend="grouped_mm": the experts' products are one operator's outputs; ``selective`` keeps
     them (the backward reruns it in no block), ``full`` reruns it once per block; same gradients."""
-    from kernels.torch_grouped import GROUPED_FFN_OP
+    from causal_moe_kernels.torch_grouped import GROUPED_FFN_OP
 
     results = {}
     for mode in ("none", "full", "selective"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import combine_rows, scatter_sum, sort_by_expert, token_slots
+from causal_moe_kernels.reference import combine_rows, scatter_sum, sort_by_expert, token_slots
 
 # (token_A, expert_A): every token with two rows (dropless top-2), and tokens with none, one
 # and three rows (expert choice), in an order where sorting by expert interleaves tokens

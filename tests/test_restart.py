@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_run_flags
+from helpers import SOURCE_PATH, tiny_run_flags
 
 from moe.training import config_from_args, train
 
@@ -27,7 +27,7 @@ def test_rank_killed_at_step_7_restarts_and_matches(tmp_path):
     jsonl = tmp_path / "metrics.jsonl"
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": SOURCE_PATH,
         "WANDB_MODE": "disabled",
         "OMP_NUM_THREADS": "1",
         "MOE_FAULT_AT_STEP": "7",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ROOT, SMALL_RUN, train_on_two_processes
+from helpers import ROOT, SMALL_RUN, SOURCE_PATH, train_on_two_processes
 
 import moe.parallel.memory as memory
 import moe.training.loop as mt
@@ -247,7 +247,7 @@ def help_of(args: list[str]) -> str:
     """What ``experiments/train.py ARGS --help`` prints."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "train.py"), *args, "--help"],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"},
+        env={**os.environ, "PYTHONPATH": SOURCE_PATH, "COLUMNS": "100"},
         capture_output=True,
         text=True,
     )

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from kernels.reference import gather_rows, scatter_sum, sort_by_expert, token_slots
+from causal_moe_kernels.reference import gather_rows, scatter_sum, sort_by_expert, token_slots
 from moe.experts import SwiGLUExperts, resolve_backend
 from moe.parallel.timing import PhaseTimer
 from moe.routing import count_indices

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from kernels.torch_grouped import GROUPED_FFN_OP
+from causal_moe_kernels.torch_grouped import GROUPED_FFN_OP
 
 MODES = ("none", "full", "selective")
 TRACED_REFUSAL = (

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from kernels.reference import sort_by_expert
+from causal_moe_kernels.reference import sort_by_expert
 from moe.parallel.exchange import ExpertParallel, expert_parallel_ffn, group_rank_size
 from moe.parallel.lossy.transport import LossyTransport
 from moe.parallel.state import expert_parallel_layers

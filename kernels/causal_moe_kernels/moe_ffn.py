@@ -1,5 +1,5 @@
 """The MoE feed-forward on Triton kernels: ``moe_ffn_triton``, a drop-in for
-``kernels.reference.moe_ffn_reference`` (the ``"triton"`` backend of ``moe.MoELayer``).
+``causal_moe_kernels.reference.moe_ffn_reference`` (the ``"triton"`` backend of ``moe.MoELayer``).
 
 Shape legend: N tokens, D model width, F expert width, E experts, A assignments,
 P = A rows in expert-sorted order.
@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.dispatch_combine import combine_kernel, gather_rows_kernel
-from kernels.ffn_inputs import check_ffn_shapes, one_dtype
-from kernels.grouped_mm import DUAL, SWIGLU, SWIGLU_BWD, gmm, wgrad
-from kernels.metadata import RoutingMeta, routing_metadata
+from causal_moe_kernels.dispatch_combine import combine_kernel, gather_rows_kernel
+from causal_moe_kernels.ffn_inputs import check_ffn_shapes, one_dtype
+from causal_moe_kernels.grouped_mm import DUAL, SWIGLU, SWIGLU_BWD, gmm, wgrad
+from causal_moe_kernels.metadata import RoutingMeta, routing_metadata
 
 
 class _MoEFFN(torch.autograd.Function):

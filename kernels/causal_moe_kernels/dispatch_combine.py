@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import Kernel, check_same_device, interpreting, next_pow2
-from kernels.metadata import RoutingMeta
+from causal_moe_kernels.launch import Kernel, check_same_device, interpreting, next_pow2
+from causal_moe_kernels.metadata import RoutingMeta
 
 
 def _gather_kernel(

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.launch import Kernel, next_pow2
-from kernels.reference import sort_by_expert
+from causal_moe_kernels.launch import Kernel, next_pow2
+from causal_moe_kernels.reference import sort_by_expert
 
 
 @dataclass

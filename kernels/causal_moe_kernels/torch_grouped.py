@@ -1,5 +1,5 @@
 """The MoE feed-forward on PyTorch's own grouped GEMM, ``torch._grouped_mm``: ``moe_ffn_grouped_mm``,
-a drop-in for ``kernels.reference.moe_ffn_reference`` (the ``"grouped_mm"`` backend of ``moe.MoELayer``).
+a drop-in for ``causal_moe_kernels.reference.moe_ffn_reference`` (the ``"grouped_mm"`` backend of ``moe.MoELayer``).
 
 Shape legend: N tokens, D model width, F expert width, E experts, A assignments,
 P = A rows in expert-sorted order.
@@ -35,7 +35,7 @@ is met here:
   the grouped GEMM's own CUDA tests on sm_90; torch issue 172439 reports sm_100 getting it wrong).
 
 The whole computation is one opaque operator with its backward operator
-(``torch.ops.moe_kernels.grouped_mm_moe_ffn``), eager and under ``torch.compile`` alike: the
+(``torch.ops.causal_moe_kernels.grouped_mm_moe_ffn``), eager and under ``torch.compile`` alike: the
 grouped GEMM's fake-tensor rule accepts only bfloat16 (torch 2.11 and 2.13), so an fp32 layer
 could not be traced through it, and inside an operator the per-token sums stay the ones below
 instead of inductor's atomic scatter. The operator's output shapes are known from its inputs.
@@ -58,8 +58,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.ffn_inputs import check_ffn_shapes, one_dtype
-from kernels.reference import backward_through, combine_backward, input_gradients_fake, save_inputs_and_extras
+from causal_moe_kernels.ffn_inputs import check_ffn_shapes, one_dtype
+from causal_moe_kernels.reference import (
+    backward_through,
+    combine_backward,
+    input_gradients_fake,
+    save_inputs_and_extras,
+)
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """What ``torch._grouped_mm`` multiplies."""
@@ -92,7 +97,7 @@ def moe_ffn_grouped_mm(
         )
     if token_A.numel() == 0:
         return x_ND.new_zeros(x_ND.shape[0], w_down_EFD.shape[-1])
-    return torch.ops.moe_kernels.grouped_mm_moe_ffn(
+    return torch.ops.causal_moe_kernels.grouped_mm_moe_ffn(
         x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD
     )[0]
 
@@ -127,7 +132,7 @@ def _sum_rows(rows_PD: Tensor, token_P: Tensor, num_tokens: int, dtype: torch.dt
     return sums_ND.index_put_((token_P,), rows_PD.float(), accumulate=True).to(dtype)
 
 
-@torch.library.custom_op("moe_kernels::grouped_mm_moe_ffn", mutates_args=())
+@torch.library.custom_op("causal_moe_kernels::grouped_mm_moe_ffn", mutates_args=())
 def _grouped_ffn_op(
     x_ND: Tensor,
     token_A: Tensor,
@@ -163,7 +168,7 @@ def _grouped_ffn_fake(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w
     )
 
 
-@torch.library.custom_op("moe_kernels::grouped_mm_moe_ffn_backward", mutates_args=())
+@torch.library.custom_op("causal_moe_kernels::grouped_mm_moe_ffn_backward", mutates_args=())
 def _grouped_ffn_backward_op(
     grad_ND: Tensor,
     x_ND: Tensor,
@@ -199,11 +204,11 @@ def _grouped_ffn_backward_op(
     return grad_x_ND, grad_weight_A, dw_gate.contiguous(), dw_up.contiguous(), dw_down.contiguous()
 
 
-GROUPED_FFN_OP = torch.ops.moe_kernels.grouped_mm_moe_ffn.default
+GROUPED_FFN_OP = torch.ops.causal_moe_kernels.grouped_mm_moe_ffn.default
 """The forward operator (its outputs hold the grouped GEMMs' products: what selective activation
 checkpointing keeps, ``moe.parallel.recompute``)."""
 
 _grouped_ffn_backward_op.register_fake(input_gradients_fake)
 _grouped_ffn_op.register_autograd(
-    backward_through(torch.ops.moe_kernels.grouped_mm_moe_ffn_backward), setup_context=save_inputs_and_extras
+    backward_through(torch.ops.causal_moe_kernels.grouped_mm_moe_ffn_backward), setup_context=save_inputs_and_extras
 )

@@ -11,7 +11,7 @@ outputs and gradients are bitwise reproducible run to run.
 Under ``torch.compile`` the sorted path cannot be traced without reading values on the host
 (S and the per-expert slice lengths size its tensors), so while traced
 :func:`moe_ffn_reference` calls the same computation as one opaque operator,
-``torch.ops.moe_kernels.sorted_moe_ffn``, whose output shape [N, D] is known from its inputs: the
+``torch.ops.causal_moe_kernels.sorted_moe_ffn``, whose output shape [N, D] is known from its inputs: the
 graph holds no data-dependent shape and no host read and the expert FLOPs are those of the
 sorted path. The operator returns, besides y, what its backward (a second operator, the same
 sums written out, expert by expert as eager autograd runs them) needs: the gathered rows
@@ -154,7 +154,7 @@ def moe_ffn_reference(
     if token_A.numel() == 0:
         return x_ND.new_zeros(x_ND.shape[0], w_down_EFD.shape[-1])
     if torch.compiler.is_compiling():
-        return torch.ops.moe_kernels.sorted_moe_ffn(
+        return torch.ops.causal_moe_kernels.sorted_moe_ffn(
             x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD
         )[0]
     n = x_ND.shape[0]
@@ -172,7 +172,7 @@ def _sorted_layout(token_A: Tensor, expert_A: Tensor, num_tokens: int, num_exper
     return order_A, counts_E.tolist(), token_sorted_A, slot_A, num_slots
 
 
-@torch.library.custom_op("moe_kernels::sorted_moe_ffn", mutates_args=())
+@torch.library.custom_op("causal_moe_kernels::sorted_moe_ffn", mutates_args=())
 def _moe_ffn_op(
     x_ND: Tensor,
     token_A: Tensor,
@@ -212,7 +212,7 @@ def _moe_ffn_fake(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_dow
     )
 
 
-@torch.library.custom_op("moe_kernels::sorted_moe_ffn_backward", mutates_args=())
+@torch.library.custom_op("causal_moe_kernels::sorted_moe_ffn_backward", mutates_args=())
 def _moe_ffn_backward_op(
     grad_ND: Tensor,
     x_ND: Tensor,
@@ -289,5 +289,5 @@ def backward_through(backward_op):
 
 
 _moe_ffn_op.register_autograd(
-    backward_through(torch.ops.moe_kernels.sorted_moe_ffn_backward), setup_context=save_inputs_and_extras
+    backward_through(torch.ops.causal_moe_kernels.sorted_moe_ffn_backward), setup_context=save_inputs_and_extras
 )

@@ -2,13 +2,13 @@
 
 This package knows tensors and indices, never routers: it imports nothing from ``moe``.
 The references import only torch; the Triton side (``moe_ffn_triton``, ``routing_metadata``,
-``dispatch``, ``combine``, ``grouped_mm``) is imported on first use, so ``import kernels``
+``dispatch``, ``combine``, ``grouped_mm``) is imported on first use, so ``import causal_moe_kernels``
 never imports triton.
 """
 
 from importlib import import_module
 
-from kernels.reference import (
+from causal_moe_kernels.reference import (
     gather_rows,
     moe_ffn_reference,
     scatter_sum,
@@ -17,12 +17,12 @@ from kernels.reference import (
 )
 
 _LAZY = {
-    "moe_ffn_triton": "kernels.moe_ffn",
-    "routing_metadata": "kernels.metadata",
-    "RoutingMeta": "kernels.metadata",
-    "dispatch": "kernels.dispatch_combine",
-    "combine": "kernels.dispatch_combine",
-    "grouped_mm": "kernels.grouped_mm",
+    "moe_ffn_triton": "causal_moe_kernels.moe_ffn",
+    "routing_metadata": "causal_moe_kernels.metadata",
+    "RoutingMeta": "causal_moe_kernels.metadata",
+    "dispatch": "causal_moe_kernels.dispatch_combine",
+    "combine": "causal_moe_kernels.dispatch_combine",
+    "grouped_mm": "causal_moe_kernels.grouped_mm",
 }
 
 __all__ = ["gather_rows", "moe_ffn_reference", "scatter_sum", "sort_by_expert", "token_slots", *_LAZY]

@@ -2,8 +2,8 @@
 
 Shape legend: N tokens, D model width, F expert width, E experts, A assignments.
 
-Shared by the Triton backend (``kernels.moe_ffn``) and the grouped-GEMM backend
-(``kernels.torch_grouped``); imports only torch, so the grouped backend never imports triton.
+Shared by the Triton backend (``causal_moe_kernels.moe_ffn``) and the grouped-GEMM backend
+(``causal_moe_kernels.torch_grouped``); imports only torch, so the grouped backend never imports triton.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.dispatch_combine import combine_kernel
-from kernels.launch import Kernel, check_same_device, interpreting, matmul_blocks, next_pow2
-from kernels.metadata import RoutingMeta
+from causal_moe_kernels.dispatch_combine import combine_kernel
+from causal_moe_kernels.launch import Kernel, check_same_device, interpreting, matmul_blocks, next_pow2
+from causal_moe_kernels.metadata import RoutingMeta
 
 LINEAR, SWIGLU, SWIGLU_BWD, DUAL = 0, 1, 2, 3
 
