@@ -253,5 +253,5 @@ def test_a_float32_input_that_comes_back_bfloat16_gets_a_word():
 
 
 def test_expert_choice_says_what_to_do_instead_of_decoding():
-    with pytest.raises(ValueError, match=r"train with ec_threshold .* or ec_predictor; .* recompute=True"):
+    with pytest.raises(ValueError, match=r"train with ec_threshold .* or ec_predictor; .* without the cache"):
         _router("expert_choice").init_decode_state(2)

@@ -318,7 +318,8 @@ def test_generate_outside_decoding_misroutes_a_prefix_capacity_router():
         tiny_model("olmoe-tiny", norm=True), "capacity", capacity_scope="prefix", capacity_factor=0.5
     )
     prompt = torch.randint(0, V, (2, 5))
-    seq, step_logits = generate_with_logits(model, prompt, 12)
+    with pytest.warns(UserWarning, match="generating outside decoding"):
+        seq, step_logits = generate_with_logits(model, prompt, 12)
     assert (step_logits - full_forward_logits(model, seq, 12)).abs().max() > 1e-3
     with pytest.raises(ValueError, match="not decode-consistent"):
         with decoding(swap_moe_blocks(tiny_model("olmoe-tiny"), "expert_choice"), batch_size=2):

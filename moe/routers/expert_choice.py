@@ -64,8 +64,8 @@ class ExpertChoiceRouter(Router):
             return None
         return (
             f"{reason}; to decode with a cache, train with ec_threshold (causal thresholds learned from expert "
-            "choice) or ec_predictor; to generate from this model, recompute every step without the cache "
-            "(generate(..., recompute=True); transformers: outside decoding(), use_cache=False)"
+            "choice) or ec_predictor; to generate from this model, reroute the whole sequence so far at every step, "
+            "without the cache"
         )
 
     def nominal_experts_per_token(self) -> float:

@@ -17,6 +17,7 @@ copied, and a swapped checkpoint keeps its parameter objects.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 from moe.experts import FusedSwiGLUExperts
 from moe.layer import MoELayer
 from moe.routers import ExpertChoiceRouter, TokenChoiceBase, build_router
-from moe.routing import DecodeState, Routing, registered_routers
+from moe.routing import DecodeState, Router, Routing, registered_routers
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,8 @@ def swap_moe_blocks(
     ``moe.parallel.ExpertParallel``) each block keeps only this rank's experts (copies of
     their slice) and exchanges tokens with the other ranks, as ``MoELayer`` does.
 
+    ``model.swap_recipe`` keeps ``router`` and ``router_options`` (what an export rebuilds it from).
+
     Training: the swapped blocks' aux losses (and stats) are on their routings, collected by
     :func:`swapped_routings` after a forward; transformers' own load-balancing loss reads the
     router modules this replaces, so ``config.output_router_logits`` is set to False. Call
@@ -219,7 +222,45 @@ def swap_moe_blocks(
     config = getattr(model, "config", None)
     if getattr(config, "output_router_logits", False):
         config.output_router_logits = False
+    model.swap_recipe = {"router": router, "router_options": dict(router_options)}
+    model.register_forward_pre_hook(warn_outside_decoding, with_kwargs=True)
     return model
+
+
+def outside_decoding_misroute(router: Router) -> str | None:
+    """Why ``router`` misroutes the new tokens of a call through transformers' cache outside
+    :func:`decoding` (each call is routed as a sequence of its own), and what to do; None where
+    such a call routes as the full forward does (a router that routes every token alone)."""
+    reason = router.decode_support()
+    if reason is not None:
+        return (
+            f"{reason}. With transformers, generate such a model with use_cache=False (outside decoding()): "
+            "each step then reroutes the whole sequence so far, as the full forward routes it"
+        )
+    if type(router.init_decode_state(1)) is not DecodeState:
+        return (
+            f"router {router.name!r} routes new tokens from its decode state, which only decoding() keeps: "
+            "generate inside `with decoding(model, batch_size=B):`"
+        )
+    return None
+
+
+def warn_outside_decoding(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a swapped model: one warning, the first time it is called with a
+    filled transformers cache (``generate`` decoding) outside :func:`decoding` while a router
+    would misroute those tokens (:func:`outside_decoding_misroute`)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if getattr(model, "warned_outside_decoding", False) or not getattr(cache, "get_seq_length", lambda: 0)():
+        return
+    blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+    if any(b.decode_state is not None for b in blocks):
+        return
+    for i, block in enumerate(blocks):
+        why = outside_decoding_misroute(block.moe.router)
+        if why is not None:
+            model.warned_outside_decoding = True
+            warnings.warn(f"generating outside decoding(): MoE block {i}: {why}", UserWarning, stacklevel=2)
+            return
 
 
 def swapped_routings(model: nn.Module) -> list[Routing]:
@@ -250,6 +291,13 @@ def decoding(model: nn.Module, batch_size: int) -> Iterator[nn.Module]:
     blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no swapped MoE block: call swap_moe_blocks first")
+    for i, block in enumerate(blocks):
+        reason = block.moe.router.decode_support()
+        if reason is not None:
+            raise ValueError(
+                f"decoding(): MoE block {i}: {reason}. With transformers, call generate outside decoding() "
+                "with use_cache=False: every step then reroutes the whole sequence so far"
+            )
     try:
         for block in blocks:
             block.decode_state = block.moe.router.init_decode_state(batch_size)
