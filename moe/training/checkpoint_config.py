@@ -23,6 +23,10 @@ class CheckpointConfig:
     export_model: bool = False
     """After the last step also write ``checkpoint_dir/model.pt``, the consolidated single-process
     state dict (every rank gathers the whole model: for small models)."""
+    export_hf: bool = False
+    """After the last step also write ``checkpoint_dir/hf/``, the exported model as a Hugging Face
+    checkpoint folder (``moe.integrations.hf.export_pretrained``; the ``[hf]`` extra), and
+    ``model.pt`` with it."""
     resume: bool = False
     """Continue from the last complete checkpoint in ``checkpoint_dir`` if there is one (written on
     any layout or number of processes); start afresh if there is none (so a run restarted by
@@ -31,8 +35,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         nonnegative_int("checkpoint_every", self.checkpoint_every)
         positive_int("keep_checkpoints", self.keep_checkpoints)
-        if (self.resume or self.export_model) and not self.checkpoint_dir:
-            raise ValueError("resume and export_model need checkpoint_dir")
+        if (self.resume or self.export_model or self.export_hf) and not self.checkpoint_dir:
+            raise ValueError("resume, export_model and export_hf need checkpoint_dir")
 
     @property
     def directory(self) -> Path | None:

@@ -44,6 +44,7 @@ from moe.training.distributed import DistInfo
 COMPLETE = "COMPLETE"
 META = "meta.json"
 EXPORT_NAME = "model.pt"
+HF_EXPORT_NAME = "hf"
 _CHUNK = 1 << 20  # bytes read at a time while hashing
 
 

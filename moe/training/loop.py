@@ -66,10 +66,12 @@ from moe.training.batches import local_batch
 from moe.training.build import build_run_model, hf_recipe, model_config, total_parameters
 from moe.training.checkpoint_files import (
     EXPORT_NAME,
+    HF_EXPORT_NAME,
     checkpoint_path,
     complete_checkpoints,
     export_model,
     load_checkpoint,
+    load_export,
     save_checkpoint,
 )
 from moe.training.config import TrainConfig
@@ -323,9 +325,15 @@ def run(s: Session) -> TrainResult:
                 cfg.checkpoint.keep_checkpoints,
                 s.report.run_id,
             )
-    if cfg.checkpoint.export_model:
+    if cfg.checkpoint.export_model or cfg.checkpoint.export_hf:
         hf = hf_recipe(cfg.model, place.model, s.mcfg.backend)
         export_model(cfg.checkpoint.directory / EXPORT_NAME, place.model, s.mcfg, s.info, place.pp_group, hf)
+    if cfg.checkpoint.export_hf and s.info.is_main:
+        from moe.integrations.hf import export_pretrained  # the [hf] extra, imported only when asked for
+
+        folder = cfg.checkpoint.directory / HF_EXPORT_NAME
+        written = export_pretrained(load_export(cfg.checkpoint.directory / EXPORT_NAME), folder)
+        s.report.say(f"Hugging Face checkpoint: {folder} ({written})")
     s.entropy.close()
     final_eval = final_eval or run_eval(s)
     s.report.close(final_eval)

@@ -7,8 +7,10 @@
 
 ``HFCausalLM(model)`` gives the swapped model this package's ``model(idx_BT, targets_BT)``
 interface (training loop, evaluation, audit); ``build_hf_model`` is what
-``experiments/train.py --hf-model`` builds. Importing this module imports transformers; the
-core package never does.
+``experiments/train.py --hf-model`` builds. ``export_pretrained(model, folder)`` writes a model
+trained here (either kind) as a Hugging Face checkpoint folder. Importing this module imports
+transformers (and registers this package's classes with its auto classes); the core package
+never does.
 """
 
 from moe.integrations.hf.blocks import (
@@ -29,6 +31,13 @@ from moe.integrations.hf.causal_lm import (
     load_hf_model,
     tiny_config,
 )
+from moe.integrations.hf.export import export_pretrained
+from moe.integrations.hf.pretrained import (
+    MoETransformerConfig,
+    MoETransformerForCausalLM,
+    SwappedMoEConfig,
+    SwappedMoEForCausalLM,
+)
 
 __all__ = [
     "FAMILIES",
@@ -36,9 +45,14 @@ __all__ = [
     "HFCache",
     "HFCausalLM",
     "HFMoEBlock",
+    "MoETransformerConfig",
+    "MoETransformerForCausalLM",
+    "SwappedMoEConfig",
+    "SwappedMoEForCausalLM",
     "TINY_CONFIGS",
     "build_hf_model",
     "decoding",
+    "export_pretrained",
     "family_router_options",
     "hf_model_from_config",
     "load_hf_model",
