@@ -154,6 +154,10 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
     plain = AutoModelForCausalLM.from_config(build_hf_model("olmoe-tiny", "topk", {}, V).hf.config)
     with pytest.raises(ValueError, match="has no swapped MoE block: save it with its own save_pretrained"):
         export_pretrained(plain, tmp_path)
+    sharded = tiny_preset()
+    sharded.blocks[0].ffn.expert_parallel = object()  # what an expert-parallel rank holds: some experts
+    with pytest.raises(ValueError, match="experts are sharded over processes: export the consolidated model"):
+        export_pretrained(sharded, tmp_path)
     loaded = MoETransformerForCausalLM.from_pretrained(export_folder(tmp_path / "ec", "expert_choice"))
     with pytest.raises(ValueError, match="padded batches are not supported"):
         loaded(input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]]))

@@ -62,6 +62,11 @@ def export_pretrained(model: nn.Module, folder: str | Path, *, architecture: str
         raise ValueError(f"architecture must be one of {', '.join(map(repr, ARCHITECTURES))}, got {architecture!r}")
     if isinstance(model, (HFCausalLM, MoETransformerForCausalLM, SwappedMoEForCausalLM)):
         model = model.hf if isinstance(model, HFCausalLM) else model.model
+    if any(getattr(m, "expert_parallel", None) is not None for m in model.modules()):
+        raise ValueError(
+            "the model's experts are sharded over processes: export the consolidated model "
+            "(--export-model's file, moe.training.load_export)"
+        )
     if isinstance(model, MoETransformer):
         reason = mixtral_mismatch(model)
         native, custom = (lambda: to_mixtral(model)), (lambda: preset_custom(model))

@@ -54,8 +54,6 @@ def mixtral_mismatch(model: MoETransformer) -> str | None:
     if cfg.shared_experts:
         return "shared experts (Mixtral has none)"
     for i, layer in enumerate(m for m in model.modules() if isinstance(m, MoELayer)):
-        if layer.expert_parallel is not None:
-            return "experts sharded over processes (export the consolidated model: moe.training.load_export)"
         reason = router_mismatch(layer.router)
         if reason is not None:
             return f"MoE block {i}: {reason}"
