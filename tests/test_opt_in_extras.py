@@ -55,6 +55,10 @@ def test_wandb_asked_for_but_not_installed_is_one_line_naming_the_extra(tmp_path
         "error: --wandb-mode offline needs wandb, which is not installed: pip install 'causal-moe-routing[wandb]' "
         "(in a checkout: pip install -e '.[wandb]')"
     ), err
+    unasked.setenv("WANDB_MODE", "online")
+    with pytest.raises(SystemExit):
+        main([*args, "--d-model", "32", "--moe-d-ff", "32", "--wandb-dir", str(tmp_path)])
+    assert capsys.readouterr().err.startswith("error: $WANDB_MODE online needs wandb, which is not installed")
 
 
 def test_require_names_the_extra_and_keeps_other_import_errors(monkeypatch):

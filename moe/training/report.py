@@ -54,7 +54,8 @@ def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str 
     mode = resolve_wandb_mode(log.wandb_mode, own_dir)
     if not info.is_main or mode == "disabled":
         return None
-    wandb = require("wandb", "wandb", f"--wandb-mode {mode}")
+    asked_by = "--wandb-mode" if log.wandb_mode else "$WANDB_MODE"  # unasked, a missing wandb is disabled
+    wandb = require("wandb", "wandb", f"{asked_by} {mode}")
     run_dir = Path(own_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
