@@ -44,6 +44,7 @@ import torch
 from tqdm import tqdm
 
 from moe.eval import evaluate, format_difference
+from moe.extras import pyplot
 from moe.routers import build_router
 from moe.training import TrainConfig, train
 
@@ -202,10 +203,7 @@ def markdown_table(rows: list[dict], quick: bool, wall_s: float) -> str:
 
 
 def plot(rows: list[dict], corpora: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the leakage-gap figure")
 
     fig, axes = plt.subplots(len(corpora), 2, figsize=(12, 4 * len(corpora)), squeeze=False)
     for i, corpus in enumerate(corpora):

@@ -69,6 +69,7 @@ import torch
 
 from moe.data import Corpus, load_corpus
 from moe.eval import evaluate
+from moe.extras import pyplot
 from moe.layer import update_routers
 from moe.parallel.launch import ok_values, run_local
 from moe.parallel.lossy import METRICS, POLICIES, SimulatedDataParallel
@@ -376,10 +377,7 @@ def plot(runs: list[dict], path: Path, pretrained: dict[str, list[dict]] | None 
     """The study's figure, by the axis it varies: validation curves (``--eval-every``), a
     pretrained start, the split of a fixed number of tokens per step among workers, or the
     tokens per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the packet-loss figure")
 
     lossy = [r for r in runs if r["policy"] != "reliable" and r["ppl_change_pct"] is not None]
     workers_at = {}

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe.extras import pyplot
 from moe.parallel.launch import ok_values, run_local
 from moe.training import TrainConfig, train
 
@@ -153,10 +154,7 @@ def table(rows: list[dict], workers: list[int]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the reduction-bias figure")
 
     fig, axes = plt.subplots(1, len(REGIMES), figsize=(11, 4), sharey=True)
     for ax, regime in zip(axes, REGIMES):

@@ -10,6 +10,7 @@ from pathlib import Path
 from study_stats import ALPHA, pool_sweep, registered_rows, summarise, t_halfwidth
 
 from moe.eval import format_difference
+from moe.extras import pyplot
 
 SMOKE = (
     "SMOKE TEST (--quick): a tiny model trained for a few steps on a few seeds, to check that the study runs; "
@@ -179,10 +180,7 @@ def plot(result: dict, path: Path) -> None:
     """Per corpus x size panel that holds a paired comparison: the losses, each challenger minus
     the better top-k paired by seed, the experts each token used; 95% t intervals; the
     verdicts as the caption."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the study's figures")
 
     summary = summarise(result["rows"])
     panels = sorted({(s["corpus"], s["size"]) for s in summary if "paired_diff" in s})
@@ -265,10 +263,7 @@ def plot_experts(ax, sub: list[dict], rows: list[dict], panel: tuple[str, str]) 
 def plot_registered(registration: dict, rows: list[dict], path: Path) -> None:
     """The registered test: each challenger's causal loss minus the baseline's, one dot per
     registered seed, with the mean, its 95% t interval and the recorded verdict."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the study's figures")
 
     by = {(r["router"], r["seed"]): r["causal_loss"] for r in rows}
     verdicts = registration["verdict"]["challengers"]
@@ -307,10 +302,7 @@ def pool_panels(sweep: list[dict]) -> list[tuple[str, str]]:
 
 def plot_pool(sweep: list[dict], path: Path) -> None:
     """Expert choice's losses against its training pool, each minus the better top-k at the same batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the study's figures")
 
     panels = pool_panels(sweep)
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.8), squeeze=False)

@@ -34,10 +34,16 @@ metrics: its full resolved configuration.
 ``--hf-model`` trains a Hugging Face transformers MoE model instead (a local directory or a
 built-in tiny random config, ``moe.integrations.hf.TINY_CONFIGS``; never a download), its MoE
 blocks routed by ``--router`` (``topk`` without options keeps the family's own routing).
-wandb logs on rank 0: offline unless $WANDB_API_KEY is set; $WANDB_MODE (or --wandb-mode) wins.
+wandb logs on rank 0 (the [wandb] extra, opt-in): --wandb-mode or $WANDB_MODE; unasked, none for a run with no
+folder of its own or without wandb installed, else offline unless $WANDB_API_KEY is set.
 """
 
-from moe.training import main
+from moe.extras import MissingExtra
+
+try:
+    from moe.training import main
+except MissingExtra as e:  # a core install without the [train] extra: one line, not a traceback
+    raise SystemExit(f"error: {e}") from None
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 from extras import EXTRA_IN_REASON, INSTALL
+from smoke import mark_smoke
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 # Test tensors are tiny: one thread avoids thread start-up and contention costs that made
@@ -16,7 +17,9 @@ def _seed():
     yield
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the smoke tier's marks are set here
 def pytest_collection_modifyitems(config, items):
+    mark_smoke(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

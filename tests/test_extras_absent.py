@@ -1,7 +1,8 @@
 """Without the optional extras, as after the quickstart install (the [dev] extra alone): the
 package imports, ``backend="auto"`` runs the torch path, ``backend="triton"`` is refused in one
 line naming the [triton] extra, ``moe-audit`` runs, and pytest names the extra of every test it
-skips. Each check runs Python in a subprocess with ``tests/hidden/sitecustomize.py`` first on
+skips. Without even [dev]'s [train], [wandb] and [plot] (the core alone): every router, the
+layer and the audit run, and the trainer says in one line which extra it needs. Each check runs Python in a subprocess with ``tests/hidden/sitecustomize.py`` first on
 its path, which hides the modules named in $HIDDEN_MODULES (import fails, ``find_spec`` finds
 nothing), so the extras installed here stay installed for everything else."""
 
@@ -12,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, SOURCE_PATH, SUBPROCESS_ENV
+from helpers import ROOT, SOURCE_PATH, SUBPROCESS_ENV, TRAIN_SCRIPT
 
 HIDDEN = ROOT / "tests" / "hidden"
 
@@ -64,6 +65,40 @@ def test_moe_audit_runs_without_triton(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+TRAINER_EXTRAS = ["tyro", "wandb", "matplotlib"]
+"""The [train], [wandb] and [plot] extras: the core (pip install of the package alone) has none."""
+
+CORE_WITHOUT_TRAINER_EXTRAS = """
+import sys
+import torch
+import moe
+from moe.audit.suite import ROUTER_CONFIGS
+
+for name, options in ROUTER_CONFIGS:
+    layer = moe.MoELayer(d_model=16, d_ff=32, num_experts=4, router=name, **options)
+    y_BTD, routing = layer(torch.randn(2, 8, 16), return_routing=True)
+    (y_BTD.square().mean() + routing.aux_loss).backward()
+    moe.update_routers(layer)
+import moe.audit.cli, moe.generation, moe.eval
+print(sorted(m for m in sys.modules if m.split(".")[0] in HIDDEN))
+""".replace("HIDDEN", repr(TRAINER_EXTRAS))
+
+
+def test_the_core_runs_every_router_and_imports_the_audit_without_the_trainer_extras():
+    proc = run_without(TRAINER_EXTRAS, ["-c", CORE_WITHOUT_TRAINER_EXTRAS], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_the_trainer_without_tyro_says_which_extra_in_one_line():
+    proc = run_without(["tyro"], [TRAIN_SCRIPT, "--steps", "1"], timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr[-3000:]
+    assert proc.stderr == (
+        "error: the trainer (moe.training, experiments/train.py) needs tyro, which is not installed: "
+        "pip install 'causal-moe-routing[train]' (in a checkout: pip install -e '.[train]')\n"
+    ), proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -192,7 +192,7 @@ def test_wandb_disabled_leaves_no_files(tmp_path, monkeypatch):
 def test_wandb_offline_writes_a_run_directory(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    assert resolve_wandb_mode(None) == "offline"  # no key: never online, never a prompt
+    assert resolve_wandb_mode(None, str(tmp_path)) == "offline"  # no key: never online, never a prompt
     monkeypatch.setenv("WANDB_MODE", "offline")
     train(TrainConfig.flat(steps=2, wandb_dir=str(tmp_path), **SMALL))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))

@@ -1,8 +1,9 @@
 """The zoo (``moe-audit --zoo``) against verdicts stated from reading transformers' own code.
 
-Each expectation below cites the code that decides it (transformers 5.24,
+Each expectation below cites the code that decides it (transformers 5.25,
 ``transformers/models/<family>/modeling_<family>.py``). The default suite audits a few families
-(one module-scoped run); the whole zoo is a ``slow`` test.
+(one module-scoped run); the whole zoo is a ``slow`` test. They run where the installed
+transformers is one the ``[zoo]`` extra allows (an older one has fewer blocks than stated here).
 """
 
 from __future__ import annotations
@@ -13,9 +14,17 @@ import sys
 
 import pytest
 import torch
-from extras import need
+from extras import INSTALL, need
+from packaging.requirements import Requirement
+from test_install import project_extras
 
-need("transformers", "zoo")
+transformers = need("transformers", "zoo")
+(ZOO_TRANSFORMERS,) = map(Requirement, project_extras()["zoo"])
+if not ZOO_TRANSFORMERS.specifier.contains(transformers.__version__):
+    pytest.skip(
+        f"transformers {transformers.__version__} does not satisfy the [zoo] extra ({ZOO_TRANSFORMERS}; {INSTALL['zoo']})",
+        allow_module_level=True,
+    )
 
 from test_zoo_frameworks import Expect  # noqa: E402
 
@@ -81,6 +90,10 @@ EXPECTED: dict[str, Expect] = {
     "Ernie4_5_VLMoeSparseMoeBlock": per_token(
         "Ernie4_5_VLMoeMoeTopKRouter: softmax top-k per token, fixed bias buffer"
     ),
+    "ErgoMoE": per_token(
+        "ErgoTopkRouter: sigmoid + e_score_correction_bias top-k per token (no groups); each route's expert output "
+        "gets its expert's RMSNorm, the shared expert is dense; no capacity"
+    ),
     "ExaoneMoeSparseMoEBlock": per_token(f"ExaoneMoeTopkRouter: {SIGMOID_GROUPS}"),
     "FlexOlmoSparseMoeBlock": per_token(f"FlexOlmoTopKRouter: {SOFTMAX_TOPK}"),
     "FlintSparseMoeBlock": per_token("FlintTopKRouter: sigmoid top-k per token; shared expert dense"),
@@ -113,6 +126,9 @@ EXPECTED: dict[str, Expect] = {
     "JetMoeMoA": not_standalone("mixture of attention heads: forward raises NotImplementedError (use map / reduce)"),
     "KimiLinearMoE": per_token(f"KimiLinearTopkRouter: {SIGMOID_GROUPS}"),
     "Kolibri1SparseMoeBlock": per_token("Kolibri1TopKRouter: sigmoid + bias top-k per token"),
+    "Kolibri1_1SparseMoeBlock": per_token(
+        "Kolibri1_1TopKRouter (Kolibri1's router): topk of logits + e_score_correction_bias per token, sigmoid of the k"
+    ),
     "LagunaSparseMoeBlock": per_token("LagunaTopKRouter: softcapped sigmoid + bias top-k per token"),
     "LaraMiniSparseMoeBlock": per_token(f"LaraMiniTopKRouter: {SOFTMAX_TOPK}"),
     "Lfm2MoeSparseMoeBlock": per_token("Lfm2MoeTopKRouter: sigmoid + bias top-k per token"),
@@ -122,6 +138,7 @@ EXPECTED: dict[str, Expect] = {
     "LongcatFlashMoE": per_token("LongcatFlashTopkRouter: softmax + bias top-k per token; zero experts are identities"),
     "MellumSparseMoeBlock": per_token(f"MellumTopKRouter: {SOFTMAX_TOPK}"),
     "MiMoV2FlashMoE": per_token(f"MiMoV2FlashTopkRouter: {SIGMOID_GROUPS}"),
+    "MiniCPM5MoeMoE": per_token(f"MiniCPM5MoeTopkRouter: {SIGMOID_GROUPS}"),
     "MiniMaxSparseMoeBlock": per_token(f"MiniMaxTopKRouter: {SOFTMAX_TOPK}; jitter 0 by default"),
     "MiniMaxM2SparseMoeBlock": per_token("MiniMaxM2TopKRouter: sigmoid + bias top-k per token; jitter 0 by default"),
     "MiniMaxM3VLSparseMoeBlock": per_token("MiniMaxM3VLTopKRouter: sigmoid + bias top-k per token"),

@@ -31,4 +31,4 @@ __all__ = ["gather_rows", "moe_ffn_reference", "scatter_sum", "sort_by_expert", 
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

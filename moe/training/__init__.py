@@ -17,12 +17,17 @@ Evaluation lives in :mod:`moe.eval`, importable without the loop; pipeline stage
 and the step strategies in :mod:`moe.parallel`.
 """
 
-from moe.training.build import build_model, model_config
-from moe.training.checkpoint_files import load_export
-from moe.training.cli import config_from_args, main
-from moe.training.config import TrainConfig
-from moe.training.loop import TrainResult, train
-from moe.training.optim import lr_at
+from moe.extras import require
+
+# A core install without the [train] extra: one line naming the extra, not tyro's import error.
+require("tyro", "train", "the trainer (moe.training, experiments/train.py)")
+
+from moe.training.build import build_model, model_config  # noqa: E402
+from moe.training.checkpoint_files import load_export  # noqa: E402
+from moe.training.cli import config_from_args, main  # noqa: E402
+from moe.training.config import TrainConfig  # noqa: E402
+from moe.training.loop import TrainResult, train  # noqa: E402
+from moe.training.optim import lr_at  # noqa: E402
 
 __all__ = [
     "TrainConfig",

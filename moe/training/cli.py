@@ -15,6 +15,7 @@ from pathlib import Path
 import tyro
 import tyro._errors
 
+from moe.extras import MissingExtra
 from moe.training.config import TrainConfig
 from moe.training.loop import Interrupted, SetupError, TrainResult, train
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> TrainResult:
         signal.signal(signal.SIGINT, _interrupt_once)
     try:
         return train(cfg)
-    except SetupError as e:
+    except (SetupError, MissingExtra) as e:  # MissingExtra: wandb asked for, not installed
         fail(e)
     except Interrupted as e:
         fail(interrupted_line(e, sys.argv[1:] if argv is None else argv), INTERRUPTED_EXIT, prefix="")

@@ -5,6 +5,7 @@ itself is opened by ``moe.training.report``, which knows the whole TrainConfig).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -34,10 +35,12 @@ class LoggingConfig:
     wandb_run_name: str | None = None
     """wandb run name (default: wandb's own)."""
     wandb_mode: Literal["online", "offline", "disabled"] | None = None
-    """online | offline | disabled; default: $WANDB_MODE, else online iff $WANDB_API_KEY is set, else offline."""
+    """online | offline | disabled; default: $WANDB_MODE, else disabled for a run with no folder of its
+    own (no --wandb-dir, --checkpoint-dir or --metrics-jsonl) or without wandb installed (the [wandb]
+    extra), else online iff $WANDB_API_KEY is set, else offline."""
     wandb_dir: str | None = None
     """Directory for wandb's files (default: the run's own directory: ``checkpoint_dir``, else the
-    metrics JSONL's directory, else the current directory)."""
+    metrics JSONL's directory, else the current directory when a wandb mode is asked for)."""
 
     def __post_init__(self) -> None:
         nonnegative_int("log_every", self.log_every)
@@ -171,12 +174,14 @@ def wandb_flat(record: dict) -> dict:
     return flat
 
 
-def resolve_wandb_mode(requested: str | None) -> str:
-    """The mode asked for, else $WANDB_MODE, else online iff $WANDB_API_KEY is set, else offline.
-    Offline and disabled never touch the network; online is only chosen with a key (no prompt)."""
-    if requested:
-        return requested
-    env = os.environ.get("WANDB_MODE")
-    if env:
-        return env
+def resolve_wandb_mode(requested: str | None, run_dir: str | None) -> str:
+    """The mode asked for, else $WANDB_MODE. Unasked, wandb is opt-in: disabled for a run with no
+    folder of its own (``run_dir`` None: nothing is written into the working directory) or
+    without wandb installed (the ``[wandb]`` extra); else online iff $WANDB_API_KEY is set, else
+    offline. Offline and disabled never touch the network; online is only chosen with a key (no prompt)."""
+    asked = requested or os.environ.get("WANDB_MODE")
+    if asked:
+        return asked
+    if run_dir is None or importlib.util.find_spec("wandb") is None:
+        return "disabled"
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"

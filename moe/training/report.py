@@ -12,6 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moe.eval import format_difference
+from moe.extras import require
 from moe.model import ModelConfig
 from moe.training.checkpoint_files import truncate_jsonl
 from moe.training.config import TrainConfig
@@ -48,13 +49,14 @@ def init_wandb(cfg: TrainConfig, mcfg: ModelConfig, info: DistInfo, run_id: str 
     """A wandb run on rank 0 (None elsewhere, and in disabled mode, where wandb is not imported).
     ``run_id`` (saved in checkpoints) makes a resumed run continue the same wandb run."""
     log = cfg.logging
-    mode = resolve_wandb_mode(log.wandb_mode)
+    jsonl_dir = str(Path(log.metrics_jsonl).parent) if log.metrics_jsonl else None
+    own_dir = log.wandb_dir or cfg.checkpoint.checkpoint_dir or jsonl_dir
+    mode = resolve_wandb_mode(log.wandb_mode, own_dir)
     if not info.is_main or mode == "disabled":
         return None
-    import wandb
-
-    jsonl_dir = Path(log.metrics_jsonl).parent if log.metrics_jsonl else None
-    run_dir = Path(log.wandb_dir or cfg.checkpoint.checkpoint_dir or jsonl_dir or ".")
+    asked_by = "--wandb-mode" if log.wandb_mode else "$WANDB_MODE"  # unasked, a missing wandb is disabled
+    wandb = require("wandb", "wandb", f"{asked_by} {mode}")
+    run_dir = Path(own_dir or ".")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = {"train": dataclasses.asdict(cfg), "model": dataclasses.asdict(mcfg), "world_size": info.world_size}
     return wandb.init(
