@@ -57,13 +57,19 @@ def entry_scale(a_BSF: Tensor, b_BSF: Tensor, row_max: bool = False) -> Tensor:
     """The scale a change of each entry is measured against: the larger of |before|, |after| and
     the median |entry| of its output row (so a near-zero entry is judged at its row's scale, and
     a massive activation raises the scale of its own entry only). ``row_max``: the row's largest
-    |entry| instead of its median (a router's weights: mostly zeros, each judged against the
-    largest weight of its token). NaN / inf count as 0. Any leading axes broadcast; the row is the
-    last axis (one output's features)."""
+    |entry| instead of its median, but at least the median of every row's largest |entry| (a
+    router's weights: mostly zeros, each judged against the largest weight of its token; a token
+    whose every weight is small, as a ReLU gate just above zero, is judged at a typical token's:
+    the rounding of its weights comes from logits of the usual size). NaN / inf count as 0. Any
+    leading axes broadcast; the row is the last axis (one output's features)."""
     a, b = a_BSF.nan_to_num(0.0, 0.0, 0.0).abs(), b_BSF.nan_to_num(0.0, 0.0, 0.0).abs()
-    if not a.shape[-1]:
+    if not a.shape[-1] or not a.numel():
         return torch.maximum(a, b)
-    row = a.amax(dim=-1, keepdim=True) if row_max else a.median(dim=-1, keepdim=True).values
+    if row_max:
+        row = a.amax(dim=-1, keepdim=True)
+        row = row.clamp_min(row.flatten().median())
+    else:
+        row = a.median(dim=-1, keepdim=True).values
     return torch.maximum(torch.maximum(a, b), row)
 
 
