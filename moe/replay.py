@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from torch import Tensor, nn
 
 from moe.record import RoutingRecord, routing_slots
+from moe.record_fit import check_record_fits
 from moe.routing import DecodeState, Router, Routing
 
 
@@ -102,7 +103,7 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
     reads each routing's largest number of experts per token on the host (one synchronisation
     per MoE layer and forward)."""
     routers = model_routers(model)
-    record = RoutingRecord(len(routers))
+    record = RoutingRecord(len(routers), num_experts=[r.num_experts for r in routers])
     taps = _taps(routers)
     for tap in taps:
         tap.records.append(record)
@@ -118,18 +119,16 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
 def replay_routing(model: nn.Module, record: RoutingRecord) -> Iterator[None]:
     """Route every forward of ``model`` inside the block with ``record``'s experts: each
     router's ``replay`` (the recorded pairs, that router's combine weights from the current
-    scores). A forward must route sequences and positions the record holds (ValueError
-    otherwise: its batch size, or positions past its length). A ``record_routing`` open at the
-    same time records the replayed routing."""
+    scores). A record that does not fit the model is refused naming what does not fit
+    (:mod:`moe.record_fit`: layers, experts, a duplicated expert, more or fewer experts per token
+    than the router routes; fewer than a capacity router's ``top_k`` is replayed with a warning).
+    A forward must route sequences and positions the record holds (ValueError otherwise: its
+    batch size, or positions past its length). A ``record_routing`` open at the same time
+    records the replayed routing."""
     routers = model_routers(model)
     if not isinstance(record, RoutingRecord):
         raise ValueError(f"replay_routing needs a moe.RoutingRecord, got {type(record).__name__}")
-    if record.num_layers != len(routers):
-        raise ValueError(f"the record holds {record.num_layers} MoE layers, {type(model).__name__} has {len(routers)}")
-    highest_L = record.experts.amax(dim=(0, 1, 3)).tolist()
-    for layer, (router, highest) in enumerate(zip(routers, highest_L)):
-        if highest >= router.num_experts:
-            raise ValueError(f"the record names expert {highest} in MoE layer {layer}, which has {router.num_experts}")
+    check_record_fits(record.experts, record.num_experts, routers)
     taps = _taps(routers)
     if any(tap.source is not None for tap in taps):
         _release(taps)
