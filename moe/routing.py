@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.checks import positive_int
+from moe.exact import exact_active, warn_inexact
 
 ROUTER_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
@@ -302,6 +303,8 @@ class Router(nn.Module):
                 raise ValueError(
                     f"decode state is for batch size {decode_state.batch_size}, got input of shape {tuple(x_BTD.shape)}"
                 )
+        if exact_active() and not (self.causal and self.claims.batch_invariant):
+            warn_inexact(f"router {self.name!r}", "its choice of a token reads other tokens (see its claims)")
         route = self.route_tokens if self.routing_hook is None else self.routing_hook
         routing = route(logits_NE, x_BTD, (b, t), decode_state)
         if decode_state is not None:
