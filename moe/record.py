@@ -38,7 +38,11 @@ class RoutingRecord:
     """
 
     def __init__(
-        self, num_layers: int, experts_BSLK: Tensor | None = None, num_experts: list[int] | None = None
+        self,
+        num_layers: int,
+        experts_BSLK: Tensor | None = None,
+        num_experts: list[int] | None = None,
+        padding: Tensor | None = None,
     ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"a routing record needs at least one MoE layer, got num_layers={num_layers!r}")
@@ -48,6 +52,9 @@ class RoutingRecord:
         self.num_experts = None if num_experts is None else [int(e) for e in num_experts]
         """Experts of each MoE layer of the model that made the record (None: not known, e.g. an
         engine's array); ``replay_routing`` refuses a model with other numbers."""
+        self.padding = padding
+        """bool [B, S] or None: positions that are padding (no token; no recorded expert), e.g. of a
+        left-padded batch (``moe.engine_records.left_padded``)."""
         self._chunks: list[list[tuple[int, Tensor]]] = [[] for _ in range(num_layers)]
         """Per layer: (first position, int32 [B, T, K]) of each recorded forward, in order."""
         self._filled = [0] * num_layers
@@ -90,7 +97,8 @@ class RoutingRecord:
 
     def rows(self, start: int, stop: int) -> RoutingRecord:
         """The record of sequences start..stop-1 (e.g. one microbatch's, or one rank's)."""
-        return RoutingRecord(self.num_layers, self.experts[start:stop], self.num_experts)
+        padding = None if self.padding is None else self.padding[start:stop]
+        return RoutingRecord(self.num_layers, self.experts[start:stop], self.num_experts, padding)
 
     def __repr__(self) -> str:
         if not any(self._chunks):
@@ -134,10 +142,12 @@ class RoutingRecord:
         """Write an ``.npz`` of the per-sequence [tokens, layers, top_k] int32 arrays (``seq0``,
         ``seq1``, ...; numpy reads it without this package), with ``num_sequences`` (their number) and,
         when known, ``num_experts`` (int32 [L]), by which :meth:`load` and ``replay_routing`` check
-        the file."""
+        the file, and ``padding`` (bool [B, S]) where positions are padding."""
         extra = {"num_sequences": np.int64(self.batch_size)}
         if self.num_experts is not None:
             extra["num_experts"] = np.asarray(self.num_experts, dtype=np.int32)
+        if self.padding is not None:
+            extra["padding"] = self.padding.cpu().numpy()
         np.savez(Path(path), **{f"seq{b}": a for b, a in enumerate(self.to_engine())}, **extra)
 
     @classmethod
@@ -162,7 +172,7 @@ class RoutingRecord:
     def _from_file_arrays(cls, arrays) -> RoutingRecord:
         if isinstance(arrays, np.ndarray):
             return cls.from_engine(arrays)
-        names = [n for n in arrays if n not in ("num_sequences", "num_experts")]
+        names = [n for n in arrays if n not in ("num_sequences", "num_experts", "padding")]
         if not names or any(not (n.startswith("seq") and n[3:].isdigit()) for n in names):
             raise ValueError(f"it holds {sorted(arrays)}, not the seq0, seq1, ... arrays RoutingRecord.save writes")
         count = int(arrays["num_sequences"]) if "num_sequences" in arrays else len(names)
@@ -171,7 +181,9 @@ class RoutingRecord:
             found = ", ".join(sorted(names, key=lambda n: int(n[3:])))
             raise ValueError(f"a sequence is missing: it should hold seq0..seq{count - 1}, it holds {found}")
         num_experts = arrays["num_experts"].tolist() if "num_experts" in arrays else None
-        return cls.from_engine([arrays[f"seq{i}"] for i in range(count)], num_experts)
+        record = cls.from_engine([arrays[f"seq{i}"] for i in range(count)], num_experts)
+        record.padding = torch.as_tensor(arrays["padding"]) if "padding" in arrays else None
+        return record
 
     # -- recording and replaying (moe.replay) -----------------------------------------------
     def write(self, layer: int, expert_NK: Tensor, batch_shape: tuple[int, int], position: int) -> None:

@@ -40,9 +40,12 @@ def slot_rule(router: Router) -> tuple[bool, int]:
     return False, router.num_experts
 
 
-def check_record_fits(experts_BSLK: Tensor, record_experts: list[int] | None, routers: list[Router]) -> None:
+def check_record_fits(
+    experts_BSLK: Tensor, record_experts: list[int] | None, routers: list[Router], padding_BS: Tensor | None = None
+) -> None:
     """ValueError naming the first MoE layer the record does not fit (see the module docstring);
-    a warning for tokens with fewer experts than a capacity router's ``top_k``."""
+    a warning for tokens with fewer experts than a capacity router's ``top_k``. Positions marked
+    in ``padding_BS`` hold no token and are not counted."""
     if experts_BSLK.shape[2] != len(routers):
         raise ValueError(f"the record holds {experts_BSLK.shape[2]} MoE layers, the model has {len(routers)}")
     narrower = []
@@ -56,6 +59,8 @@ def check_record_fits(experts_BSLK: Tensor, record_experts: list[int] | None, ro
             raise ValueError(f"{where}: the record names expert {highest}")
         _check_distinct(slots_BSK, where)
         filled_BS = (slots_BSK >= 0).sum(-1)
+        if padding_BS is not None:
+            filled_BS = filled_BS[~padding_BS.to(filled_BS.device)]
         exact, k = slot_rule(router)
         most, fewest = (int(filled_BS.max()), int(filled_BS.min())) if filled_BS.numel() else (0, 0)
         rule = f"{'exactly' if exact else 'at most'} {k} per token"
