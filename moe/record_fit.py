@@ -78,7 +78,7 @@ def check_record_fits(
         warnings.warn(
             f"replaying tokens with fewer recorded experts than top_k ({'; '.join(narrower)}): capacity drops or null "
             "choices, replayed as recorded",
-            stacklevel=3,
+            stacklevel=4,  # check_record_fits <- replay_routing <- contextlib's __enter__ <- the user's with
         )
 
 
