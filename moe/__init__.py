@@ -5,8 +5,10 @@ router = moe.build_router("capacity", d_model=512, num_experts=8, top_k=2, capac
 layer = moe.MoELayer(512, 1024, 8, router="topk", top_k=2)
 y, routing = layer(x_BTD, return_routing=True)
 with moe.record_routing(model) as record: ...      # then: with moe.replay_routing(model, record): ...
+with moe.exact_mode(): ...                         # decoding, batches and chunks give the same bits
 """
 
+from moe.exact import exact_mode
 from moe.layer import MoELayer, update_routers
 from moe.record import RoutingRecord
 from moe.replay import record_routing, replay_routing
@@ -20,6 +22,7 @@ __all__ = [
     "Routing",
     "RoutingRecord",
     "build_router",
+    "exact_mode",
     "list_routers",
     "record_routing",
     "register_router",

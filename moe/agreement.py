@@ -68,9 +68,14 @@ class Agreement:
     """``share`` of each MoE layer."""
     tokens_all_layers: float = 1.0
     """Tokens whose expert sets agree in every layer / tokens."""
+    margin: dict | None = None
+    """The margin view (:func:`margin_view`): per layer and gap bin, the (token, layer) pairs and
+    the share of them whose expert set differs; None where not measured."""
+    same_NL: Tensor | None = field(default=None, repr=False)
+    """bool [N, L]: which (token, layer) pairs agree (N = B*S in the records' order)."""
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "reference": self.reference,
             "compared": self.compared,
             "share": self.share,
@@ -78,6 +83,7 @@ class Agreement:
             "per_layer": self.per_layer,
             "tokens_all_layers": self.tokens_all_layers,
         }
+        return out if self.margin is None else {**out, "margin": self.margin}
 
     def line(self) -> str:
         """``reference vs compared: 99.2% of 512 (token, layer) pairs (97.0% of tokens in every layer)``."""
@@ -105,6 +111,7 @@ def routing_agreement(
         pairs=same_NL.numel(),
         per_layer=same_NL.double().mean(0).tolist(),
         tokens_all_layers=same_NL.all(-1).double().mean().item(),
+        same_NL=same_NL,
     )
 
 
@@ -219,6 +226,50 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copied
 
 
+MARGIN_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 1e-1, math.inf)
+"""Bins of the gap between a token's k-th and (k+1)-th gate logit in the margin view."""
+
+
+def score_gaps(model: nn.Module, idx_BT: Tensor, forward: Forward = call_model) -> Tensor | None:
+    """float64 [N, L]: per token and MoE layer, the gap between the k-th and (k+1)-th largest gate
+    logit of the full forward (k = the router's ``top_k``), the margin a flip has to cross; None
+    where a router sets no integer ``top_k`` below its number of experts (thresholds, top-p, ReLU)."""
+    routers = model_routers(model)
+    ks = [getattr(r, "top_k", None) for r in routers]
+    if any(not isinstance(k, int) or k >= r.num_experts for k, r in zip(ks, routers)):
+        return None
+    logits: list[Tensor] = [None] * len(routers)
+
+    def keep(i):
+        return lambda module, args, out: logits.__setitem__(i, out.detach().double().cpu())
+
+    hooks = [r.gate.register_forward_hook(keep(i)) for i, r in enumerate(routers)]
+    try:
+        with torch.no_grad():
+            forward(model, idx_BT)
+    finally:
+        for h in hooks:
+            h.remove()
+    top = [torch.topk(lg, k + 1, dim=-1).values for lg, k in zip(logits, ks)]
+    return torch.stack([t[:, -2] - t[:, -1] for t in top], 1)
+
+
+def margin_view(agreement: Agreement, gaps_NL: Tensor) -> dict:
+    """Per layer and :data:`MARGIN_EDGES` bin of the reference's gap: the pairs, and the share of
+    them that flipped (expert sets that differ): where the flips sit."""
+    edges = torch.tensor(MARGIN_EDGES, dtype=torch.float64)
+    bin_NL = (torch.bucketize(gaps_NL, edges, right=True) - 1).clamp(0, len(MARGIN_EDGES) - 2)
+    pairs, flipped = [], []
+    for layer in range(gaps_NL.shape[1]):
+        count = torch.bincount(bin_NL[:, layer], minlength=len(MARGIN_EDGES) - 1)
+        flips = torch.bincount(
+            bin_NL[:, layer], weights=(~agreement.same_NL[:, layer]).double(), minlength=count.numel()
+        )
+        pairs.append(count.tolist())
+        flipped.append((flips / count.clamp_min(1)).tolist())
+    return {"edges": list(MARGIN_EDGES), "pairs": pairs, "flip_share": flipped}
+
+
 # -- the figures ------------------------------------------------------------------------------
 def agreement_figures(
     model: nn.Module,
@@ -231,7 +282,9 @@ def agreement_figures(
     """Each figure of ``paths`` (see the module docstring) on the token ids ``idx_BT`` [B, T],
     in eval mode: an :class:`Agreement`, or the reason it was not measured (one sequence has
     no batch to compare; a model without a KV cache has no chunked prefill). ``chunk``: prefill
-    chunk length (default ceil(T / 4)). The model's mode and state are as before afterwards."""
+    chunk length (default ceil(T / 4)). Each figure carries its margin view (:func:`margin_view`
+    on the full forward's gate logits) where every router has a ``top_k``. The model's mode and
+    state are as before afterwards."""
     bad = [p for p in paths if p not in PATHS]
     if bad:
         raise ValueError(f"unknown agreement paths {bad}; known: {', '.join(PATHS)}")
@@ -241,7 +294,12 @@ def agreement_figures(
     model.eval()
     try:
         full = record_forward(model, idx_BT, forward)
-        return {p: _FIGURES[p](model, idx_BT, full, forward, chunk) for p in paths}
+        figures = {p: _FIGURES[p](model, idx_BT, full, forward, chunk) for p in paths}
+        gaps_NL = score_gaps(model, idx_BT, forward)
+        for figure in figures.values():
+            if gaps_NL is not None and isinstance(figure, Agreement):
+                figure.margin = margin_view(figure, gaps_NL)
+        return figures
     finally:
         model.train(was_training)
 

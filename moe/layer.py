@@ -18,6 +18,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from moe.checks import nonnegative_int
+from moe.exact import warn_inexact
 from moe.experts import SwiGLUExperts, check_backend
 from moe.routers import build_router
 from moe.routing import DecodeState, Router, Routing, check_input
@@ -105,6 +106,8 @@ class MoELayer(nn.Module):
         check_input(x_BTD, self.d_model)
         b, t, d = x_BTD.shape
         routing = self.router(x_BTD, decode_state=decode_state)
+        if self.backend == "triton":
+            warn_inexact("backend 'triton'", "its kernels are not blocked by rows (use 'torch' or 'grouped_mm')")
         x_ND = x_BTD.reshape(b * t, d)
         if self.expert_parallel is None:
             y_ND = self.experts(x_ND, routing.token, routing.expert, routing.weight, self.backend)

@@ -19,6 +19,7 @@ decreasing score; the others: increasing expert index). Size: 4 * L * K bytes pe
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +37,24 @@ class RoutingRecord:
     keeps the later routing), or built from arrays: :meth:`from_engine`, :meth:`load`.
     """
 
-    def __init__(self, num_layers: int, experts_BSLK: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        experts_BSLK: Tensor | None = None,
+        num_experts: list[int] | None = None,
+        padding: Tensor | None = None,
+    ) -> None:
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"a routing record needs at least one MoE layer, got num_layers={num_layers!r}")
+        if num_experts is not None and len(num_experts) != num_layers:
+            raise ValueError(f"num_experts names {len(num_experts)} MoE layers, the record holds {num_layers}")
         self.num_layers = num_layers
+        self.num_experts = None if num_experts is None else [int(e) for e in num_experts]
+        """Experts of each MoE layer of the model that made the record (None: not known, e.g. an
+        engine's array); ``replay_routing`` refuses a model with other numbers."""
+        self.padding = padding
+        """bool [B, S] or None: positions that are padding (no token; no recorded expert), e.g. of a
+        left-padded batch (``moe.engine_records.left_padded``)."""
         self._chunks: list[list[tuple[int, Tensor]]] = [[] for _ in range(num_layers)]
         """Per layer: (first position, int32 [B, T, K]) of each recorded forward, in order."""
         self._filled = [0] * num_layers
@@ -82,7 +97,8 @@ class RoutingRecord:
 
     def rows(self, start: int, stop: int) -> RoutingRecord:
         """The record of sequences start..stop-1 (e.g. one microbatch's, or one rank's)."""
-        return RoutingRecord(self.num_layers, self.experts[start:stop])
+        padding = None if self.padding is None else self.padding[start:stop]
+        return RoutingRecord(self.num_layers, self.experts[start:stop], self.num_experts, padding)
 
     def __repr__(self) -> str:
         if not any(self._chunks):
@@ -98,11 +114,12 @@ class RoutingRecord:
         return [row.cpu().numpy() for row in self.experts]
 
     @classmethod
-    def from_engine(cls, arrays) -> RoutingRecord:
+    def from_engine(cls, arrays, num_experts: list[int] | None = None) -> RoutingRecord:
         """A record from what an engine returned: a list of per-sequence [tokens, layers, top_k]
         integer arrays of equal shape (numpy or torch; -1 = empty slot), one such array, or one
         [B, tokens, layers, top_k] array. Sequences of different lengths are replayed one at a
-        time (a forward routes B sequences of one length)."""
+        time (a forward routes B sequences of one length). ``num_experts``: each layer's experts
+        in the model that served them, if known (checked on replay)."""
         if isinstance(arrays, (np.ndarray, Tensor)) and arrays.ndim == 3:
             arrays = [arrays]
         if isinstance(arrays, (np.ndarray, Tensor)) and arrays.ndim == 4:
@@ -119,27 +136,54 @@ class RoutingRecord:
             stacked = torch.stack(rows)
         if stacked.dim() != 4:
             raise ValueError(f"expected [B, tokens, layers, top_k], got shape {tuple(stacked.shape)}")
-        return cls(stacked.shape[2], stacked)
+        return cls(stacked.shape[2], stacked, num_experts)
 
     def save(self, path: str | Path) -> None:
         """Write an ``.npz`` of the per-sequence [tokens, layers, top_k] int32 arrays (``seq0``,
-        ``seq1``, ...): numpy reads it without this package."""
-        np.savez(Path(path), **{f"seq{b}": a for b, a in enumerate(self.to_engine())})
+        ``seq1``, ...; numpy reads it without this package), with ``num_sequences`` (their number) and,
+        when known, ``num_experts`` (int32 [L]), by which :meth:`load` and ``replay_routing`` check
+        the file, and ``padding`` (bool [B, S]) where positions are padding."""
+        extra = {"num_sequences": np.int64(self.batch_size)}
+        if self.num_experts is not None:
+            extra["num_experts"] = np.asarray(self.num_experts, dtype=np.int32)
+        if self.padding is not None:
+            extra["padding"] = self.padding.cpu().numpy()
+        np.savez(Path(path), **{f"seq{b}": a for b, a in enumerate(self.to_engine())}, **extra)
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingRecord:
         """A record from :meth:`save`'s ``.npz``, or from an ``.npy`` holding one engine array
-        ([tokens, layers, top_k], or [B, tokens, layers, top_k])."""
+        ([tokens, layers, top_k], or [B, tokens, layers, top_k]). ValueError naming the file if it
+        is missing, empty, truncated or not such a record, or if a sequence is missing from it."""
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"no routing record at {path}")
-        loaded = np.load(path)
-        if isinstance(loaded, np.ndarray):
-            return cls.from_engine(loaded)
-        names = sorted(loaded.files, key=lambda n: int(n[3:]) if n[3:].isdigit() else -1)
+        try:
+            loaded = np.load(path)
+            arrays = loaded if isinstance(loaded, np.ndarray) else {n: loaded[n] for n in loaded.files}
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+            raise ValueError(f"{path} is not a readable routing record (empty or truncated?): {e}") from None
+        try:
+            return cls._from_file_arrays(arrays)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    @classmethod
+    def _from_file_arrays(cls, arrays) -> RoutingRecord:
+        if isinstance(arrays, np.ndarray):
+            return cls.from_engine(arrays)
+        names = [n for n in arrays if n not in ("num_sequences", "num_experts", "padding")]
         if not names or any(not (n.startswith("seq") and n[3:].isdigit()) for n in names):
-            raise ValueError(f"{path} holds {loaded.files}, not the seq0, seq1, ... arrays RoutingRecord.save writes")
-        return cls.from_engine([loaded[n] for n in names])
+            raise ValueError(f"it holds {sorted(arrays)}, not the seq0, seq1, ... arrays RoutingRecord.save writes")
+        count = int(arrays["num_sequences"]) if "num_sequences" in arrays else len(names)
+        missing = sorted(set(range(count)) - {int(n[3:]) for n in names})
+        if missing or len(names) != count:
+            found = ", ".join(sorted(names, key=lambda n: int(n[3:])))
+            raise ValueError(f"a sequence is missing: it should hold seq0..seq{count - 1}, it holds {found}")
+        num_experts = arrays["num_experts"].tolist() if "num_experts" in arrays else None
+        record = cls.from_engine([arrays[f"seq{i}"] for i in range(count)], num_experts)
+        record.padding = torch.as_tensor(arrays["padding"]) if "padding" in arrays else None
+        return record
 
     # -- recording and replaying (moe.replay) -----------------------------------------------
     def write(self, layer: int, expert_NK: Tensor, batch_shape: tuple[int, int], position: int) -> None:

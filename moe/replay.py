@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from torch import Tensor, nn
 
 from moe.record import RoutingRecord, routing_slots
+from moe.record_fit import check_record_fits
 from moe.routing import DecodeState, Router, Routing
 
 
@@ -64,9 +65,12 @@ class RoutingTap:
         return routing
 
 
-def model_routers(model: nn.Module) -> list[Router]:
-    """The routers of ``model`` in module order (a record's layers); ValueError if there is none."""
-    routers = [m for m in model.modules() if isinstance(m, Router)]
+def model_routers(model: nn.Module, draft: nn.Module | None = None) -> list[Router]:
+    """The routers of ``model`` in module order (a record's layers), except those inside ``draft``
+    (a draft or multi-token-prediction module, whose routing is not the target's); ValueError if
+    there is none."""
+    skipped = set() if draft is None else {id(m) for m in draft.modules()}
+    routers = [m for m in model.modules() if isinstance(m, Router) and id(m) not in skipped]
     if not routers:
         raise ValueError(f"{type(model).__name__} has no router: nothing to record or replay")
     return routers
@@ -96,13 +100,20 @@ def _release(taps: list[RoutingTap]) -> None:
 
 
 @contextmanager
-def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
+def record_routing(
+    model: nn.Module, prefix: RoutingRecord | None = None, draft: nn.Module | None = None
+) -> Iterator[RoutingRecord]:
     """Record the routing of every forward of ``model`` inside the block into the yielded
     :class:`~moe.record.RoutingRecord` (one batch of sequences; see :mod:`moe.record`). Recording
     reads each routing's largest number of experts per token on the host (one synchronisation
-    per MoE layer and forward)."""
-    routers = model_routers(model)
-    record = RoutingRecord(len(routers))
+    per MoE layer and forward).
+
+    ``prefix``: the record of positions 0..P-1 already routed (a prompt prefilled into the KV
+    cache before, a cached prefix): the record starts from it, so a forward may begin at position
+    P. ``draft``: a submodule whose routers are not recorded (a draft or MTP module)."""
+    routers = model_routers(model, draft)
+    num_experts = [r.num_experts for r in routers]
+    record = RoutingRecord(len(routers), None if prefix is None else prefix.experts, num_experts)
     taps = _taps(routers)
     for tap in taps:
         tap.records.append(record)
@@ -115,21 +126,20 @@ def record_routing(model: nn.Module) -> Iterator[RoutingRecord]:
 
 
 @contextmanager
-def replay_routing(model: nn.Module, record: RoutingRecord) -> Iterator[None]:
+def replay_routing(model: nn.Module, record: RoutingRecord, draft: nn.Module | None = None) -> Iterator[None]:
     """Route every forward of ``model`` inside the block with ``record``'s experts: each
     router's ``replay`` (the recorded pairs, that router's combine weights from the current
-    scores). A forward must route sequences and positions the record holds (ValueError
-    otherwise: its batch size, or positions past its length). A ``record_routing`` open at the
-    same time records the replayed routing."""
-    routers = model_routers(model)
+    scores). A record that does not fit the model is refused naming what does not fit
+    (:mod:`moe.record_fit`: layers, experts, a duplicated expert, more or fewer experts per token
+    than the router routes; fewer than a capacity router's ``top_k`` is replayed with a warning).
+    A forward must route sequences and positions the record holds (ValueError otherwise: its
+    batch size, or positions past its length). A ``record_routing`` open at the same time
+    records the replayed routing. ``draft``: a submodule whose routers route by their own gates
+    (not in the record)."""
+    routers = model_routers(model, draft)
     if not isinstance(record, RoutingRecord):
         raise ValueError(f"replay_routing needs a moe.RoutingRecord, got {type(record).__name__}")
-    if record.num_layers != len(routers):
-        raise ValueError(f"the record holds {record.num_layers} MoE layers, {type(model).__name__} has {len(routers)}")
-    highest_L = record.experts.amax(dim=(0, 1, 3)).tolist()
-    for layer, (router, highest) in enumerate(zip(routers, highest_L)):
-        if highest >= router.num_experts:
-            raise ValueError(f"the record names expert {highest} in MoE layer {layer}, which has {router.num_experts}")
+    check_record_fits(record.experts, record.num_experts, routers, record.padding)
     taps = _taps(routers)
     if any(tap.source is not None for tap in taps):
         _release(taps)

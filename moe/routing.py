@@ -33,15 +33,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.checks import positive_int
+from moe.exact import exact_active, warn_inexact
 
 ROUTER_DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32,
     "fp64": torch.float64,
     "bf16": torch.bfloat16,
     "input": None,
+    "bf16_fp32": torch.float32,
 }
 """``Router(router_dtype=...)`` -> the dtype router logits are computed in (None: the input's);
-Megatron-Core's ``moe_router_dtype`` offers fp32 and fp64."""
+Megatron-Core's ``moe_router_dtype`` offers fp32 and fp64. ``"bf16_fp32"``: bf16 inputs and gate
+weight, fp32 accumulation and fp32 logits, without casting the activations to fp32 first
+(:class:`GateLinear`)."""
 
 
 @dataclass
@@ -176,8 +180,9 @@ class Router(nn.Module):
 
     ``router_dtype`` says in which dtype the gate's logits (and so the scores, the choices and
     the combine weights) are computed, whatever the model's dtype (:data:`ROUTER_DTYPES`):
-    "fp32" (default; fp64 for an fp64 input), "fp64", "bf16", or "input" (the model's own,
-    which reproduces a low-precision router's flipped near-ties).
+    "fp32" (default; fp64 for an fp64 input), "fp64", "bf16", "input" (the model's own,
+    which reproduces a low-precision router's flipped near-ties), or "bf16_fp32" (bf16 inputs,
+    fp32 accumulation and logits: the GEMM form without casting the activations).
 
     ``check_finite`` raises a ValueError on NaN/inf router logits. It reads a tensor value on
     the host (a GPU->CPU synchronisation on every call), so it is off by default; None (the
@@ -302,6 +307,8 @@ class Router(nn.Module):
                 raise ValueError(
                     f"decode state is for batch size {decode_state.batch_size}, got input of shape {tuple(x_BTD.shape)}"
                 )
+        if exact_active() and not (self.causal and self.claims.batch_invariant):
+            warn_inexact(f"router {self.name!r}", "its choice of a token reads other tokens (see its claims)")
         route = self.route_tokens if self.routing_hook is None else self.routing_hook
         routing = route(logits_NE, x_BTD, (b, t), decode_state)
         if decode_state is not None:
@@ -313,6 +320,8 @@ class Router(nn.Module):
         low-precision model then ranks its experts on fp32 (or fp64) scores, not on logits
         already rounded to bf16."""
         dtype = ROUTER_DTYPES[self.router_dtype]
+        if self.router_dtype == "bf16_fp32":
+            return self.gate(x_ND, dtype=dtype, inputs=torch.bfloat16)
         if dtype is not None and self.router_dtype == "fp32":
             dtype = torch.promote_types(dtype, x_ND.dtype)
         return self.gate(x_ND, dtype=dtype)
@@ -464,11 +473,20 @@ class GateLinear(nn.Linear):
     def __init__(self, d_model: int, num_experts: int) -> None:
         super().__init__(d_model, num_experts, bias=False)
 
-    def forward(self, x_ND: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    def forward(self, x_ND: Tensor, dtype: torch.dtype | None = None, inputs: torch.dtype | None = None) -> Tensor:
+        """``inputs``: the GEMM reads x and the weight in this dtype and accumulates and returns
+        ``dtype`` (bf16 in, fp32 out: ``torch.mm(..., out_dtype=)`` on CUDA; on CPU, which has no
+        such kernel in torch 2.13, the exact upcast of the bf16 values, the same products and
+        fp32 sums)."""
         if dtype is None:
             return super().forward(x_ND)
         with torch.autocast(x_ND.device.type, enabled=False):
-            return F.linear(x_ND.to(dtype), self.weight.to(dtype))
+            if inputs is None:
+                return F.linear(x_ND.to(dtype), self.weight.to(dtype))
+            x_ND, weight = x_ND.to(inputs), self.weight.to(inputs)
+            if x_ND.is_cuda:
+                return torch.mm(x_ND, weight.t(), out_dtype=dtype)
+            return F.linear(x_ND.to(dtype), weight.to(dtype))
 
 
 class TokenLocalRouter(Router):

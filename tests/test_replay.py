@@ -169,7 +169,7 @@ def test_a_replayed_training_forward_moves_quantile_balancing_as_its_own_forward
     # beta is a statistic of the scores (each token's (k+1)-th adjusted logit), not of the routed experts
     router = moe.build_router("quantile", d_model=8, num_experts=E, top_k=2).double()
     x = torch.randn(2, 12, 8, dtype=torch.float64)
-    record = moe.RoutingRecord.from_engine(torch.randint(0, E, (2, 12, 1, 2)))  # other experts than its own
+    record = moe.RoutingRecord.from_engine(torch.rand(2, 12, 1, E).argsort(-1)[..., :2])  # not its own experts
     own = copy.deepcopy(router)
     own(x)
     own.update_after_step()
@@ -189,7 +189,8 @@ def test_a_replayed_seq_topk_forward_reads_no_later_token():
     x = torch.randn(1, 12, 8, dtype=torch.float64)
     later = x.clone()
     later[:, 6:] = torch.randn(1, 6, 8, dtype=torch.float64)
-    record = moe.RoutingRecord.from_engine(torch.randint(-1, E, (1, 12, 1, 3)))
+    distinct = torch.rand(1, 12, 1, E).argsort(-1)[..., :3]
+    record = moe.RoutingRecord.from_engine(distinct.masked_fill(torch.rand(1, 12, 1, 3) < 0.3, -1))
     with moe.replay_routing(router, record):
         a, b = router(x).dense()[:, :6], router(later).dense()[:, :6]
     assert torch.equal(a, b), (a - b).abs().max()
@@ -238,7 +239,7 @@ def test_an_engine_array_replays_and_the_record_saves_in_its_layout(tmp_path):
         assert pairs(routing) == want, f"layer {layer}"
     record.save(tmp_path / "routing.npz")
     files = np.load(tmp_path / "routing.npz")
-    assert sorted(files.files) == ["seq0", "seq1"] and files["seq0"].dtype == np.int32
+    assert sorted(files.files) == ["num_sequences", "seq0", "seq1"] and files["seq0"].dtype == np.int32
     assert np.array_equal(files["seq0"], seq0) and np.array_equal(files["seq1"], seq1)
     assert torch.equal(moe.RoutingRecord.load(tmp_path / "routing.npz").experts, record.experts)
     np.save(tmp_path / "one.npy", seq1)
