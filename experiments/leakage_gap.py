@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe.eval import evaluate, format_difference
+from moe.agreement import train_serve_agreement
+from moe.eval import eval_offsets, evaluate, format_difference, windows
 from moe.routers import build_router
 from moe.training import TrainConfig, train
 
@@ -64,6 +65,8 @@ ROUTERS: dict[str, tuple[str, dict]] = {
     "expert_choice": ("expert_choice", {"capacity_factor": 1.0}),
     "ec_threshold": ("ec_threshold", {"capacity_factor": 1.0}),
     "ec_predictor": ("ec_predictor", {"capacity_factor": 1.0}),
+    # SonicMoE's token rounding: counts rounded to tiles of 128 in training (text: ~1024 tokens per expert), top-k served
+    "token_rounding": ("token_rounding", {"top_k": 2, "tile_size": 128}),
 }
 
 
@@ -141,6 +144,8 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
         with_train_mode=True,
     )
     ev = {**res.final_eval, "train_mode_loss": train_mode["train_mode_loss"]}
+    idx_WT, _ = windows(val, eval_offsets(val.numel(), cfg.data.seq_len, cfg.eval.eval_windows), cfg.data.seq_len)
+    train_serve = train_serve_agreement(res.model, idx_WT[: cfg.eval.eval_batch_size])  # one evaluation batch
     claims = res.model.blocks[0].ffn.router.claims
     causal_method = "cache" if res.model.eval().decode_support() is None else "recompute"
     with torch.no_grad():  # greedy, from the start of the validation split, as decoding sees it
@@ -169,6 +174,7 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
                 "eval_positions",
             )
         },
+        "train_serve_agreement": train_serve.share,
         "final_train_loss": sum(r["loss"] for r in res.history[-50:]) / len(res.history[-50:]),
         "train_time_s": res.train_time_s,
         "steps": cfg.optimizer.steps,

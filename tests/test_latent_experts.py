@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ROOT, small_lm
+from helpers import ROOT, assert_cache_decoding_is_the_full_forward, assert_replay_is_the_recorded_forward, small_lm
 
 import moe
 from moe.audit import assert_causal
@@ -63,25 +63,13 @@ def test_latent_layer_and_model_audit_clean_and_decode_like_the_full_forward():
     model = small_lm("topk", {"top_k": 2}, moe_latent_dim=L).eval()
     idx = torch.randint(0, 32, (2, 10))
     assert_causal(model, idx, batch_invariant=True, decode_consistent=True, trials=1, agreement=False)
-    with torch.no_grad():
-        full = model(idx).logits
-        cache = model.init_cache(2)
-        steps = torch.cat([model(idx[:, t : t + 1], cache=cache).logits for t in range(10)], 1)
-    assert (steps - full).abs().max() < 1e-5, f"max {(steps - full).abs().max():.3g}"
+    assert_cache_decoding_is_the_full_forward(model, idx)
 
 
 def test_latent_model_replays_its_record_bit_for_bit():
     model = small_lm("topk", {"top_k": 2}, torch.float64, moe_latent_dim=L).train()
     idx, targets = torch.randint(0, 32, (3, 9)), torch.randint(0, 32, (3, 9))
-    params = list(model.parameters())
-    with moe.record_routing(model) as record:
-        out = model(idx, targets)
-        grads = torch.autograd.grad(out.loss + out.aux_loss, params)
-    with moe.replay_routing(model, record):
-        again = model(idx, targets)
-        grads_again = torch.autograd.grad(again.loss + again.aux_loss, params)
-    assert torch.equal(out.logits, again.logits) and torch.equal(out.aux_loss, again.aux_loss)
-    assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    assert_replay_is_the_recorded_forward(model, idx, targets)
 
 
 def test_active_parameters_count_latent_experts_at_their_width_and_both_projections():

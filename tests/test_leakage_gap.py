@@ -98,6 +98,7 @@ def test_short_canary_run_shows_the_expert_choice_leak_and_none_for_topk(tmp_pat
     assert ec["causal_loss"] > ec["teacher_forced_loss"], ec
     assert abs(topk["leakage_gap"]) < 1e-6 and topk["leakage_gap_se"] < 1e-6, topk
     assert topk["causal_loss"] == pytest.approx(topk["teacher_forced_loss"], abs=1e-6)
+    assert topk["train_serve_agreement"] == ec["train_serve_agreement"] == 1.0  # both route alike in either mode
     table = out.with_suffix(".md").read_text()
     assert "| canary | expert_choice |" in table and "| canary | topk |" in table
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -19,6 +19,7 @@ def test_registry_lists_builtins():
         "quantile",
         "remoe",
         "seq_topk",
+        "token_rounding",
         "top_p",
         "topk",
     ]

@@ -9,6 +9,7 @@ from moe.routers.quantile import QuantileBalancingRouter
 from moe.routers.remoe import ReLURouter
 from moe.routers.seq_topk import SeqTopKRouter
 from moe.routers.token_choice import TokenChoiceBase, TopKRouter
+from moe.routers.token_rounding import TokenRoundingRouter
 from moe.routers.top_p import TopPRouter
 from moe.routing import Router, registered_routers
 
@@ -40,6 +41,7 @@ __all__ = [
     "ReLURouter",
     "SeqTopKRouter",
     "TokenChoiceBase",
+    "TokenRoundingRouter",
     "TopKRouter",
     "TopPRouter",
 ]
