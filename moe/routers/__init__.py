@@ -2,6 +2,7 @@
 router by name (``build_router``)."""
 
 from moe.routers.capacity import CapacityRouter
+from moe.routers.doc_pool import DocumentPoolRouter
 from moe.routers.ec_predictor import ExpertChoicePredictorRouter
 from moe.routers.ec_threshold import ExpertChoiceThresholdRouter
 from moe.routers.expert_choice import ExpertChoiceRouter
@@ -34,6 +35,7 @@ __all__ = [
     "build_router",
     "list_routers",
     "CapacityRouter",
+    "DocumentPoolRouter",
     "ExpertChoicePredictorRouter",
     "ExpertChoiceRouter",
     "ExpertChoiceThresholdRouter",
