@@ -30,6 +30,10 @@ module whose MoE layers route with this package's routers and whose forward take
 (``forward(model, idx_BT)``, default ``model(idx_BT)``); the cached paths need the causal-LM
 interface's ``init_cache`` / ``model(idx, cache=cache)`` / ``decode_support`` (``MoETransformer``,
 ``moe.integrations.hf.HFCausalLM``).
+
+:func:`train_serve_agreement` compares the two modes instead: a training forward against the
+served (eval-mode) forward of the same tokens, where a router that routes differently in
+training (token rounding, ``ec_predictor``) parts from what it serves.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class DocumentPoolRouter(TokenChoiceBase):
         """float [N, E]: the logits, -inf outside each token's pool."""
         b, t = batch_shape
         probs_BTE = torch.softmax(logits_NE.detach(), dim=-1).view(b, t, -1)
-        after_eos_B = torch.ones(b, dtype=torch.bool) if state is None else state.after_eos
+        after_eos_B = torch.ones(b, dtype=torch.bool, device=logits_NE.device) if state is None else state.after_eos
         starts_BT = self.document_starts(after_eos_B.to(logits_NE.device), b, t)
         if self.pool_from == "document":
             score_BTE = document_sums(probs_BTE, starts_BT)

@@ -111,7 +111,9 @@ class TokenRoundingRouter(TokenChoiceBase):
         # the top-k choices rank first (weights in (0, 1]), the rest after them (scores - 1 <= 0)
         value_NE = (scores_NE - 1.0).scatter(1, expert_NK, weight_NK)
         order_NE = torch.argsort(value_NE, dim=0, descending=True, stable=True)
-        rank_NE = torch.empty_like(order_NE).scatter_(0, order_NE, torch.arange(n).view(n, 1).expand_as(order_NE))
+        rank_NE = torch.empty_like(order_NE).scatter_(
+            0, order_NE, torch.arange(n, device=order_NE.device).view(n, 1).expand_as(order_NE)
+        )
         return rank_NE < rounded_E.clamp_max(n)
 
     def _routing(
