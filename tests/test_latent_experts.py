@@ -16,6 +16,9 @@ from helpers import ROOT, assert_cache_decoding_is_the_full_forward, assert_repl
 import moe
 from moe.audit import assert_causal
 from moe.layer import active_ffn_width
+from moe.model import MoETransformer
+from moe.parallel import ExpertParallel, load_full_state_dict
+from moe.parallel.launch import ok_values, run_local
 
 sys.path.insert(0, str(ROOT / "experiments"))
 import router_study as study  # noqa: E402
@@ -113,3 +116,30 @@ def test_equal_compute_counts_the_latent_experts_and_projections(monkeypatch):
 def test_bad_latent_options(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+def _expert_parallel_worker(rank: int, world: int, full_state: dict, cfg, idx, targets) -> dict:
+    ep = ExpertParallel(torch.distributed.group.WORLD)
+    sharded = MoETransformer(cfg, expert_parallel=ep, init_seed=1).double()
+    load_full_state_dict(sharded, full_state, ep)
+    rows = slice(rank * 2, rank * 2 + 2)
+    out = sharded(idx[rows], targets[rows])
+    out.loss.backward()
+    return {"logits": out.logits.detach(), "down_grad": [b.ffn.latent.down.weight.grad for b in sharded.blocks]}
+
+
+@pytest.mark.slow
+def test_latent_experts_under_expert_parallelism_equal_one_process():
+    """2 gloo processes (about 25 s on a loaded machine), 2 experts each, exchanging L-wide rows: the logits of one process (float64,
+    1e-10: only the summation order of the exchange differs), and the replicated down-projection's
+    gradient (each rank's mean loss over its half: the two halves average to the whole)."""
+    model = small_lm("topk", {"top_k": 2}, torch.float64, moe_latent_dim=L)
+    idx, targets = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    out = model(idx, targets)
+    out.loss.backward()
+    per_rank = ok_values(run_local(_expert_parallel_worker, 2, model.state_dict(), model.cfg, idx, targets))
+    logits = torch.cat([r["logits"] for r in per_rank])
+    assert (logits - out.logits).abs().max() < 1e-10, (logits - out.logits).abs().max()
+    for layer, block in enumerate(model.blocks):
+        grad = per_rank[0]["down_grad"][layer] / 2 + per_rank[1]["down_grad"][layer] / 2
+        assert (grad - block.ffn.latent.down.weight.grad).abs().max() < 1e-10, f"layer {layer}"
