@@ -10,6 +10,7 @@ does). Their difference is the leakage gap.
     python experiments/leakage_gap.py --corpora text --data data/mine     # a prepared directory (python -m moe.data prepare)
     python experiments/leakage_gap.py --replot experiments/results/leakage_gap.json
     python experiments/leakage_gap.py --update experiments/results/leakage_gap.json --routers capacity_prefix
+    python experiments/leakage_gap.py --update experiments/results/leakage_gap.json --routers token_rounding --corpora text
 
 Two corpora: ``text`` (byte-level Python standard library source, ``--data PATH`` of text, or a
 prepared token directory, whose vocabulary the model then has) and
@@ -272,7 +273,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and positions (< 5 min on 2 CPU cores)")
     p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
-    p.add_argument("--corpora", nargs="+", default=["canary", "text"], choices=["canary", "text"])
+    p.add_argument(
+        "--corpora", nargs="+", choices=["canary", "text"], help="default: both; with --update, the JSON's corpora"
+    )
     p.add_argument(
         "--data", default="stdlib", help="text corpus: 'stdlib', a text path or a prepared directory (default: stdlib)"
     )
@@ -292,7 +295,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--update",
         type=Path,
         metavar="JSON",
-        help="run --routers (default: all) with the budgets of this results JSON and replace or add their rows",
+        help="run --routers (default: all) on --corpora (default: the JSON's) with the budgets of this results JSON "
+        "and replace or add their rows",
     )
     args = p.parse_args(argv)
     if args.replot:
@@ -300,8 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(render(result, args.replot))
         return result
     previous = json.loads(args.update.read_text()) if args.update else None
+    stored = [] if previous is None else list(previous["budgets"])
     if previous is not None:
-        args.quick, args.corpora = previous["quick"], list(previous["budgets"])
+        args.quick = previous["quick"]
+    args.corpora = args.corpora or stored or ["canary", "text"]
     budgets = dict(QUICK if args.quick else FULL)
     if previous is not None:
         budgets = {c: Budget(**b) for c, b in previous["budgets"].items()}
@@ -345,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": args.quick,
         "wall_time_s": wall,
         "torch": torch.__version__,
-        "budgets": {c: vars(budgets[c]) for c in args.corpora},
+        "budgets": {c: vars(budgets[c]) for c in dict.fromkeys([*stored, *args.corpora])},
         "routers": rows,
     }
     table = render(result, json_path)
