@@ -5,11 +5,15 @@ the EOS id among its futures; decoding by chunks and through the KV cache, and r
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 from helpers import (
+    SUBPROCESS_ENV,
     assert_cache_decoding_is_the_full_forward,
     assert_replay_is_the_recorded_forward,
     identity_router,
@@ -152,3 +156,52 @@ def test_token_ids_must_match_the_input():
     r = moe.build_router("doc_pool", d_model=8, num_experts=4, eos_token_id=EOS)
     with pytest.raises(ValueError, match=r"token_ids must be integer ids of shape \[B, T\] = \[2, 5\]"):
         r(torch.randn(2, 5, 8), token_ids=torch.zeros(2, 4, dtype=torch.long))
+
+
+TARGET_FILE = """
+import torch
+from torch import nn
+
+import moe
+
+
+class Target(nn.Module):
+    def __init__(self, pool_from):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(12, 16)
+        self.router = moe.build_router("doc_pool", d_model=16, num_experts=4, eos_token_id=9, pool_from=pool_from)
+
+    def forward(self, idx):
+        return self.router(self.embed(idx), token_ids=idx).dense()
+
+
+def whole():
+    return Target("document")
+
+
+def prefix():
+    return Target("prefix")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,code,leaks", [("whole", 1, ["train", "eval"]), ("prefix", 0, [])])
+def test_moe_audit_command_with_the_eos_id_as_a_special_id(tmp_path, name, code, leaks):
+    """``moe-audit --special-ids 9`` on a user target built around doc_pool (two subprocesses,
+    about 15 s each on a loaded machine): exit 1 and the leak in both modes for EMO's whole-document
+    pool (a user target's leak), exit 0 for the prefix pool; the claims hold either way."""
+    target = tmp_path / "target.py"
+    target.write_text(TARGET_FILE)
+    out = tmp_path / "audit.json"
+    argv = ["--target", f"{target}:{name}", "--input", "tokens:3,10,12", "--special-ids", "9", "--trials", "1"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe.audit", *argv, "--json", str(out)],
+        env=SUBPROCESS_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (report,) = json.loads(out.read_text())["targets"]
+    assert report["leaks_in"] == leaks and not report["violations"] and not report["unshown"], report
