@@ -10,6 +10,7 @@ does). Their difference is the leakage gap.
     python experiments/leakage_gap.py --corpora text --data data/mine     # a prepared directory (python -m moe.data prepare)
     python experiments/leakage_gap.py --replot experiments/results/leakage_gap.json
     python experiments/leakage_gap.py --update experiments/results/leakage_gap.json --routers capacity_prefix
+    python experiments/leakage_gap.py --update experiments/results/leakage_gap.json --routers token_rounding --corpora text
 
 Two corpora: ``text`` (byte-level Python standard library source, ``--data PATH`` of text, or a
 prepared token directory, whose vocabulary the model then has) and
@@ -43,7 +44,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe.eval import evaluate, format_difference
+from moe.agreement import train_serve_agreement
+from moe.eval import eval_offsets, evaluate, format_difference, windows
 from moe.extras import pyplot
 from moe.routers import build_router
 from moe.training import TrainConfig, train
@@ -65,6 +67,8 @@ ROUTERS: dict[str, tuple[str, dict]] = {
     "expert_choice": ("expert_choice", {"capacity_factor": 1.0}),
     "ec_threshold": ("ec_threshold", {"capacity_factor": 1.0}),
     "ec_predictor": ("ec_predictor", {"capacity_factor": 1.0}),
+    # SonicMoE's token rounding: counts rounded to tiles of 128 in training (text: ~1024 tokens per expert), top-k served
+    "token_rounding": ("token_rounding", {"top_k": 2, "tile_size": 128}),
 }
 
 
@@ -142,6 +146,8 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
         with_train_mode=True,
     )
     ev = {**res.final_eval, "train_mode_loss": train_mode["train_mode_loss"]}
+    idx_WT, _ = windows(val, eval_offsets(val.numel(), cfg.data.seq_len, cfg.eval.eval_windows), cfg.data.seq_len)
+    train_serve = train_serve_agreement(res.model, idx_WT[: cfg.eval.eval_batch_size])  # one evaluation batch
     claims = res.model.blocks[0].ffn.router.claims
     causal_method = "cache" if res.model.eval().decode_support() is None else "recompute"
     with torch.no_grad():  # greedy, from the start of the validation split, as decoding sees it
@@ -170,6 +176,7 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
                 "eval_positions",
             )
         },
+        "train_serve_agreement": train_serve.share,
         "final_train_loss": sum(r["loss"] for r in res.history[-50:]) / len(res.history[-50:]),
         "train_time_s": res.train_time_s,
         "steps": cfg.optimizer.steps,
@@ -264,7 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and positions (< 5 min on 2 CPU cores)")
     p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=list(ROUTERS))
-    p.add_argument("--corpora", nargs="+", default=["canary", "text"], choices=["canary", "text"])
+    p.add_argument(
+        "--corpora", nargs="+", choices=["canary", "text"], help="default: both; with --update, the JSON's corpora"
+    )
     p.add_argument(
         "--data", default="stdlib", help="text corpus: 'stdlib', a text path or a prepared directory (default: stdlib)"
     )
@@ -284,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--update",
         type=Path,
         metavar="JSON",
-        help="run --routers (default: all) with the budgets of this results JSON and replace or add their rows",
+        help="run --routers (default: all) on --corpora (default: the JSON's) with the budgets of this results JSON "
+        "and replace or add their rows",
     )
     args = p.parse_args(argv)
     if args.replot:
@@ -292,8 +302,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(render(result, args.replot))
         return result
     previous = json.loads(args.update.read_text()) if args.update else None
+    stored = [] if previous is None else list(previous["budgets"])
     if previous is not None:
-        args.quick, args.corpora = previous["quick"], list(previous["budgets"])
+        args.quick = previous["quick"]
+    args.corpora = args.corpora or stored or ["canary", "text"]
     budgets = dict(QUICK if args.quick else FULL)
     if previous is not None:
         budgets = {c: Budget(**b) for c, b in previous["budgets"].items()}
@@ -337,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": args.quick,
         "wall_time_s": wall,
         "torch": torch.__version__,
-        "budgets": {c: vars(budgets[c]) for c in args.corpora},
+        "budgets": {c: vars(budgets[c]) for c in dict.fromkeys([*stored, *args.corpora])},
         "routers": rows,
     }
     table = render(result, json_path)

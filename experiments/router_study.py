@@ -238,7 +238,8 @@ def row_key(spec: dict) -> str:
 
 def check_compute(labels: list[str], sizes: list[str], allow_unequal: bool) -> None:
     """Every MoE row's active feed-forward width (nominal experts per token plus its shared
-    experts, times the expert width: ``moe.layer.active_ffn_width``) equals the dense width."""
+    experts, times the expert width; latent experts with their projections, a row's
+    ``moe_latent_dim``: ``moe.layer.active_ffn_width``) equals the dense width."""
     from moe.layer import active_ffn_width
     from moe.routers import build_router
 
@@ -247,19 +248,21 @@ def check_compute(labels: list[str], sizes: list[str], allow_unequal: bool) -> N
         if not name:
             continue
         shared = overrides.get("model", {}).get("shared_experts", 0)
+        latent = overrides.get("model", {}).get("moe_latent_dim")
         for size in sizes:
             s = SIZES[size]
             try:
                 router = build_router(name, d_model=s["d_model"], num_experts=s["num_experts"], **options)
             except ValueError as e:
                 raise StudyError(f"router {label!r}: {e}") from None
-            width = active_ffn_width(router, s["moe_d_ff"], shared)
+            width = active_ffn_width(router, s["moe_d_ff"], shared, latent)
             if allow_unequal:
                 continue
             if width is None or not math.isclose(width, s["d_ff"]):
                 k = router.nominal_experts_per_token()
                 raise StudyError(
-                    f"router {label!r} uses {k} routed + {shared} shared experts of width {s['moe_d_ff']} per token at "
+                    f"router {label!r} uses {k} routed + {shared} shared experts of width {s['moe_d_ff']} per token"
+                    f"{'' if latent is None else f' (routed in latent width {latent}: dense width {width:g})'} at "
                     f"size {size!r}, not the dense width {s['d_ff']}: unequal active compute (pass "
                     "--allow-unequal-compute to compare anyway)"
                 )

@@ -30,6 +30,10 @@ module whose MoE layers route with this package's routers and whose forward take
 (``forward(model, idx_BT)``, default ``model(idx_BT)``); the cached paths need the causal-LM
 interface's ``init_cache`` / ``model(idx, cache=cache)`` / ``decode_support`` (``MoETransformer``,
 ``moe.integrations.hf.HFCausalLM``).
+
+:func:`train_serve_agreement` compares the two modes instead: a training forward against the
+served (eval-mode) forward of the same tokens, where a router that routes differently in
+training (token rounding, ``ec_predictor``) parts from what it serves.
 """
 
 from __future__ import annotations
@@ -353,3 +357,19 @@ _FIGURES = {
     "bf16_model": _precision(torch.bfloat16, "input", "bf16 weights, router in bf16"),
     "bf16_model_fp32_router": _precision(torch.bfloat16, "fp32", "bf16 weights, router in fp32"),
 }
+
+
+def train_serve_agreement(model: nn.Module, idx_BT: Tensor, forward: Forward = call_model) -> Agreement:
+    """How often a training forward (train mode, no gradient) routes the tokens of ``idx_BT``
+    [B, T] as the served full forward (eval mode) does: 1 where a router routes alike in both
+    modes, less for one that trains on another routing than it serves (token rounding's rounded
+    counts, ``ec_predictor``'s expert choice against its predictor). The training forward runs
+    on a copy, so no statistic a router keeps moves; the model's mode is as before afterwards."""
+    was_training = model.training
+    trained = copy.deepcopy(model).train()
+    try:
+        train = record_forward(trained, idx_BT, forward)
+        served = record_forward(model.eval(), idx_BT, forward)
+    finally:
+        model.train(was_training)
+    return routing_agreement(train, served, "training forward (train mode)", "served forward (eval mode)")

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from moe.checks import nonnegative_int
 from moe.exact import warn_inexact
 from moe.experts import SwiGLUExperts, check_backend
+from moe.latent import LatentProjections, latent_ffn_width
 from moe.routers import build_router
 from moe.routing import DecodeState, Router, Routing, check_input
 from moe.shared import SharedExperts
@@ -52,6 +53,11 @@ class MoELayer(nn.Module):
     Megatron-Core's ``MoELayer`` add them (OLMo-core's ``MoEBase`` mixes them instead,
     ``shared / (k+1) + routed * k / (k+1)``). Under expert parallelism the shared experts are
     replicated like the router, and each rank runs them on its own tokens.
+
+    ``latent_dim`` (L < D, default None: off) makes the routed experts latent experts
+    (:mod:`moe.latent`; Megatron-Core ``moe_latent_size``, OLMo-core ``LatentMoEConfig.latent_dim``):
+    the router still reads x [B, T, D], the experts (built with width L in, ``d_ff`` hidden) read
+    ``latent.down(x)``, and the combined output goes through ``latent.up`` back to D.
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class MoELayer(nn.Module):
         experts: nn.Module | None = None,
         shared_experts: int = 0,
         shared_expert_gate: bool = False,
+        latent_dim: int | None = None,
         **router_options,
     ) -> None:
         super().__init__()
@@ -83,12 +90,14 @@ class MoELayer(nn.Module):
         self.expert_parallel = expert_parallel
         self.local_experts = (0, num_experts) if expert_parallel is None else expert_parallel.local_range(num_experts)
         num_local = self.local_experts[1] - self.local_experts[0]
+        self.latent = None if latent_dim is None else LatentProjections(d_model, latent_dim)
+        expert_in = d_model if latent_dim is None else latent_dim
         if experts is None:
-            experts = SwiGLUExperts(num_local, d_model, d_ff)
-        elif (experts.num_experts, experts.d_model, experts.d_ff) != (num_local, d_model, d_ff):
+            experts = SwiGLUExperts(num_local, expert_in, d_ff)
+        elif (experts.num_experts, experts.d_model, experts.d_ff) != (num_local, expert_in, d_ff):
             raise ValueError(
                 f"experts hold num_experts={experts.num_experts}, d_model={experts.d_model}, d_ff={experts.d_ff}; "
-                f"layer needs {num_local}, {d_model}, {d_ff}"
+                f"layer needs {num_local}, {expert_in}, {d_ff}"
             )
         self.experts = experts
         nonnegative_int("shared_experts", shared_experts)
@@ -109,12 +118,16 @@ class MoELayer(nn.Module):
         if self.backend == "triton":
             warn_inexact("backend 'triton'", "its kernels are not blocked by rows (use 'torch' or 'grouped_mm')")
         x_ND = x_BTD.reshape(b * t, d)
+        if self.latent is not None:
+            x_ND = self.latent.down(x_ND)  # the routed path in the latent width L
         if self.expert_parallel is None:
             y_ND = self.experts(x_ND, routing.token, routing.expert, routing.weight, self.backend)
         else:
             y_ND = self.expert_parallel(
                 x_ND, routing.token, routing.expert, routing.weight, self.experts, self.num_experts, self.backend
             )
+        if self.latent is not None:
+            y_ND = self.latent.up(y_ND.to(x_BTD.dtype))
         y_BTD = y_ND.view(b, t, d).to(x_BTD.dtype)
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD)
@@ -122,21 +135,27 @@ class MoELayer(nn.Module):
 
     def active_ffn_width(self) -> float | None:
         """The feed-forward width one token uses on average (:func:`active_ffn_width`)."""
-        return active_ffn_width(self.router, self.d_ff, 0 if self.shared is None else self.shared.num_shared)
+        shared = 0 if self.shared is None else self.shared.num_shared
+        return active_ffn_width(self.router, self.d_ff, shared, None if self.latent is None else self.latent.latent_dim)
 
     def extra_repr(self) -> str:
         ep = "" if self.expert_parallel is None else f", local_experts={self.local_experts}"
         return f"backend={self.backend!r}{ep}"
 
 
-def active_ffn_width(router: Router, d_ff: int, shared_experts: int = 0) -> float | None:
+def active_ffn_width(router: Router, d_ff: int, shared_experts: int = 0, latent_dim: int | None = None) -> float | None:
     """The hidden width of the feed-forward that one token of an MoE layer uses on average:
     (the router's nominal experts per token + ``shared_experts``) * ``d_ff``, the width of the
     dense SwiGLU of equal active compute; None where the router's options set no number of
-    experts per token (``Router.nominal_experts_per_token``). A study that compares routers at
-    equal compute compares this with the dense width."""
+    experts per token (``Router.nominal_experts_per_token``). With latent experts
+    (``latent_dim``), the routed part is :func:`moe.latent.latent_ffn_width` (the experts in the
+    latent width and the two projections; the shared experts stay in D). A study that compares
+    routers at equal compute compares this with the dense width."""
     k = router.nominal_experts_per_token()
-    return None if k is None else (k + shared_experts) * d_ff
+    if k is None:
+        return None
+    routed = k * d_ff if latent_dim is None else latent_ffn_width(k, d_ff, router.d_model, latent_dim)
+    return routed + shared_experts * d_ff
 
 
 def update_routers(model: nn.Module) -> None:

@@ -55,6 +55,10 @@ class ModelConfig:
     ones (DeepSeek-V2/V3, Qwen2/3-MoE), one SwiGLU of width S * moe_d_ff; 0 = none."""
     shared_expert_gate: bool = False
     """Scale the shared experts' output by sigmoid(x . w) per token (Qwen2-MoE's shared_expert_gate)."""
+    moe_latent_dim: int | None = None
+    """L < d_model: latent experts (``moe.latent``; Megatron-Core's moe_latent_size, OLMo-core's
+    LatentMoEConfig.latent_dim): the router reads the full hidden state, the routed experts a
+    D -> L projection of it, their combined output projected back L -> D; None = off."""
     router: str = "topk"
     """Router name (``moe.list_routers()``)."""
     router_options: dict = field(default_factory=dict)
@@ -85,6 +89,12 @@ class ModelConfig:
         nonnegative_int("ModelConfig.shared_experts", self.shared_experts)
         if self.shared_expert_gate and not self.shared_experts:
             raise ValueError("shared_expert_gate needs shared_experts > 0")
+        if self.moe_latent_dim is not None and not (
+            isinstance(self.moe_latent_dim, int) and 0 < self.moe_latent_dim < self.d_model
+        ):
+            raise ValueError(
+                f"moe_latent_dim must be an integer in [1, d_model={self.d_model}), got {self.moe_latent_dim!r}"
+            )
         if not isinstance(self.moe_every, int) or self.moe_every < 0:
             raise ValueError(f"moe_every must be an integer >= 0, got {self.moe_every!r}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
@@ -202,6 +212,7 @@ class Block(nn.Module):
                 expert_parallel=expert_parallel,
                 shared_experts=cfg.shared_experts,
                 shared_expert_gate=cfg.shared_expert_gate,
+                latent_dim=cfg.moe_latent_dim,
                 **cfg.router_options,
             )
         else:
@@ -360,8 +371,9 @@ class MoETransformer(nn.Module):
         """All parameters, or those one token uses on average when ``active``: of each MoE
         layer's E experts, the number its router's options set per token
         (``Router.nominal_experts_per_token``: top-k, the capacity factor of expert choice, a
-        target; 1 where the options set none), and all of its shared experts and router.
-        A float in general, rounded to an int."""
+        target; 1 where the options set none), and all of its shared experts and router (and
+        its latent projections: latent experts count at their width L). A float in general,
+        rounded to an int."""
         total = sum(p.numel() for p in self.parameters())
         if not active:
             return total

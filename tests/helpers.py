@@ -208,3 +208,32 @@ HF_RUN = dict(
     progress=False,
 )
 """TrainConfig.flat keywords of the short runs of a tiny ``--hf-model`` (8 x 32 tokens, lr 1e-2)."""
+
+
+def assert_replay_is_the_recorded_forward(model, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> moe.RoutingRecord:
+    """Record a forward of ``model`` and its gradients, replay the record: the same logits, aux
+    loss and gradients, bit for bit. Returns the record."""
+    params = list(model.parameters())
+    with moe.record_routing(model) as record:
+        out = model(idx_BT, targets_BT)
+        grads = torch.autograd.grad(out.loss + out.aux_loss, params)
+    with moe.replay_routing(model, record):
+        again = model(idx_BT, targets_BT)
+        grads_again = torch.autograd.grad(again.loss + again.aux_loss, params)
+    assert torch.equal(out.logits, again.logits) and torch.equal(out.aux_loss, again.aux_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    return record
+
+
+def assert_cache_decoding_is_the_full_forward(model, idx_BT: torch.Tensor, tol: float = 1e-5) -> None:
+    """``model`` (eval mode) fed ``idx_BT`` one token at a time through its KV cache gives the
+    logits of one full forward (fp32: within ``tol``, the summation-order noise of attention
+    over a cache against the full causal mask)."""
+    b, t = idx_BT.shape
+    with torch.no_grad():
+        full = model(idx_BT).logits
+        cache = model.init_cache(b)
+        steps = torch.cat([model(idx_BT[:, i : i + 1], cache=cache).logits for i in range(t)], 1)
+    assert (steps - full).abs().max() < tol, (
+        f"max {(steps - full).abs().max():.3g}, mean {(steps - full).abs().mean():.3g}"
+    )

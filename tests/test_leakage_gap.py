@@ -98,6 +98,7 @@ def test_short_canary_run_shows_the_expert_choice_leak_and_none_for_topk(tmp_pat
     assert ec["causal_loss"] > ec["teacher_forced_loss"], ec
     assert abs(topk["leakage_gap"]) < 1e-6 and topk["leakage_gap_se"] < 1e-6, topk
     assert topk["causal_loss"] == pytest.approx(topk["teacher_forced_loss"], abs=1e-6)
+    assert topk["train_serve_agreement"] == ec["train_serve_agreement"] == 1.0  # both route alike in either mode
     table = out.with_suffix(".md").read_text()
     assert "| canary | expert_choice |" in table and "| canary | topk |" in table
     assert out.with_suffix(".png").stat().st_size > 10_000
@@ -111,3 +112,19 @@ def test_quick_run_shows_the_expert_choice_leak(tmp_path):
     assert rows[("canary", "expert_choice")]["leakage_gap"] > 0.02, rows[("canary", "expert_choice")]
     for corpus in ("canary", "text"):
         assert abs(rows[(corpus, "topk")]["leakage_gap"]) < 1e-3, rows[(corpus, "topk")]
+
+
+@pytest.mark.slow
+def test_update_of_one_corpus_keeps_the_other_corpus_rows_and_budgets(tmp_path):
+    out = tmp_path / "gap.json"
+    common = ["--canary-steps", "10", "--text-steps", "10", "--workers", "1"]
+    run(["--quick", "--routers", "topk", *common, "--json", str(out)], timeout=600)
+    before = json.loads(out.read_text())
+    run(["--update", str(out), "--routers", "expert_choice", "--corpora", "text", *common], timeout=600)
+    after = json.loads(out.read_text())
+    assert after["budgets"] == before["budgets"] and set(after["budgets"]) == {"canary", "text"}
+    assert [(r["corpus"], r["router"]) for r in after["routers"]] == [
+        ("canary", "topk"),
+        ("text", "topk"),
+        ("text", "expert_choice"),
+    ]

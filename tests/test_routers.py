@@ -13,12 +13,14 @@ import moe
 def test_registry_lists_builtins():
     assert moe.list_routers() == [
         "capacity",
+        "doc_pool",
         "ec_predictor",
         "ec_threshold",
         "expert_choice",
         "quantile",
         "remoe",
         "seq_topk",
+        "token_rounding",
         "top_p",
         "topk",
     ]
@@ -282,7 +284,7 @@ def test_claims():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(name="nope"), "unknown router 'nope'; known routers: capacity, ec_predictor"),
+        (dict(name="nope"), "unknown router 'nope'; known routers: capacity, .*, topk"),
         (dict(name="topk", top_k=0), "top_k must be an integer in \\[1, num_experts=4\\]"),
         (dict(name="topk", top_k=5), "top_k must be an integer in \\[1, num_experts=4\\]"),
         (dict(name="capacity", capacity_factor=0), "capacity_factor must be > 0"),

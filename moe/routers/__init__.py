@@ -4,6 +4,7 @@ router by name (``build_router``)."""
 import inspect
 
 from moe.routers.capacity import CapacityRouter
+from moe.routers.doc_pool import DocumentPoolRouter
 from moe.routers.ec_predictor import ExpertChoicePredictorRouter
 from moe.routers.ec_threshold import ExpertChoiceThresholdRouter
 from moe.routers.expert_choice import ExpertChoiceRouter
@@ -11,6 +12,7 @@ from moe.routers.quantile import QuantileBalancingRouter
 from moe.routers.remoe import ReLURouter
 from moe.routers.seq_topk import SeqTopKRouter
 from moe.routers.token_choice import TokenChoiceBase, TopKRouter
+from moe.routers.token_rounding import TokenRoundingRouter
 from moe.routers.top_p import TopPRouter
 from moe.routing import Router, registered_routers
 
@@ -56,6 +58,7 @@ __all__ = [
     "build_router",
     "list_routers",
     "CapacityRouter",
+    "DocumentPoolRouter",
     "ExpertChoicePredictorRouter",
     "ExpertChoiceRouter",
     "ExpertChoiceThresholdRouter",
@@ -63,6 +66,7 @@ __all__ = [
     "ReLURouter",
     "SeqTopKRouter",
     "TokenChoiceBase",
+    "TokenRoundingRouter",
     "TopKRouter",
     "TopPRouter",
 ]
