@@ -183,13 +183,13 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     on_rank0_for_all(lambda: check_outputs(cfg.checkpoint.directory, cfg.logging.metrics_jsonl))
     malloc_note = limit_cpu_malloc(info.device, cfg.parallel.cpu_mmap_threshold_kib)  # before the big allocations
     corpus = corpus if corpus is not None else cfg.data.load()
-    check_eval_windows(corpus, cfg.data.seq_len, cfg.eval.eval_windows)
     mcfg = model_config(cfg.model, corpus.vocab_size)
 
     def build(expert_parallel) -> nn.Module:
         return build_run_model(cfg.model, mcfg, cfg.seed, info.device, info.world_size, expert_parallel)
 
     place = place_model(cfg, None if cfg.model.hf_model else mcfg.num_experts, build, info)
+    check_eval_windows(corpus, cfg.data.seq_len, cfg.eval.eval_windows)  # a layout that does not fit is said first
     num_params = total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters()
     if cfg.checkpoint.directory is not None:  # fp32 weights and AdamW's two moments
         on_rank0_for_all(lambda: check_room(cfg.checkpoint.directory, 12 * num_params))
