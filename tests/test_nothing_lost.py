@@ -224,3 +224,37 @@ def test_a_real_disk_that_fills_says_so_and_keeps_the_last_checkpoint(tmpfs, cap
     assert "no space left on device" in line and "the last complete one is step-00000002" in line, line
     assert not list((disk / "run").glob(".tmp-*"))
     assert json.loads((disk / "run" / "step-00000002" / META).read_text())["step"] == 2
+
+
+def _two_process_worker(rank: int, world: int, args: list[str], read_only_on_rank0: bool) -> str:
+    """``experiments/train.py``'s config of ``args`` trained on this rank: the error's class name, or "ok"."""
+    from moe.training import config_from_args, train
+
+    if read_only_on_rank0 and rank == 0:
+        guards.tempfile.mkstemp = lambda **kw: (_ for _ in ()).throw(OSError(errno.EROFS, os.strerror(errno.EROFS)))
+    try:
+        train(config_from_args([*RUN, *args]))
+    except Exception as e:  # what each rank saw
+        return type(e).__name__
+    return "ok"
+
+
+@pytest.mark.slow
+def test_two_processes_stop_together_and_change_nothing(folder):
+    """Each refusal reaches every rank (no rank left waiting in a collective): another run's
+    folder, a divergence, and a folder only rank 0 checks (read-only there)."""
+    from moe.parallel.launch import ok_values, run_local
+
+    before = snapshot(folder)
+    cases = [
+        (["--steps", "6", "--checkpoint-dir", str(folder)], False, "SetupError"),
+        (
+            ["--steps", "8", "--checkpoint-dir", str(folder), "--resume", "--lr", "1e30", "--checkpoint-every", "1"],
+            False,
+            "Diverged",
+        ),  # fmt: skip
+        (["--steps", "6", "--checkpoint-dir", str(folder), "--resume"], True, "SetupError"),
+    ]
+    for args, read_only, error in cases:
+        assert ok_values(run_local(_two_process_worker, 2, args, read_only, timeout_s=240)) == [error, error], args
+        assert snapshot(folder) == before, args
