@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 import moe.training.checkpoint_files as cf
 import moe.training.guards as guards
@@ -170,6 +171,26 @@ def test_a_full_disk_is_one_line_the_partial_checkpoint_removed_and_resume_works
     assert run("--steps", "6", "--checkpoint-dir", str(folder), "--resume", "--checkpoint-every", "1") == 0
     assert [p.name for p in complete_checkpoints(folder)] == ["step-00000005", "step-00000006"]
     assert not list(folder.glob(".tmp-*"))
+
+
+def test_an_export_that_meets_a_full_disk_is_one_line_and_a_resume_exports(tmp_path, capsys, monkeypatch):
+    real = torch.save
+
+    def full_for_the_export(obj, f, *args, **kwargs):
+        if ".model.pt.tmp" in str(f):
+            Path(f).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_for_the_export)
+    capsys.readouterr()
+    assert run("--steps", "2", "--checkpoint-dir", str(tmp_path), "--export-model") == 1
+    line = one_error_line(capsys)
+    assert f"could not write {tmp_path / 'model.pt'}: no space left on device" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]  # no partial file left
+    monkeypatch.undo()
+    assert run("--steps", "2", "--checkpoint-dir", str(tmp_path), "--export-model", "--resume") == 0
+    assert (tmp_path / "model.pt").is_file()
 
 
 @pytest.mark.parametrize("where", ["checkpoint", "metrics"])

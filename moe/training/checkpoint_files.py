@@ -254,7 +254,8 @@ def export_model(
     every rank gathers the whole model; with pipeline parallelism ``model`` is one stage and
     the stages' parts are gathered over ``pipeline_group``), with what rebuilds it: the model
     config, and for a swapped Hugging Face model ``hf`` (its transformers config as a dict,
-    router, router options, backend). Written atomically by rank 0; call on every rank."""
+    router, router options, backend). Written atomically by rank 0 (a failed write removes its
+    temporary file and raises :class:`~moe.training.guards.WriteFailed`); call on every rank."""
     state = (
         full_state_dict(model) if info.world_size > 1 else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     )
@@ -262,11 +263,20 @@ def export_model(
         parts: list[dict] = [{} for _ in range(dist.get_world_size(pipeline_group))]
         dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pipeline_group)
         state = {k: v for part in parts for k, v in part.items()}
+    failure, tmp = None, path.with_name(f".{path.name}.tmp{os.getpid()}")
     if info.is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        torch.save({"model": state, "model_config": dataclasses.asdict(mcfg), "hf": hf}, tmp)
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": state, "model_config": dataclasses.asdict(mcfg), "hf": hf}, tmp)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as err:
+            failure = write_failure(err, path.parent)
+            tmp.unlink(missing_ok=True)
+    failure = _any_failure(failure)
+    if failure is not None:
+        raise WriteFailed(
+            f"could not write {path}: {failure}; the checkpoints are kept: free space and --export-model again"
+        )
     _barrier()
 
 
