@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from moe.balance import active_experts_summary, balance_summary
 from moe.checks import nonnegative_int, positive_int
@@ -71,6 +72,7 @@ def evaluate(
     with_train_mode: bool = False,
     causal_method: str = "auto",
     causal_batch_size: int | None = None,
+    progress: str | None = None,
 ) -> dict:
     """Teacher-forced and causal loss (eval mode) on the same validation positions.
 
@@ -101,6 +103,8 @@ def evaluate(
     MaxVio_global, ``global_active_experts_mean`` the experts per token).
 
     ``causal=False`` skips the prefix forwards (only the teacher-forced keys are returned).
+    ``progress`` (a description, e.g. ``"eval step 50"``) shows a progress bar of the forwards
+    on stderr, removed when done.
     ``with_train_mode`` adds ``train_mode_loss``: the teacher-forced loss with training-mode
     routing, which is what the training curve reports. Routers that learn from batches record
     statistics in training mode, so ask for it only when training is over.
@@ -120,9 +124,35 @@ def evaluate(
             model.train(was_training)
             raise
 
-    tf_WT, causal_WP, train_WT = [], [], []
-    balance = BalanceCounts()
-    for start in range(0, num_windows, batch_size):
+    decode_batch = batch_size if causal_batch_size is None else positive_int("causal_batch_size", causal_batch_size)
+    forwards = -(-num_windows // batch_size) + (-(-num_windows // decode_batch) * pos_P.numel() if causal else 0)
+    bar = tqdm(total=forwards, desc=progress, disable=progress is None, leave=False, unit="forward", dynamic_ncols=True)
+    balance, causal_WP = BalanceCounts(), []
+    tf_WT, train_WT = _teacher_forced(model, idx_WT, targets_WT, batch_size, device, with_train_mode, balance, bar)
+    if causal:
+        model.eval()
+        causal_WP = _causal_nll(
+            model, idx_WT, targets_WT, pos_P, causal_stride, causal_method, decode_batch, device, bar
+        )
+    bar.close()
+    model.train(was_training)
+    return {**_summary(torch.cat(tf_WT), causal_WP, train_WT, pos_P, num_windows), **balance.summary()}
+
+
+def _teacher_forced(
+    model: nn.Module,
+    idx_WT: Tensor,
+    targets_WT: Tensor,
+    batch_size: int,
+    device: torch.device,
+    with_train_mode: bool,
+    balance: BalanceCounts,
+    bar: tqdm,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """The per-position losses of full-window forwards, ``batch_size`` windows at a time, in eval
+    mode (their routings counted into ``balance``) and, ``with_train_mode``, in training mode."""
+    tf_WT, train_WT = [], []
+    for start in range(0, idx_WT.shape[0], batch_size):
         idx_BT = idx_WT[start : start + batch_size].to(device)
         targets_BT = targets_WT[start : start + batch_size].to(device)
         model.eval()
@@ -130,12 +160,8 @@ def evaluate(
         if with_train_mode:
             model.train()
             train_WT.append(_nll(model, idx_BT, targets_BT, device))
-    if causal:
-        decode_batch = batch_size if causal_batch_size is None else positive_int("causal_batch_size", causal_batch_size)
-        model.eval()
-        causal_WP = _causal_nll(model, idx_WT, targets_WT, pos_P, causal_stride, causal_method, decode_batch, device)
-    model.train(was_training)
-    return {**_summary(torch.cat(tf_WT), causal_WP, train_WT, pos_P, num_windows), **balance.summary()}
+        bar.update()
+    return tf_WT, train_WT
 
 
 class BalanceCounts:
@@ -198,23 +224,35 @@ def _causal_nll(
     method: str,
     batch: int,
     device: torch.device,
+    bar: tqdm,
 ) -> list[Tensor]:
     """float64 [B, P] per chunk of ``batch`` windows decoded together: the loss at each evaluated
-    position through the cache (``method`` "cache") or from a forward of its prefix alone."""
+    position through the cache (``method`` "cache") or from a forward of its prefix alone (each
+    forward counted on ``bar``)."""
     out = []
     for start in range(0, idx_WT.shape[0], batch):
         idx_BT = idx_WT[start : start + batch].to(device)
         targets_BT = targets_WT[start : start + batch].to(device)
         if method == "cache":
-            out.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, stride, idx_WT.shape[1], device))
+            out.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, stride, idx_WT.shape[1], device, bar))
         else:
-            prefixes = [_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:] for t in pos_P.tolist()]
+            prefixes = []
+            for t in pos_P.tolist():
+                prefixes.append(_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:])
+                bar.update()
             out.append(torch.cat(prefixes, 1))
     return out
 
 
 def _decoded_nll(
-    model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, pos_P: Tensor, stride: int, seq_len: int, device: torch.device
+    model: nn.Module,
+    idx_BT: Tensor,
+    targets_BT: Tensor,
+    pos_P: Tensor,
+    stride: int,
+    seq_len: int,
+    device: torch.device,
+    bar: tqdm,
 ) -> Tensor:
     """float64 [B, P]: chunks of k = ``stride`` new tokens through the cache, each ending at an
     evaluated position, the loss read at its last one."""
@@ -224,6 +262,7 @@ def _decoded_nll(
         with autocast(device):
             logits_BV = model(idx_BT[:, t + 1 - stride : t + 1], cache=cache).logits[:, -1]
         rows.append(lm_loss(logits_BV, targets_BT[:, t], reduction="none").double().cpu())
+        bar.update()
     return torch.stack(rows, 1)
 
 

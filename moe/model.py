@@ -312,6 +312,13 @@ class MoETransformer(nn.Module):
     def embed_tokens(self, idx_BT: Tensor, cache: KVCache | None = None) -> Tensor:
         """Validated token ids [B, T] -> embeddings [B, T, D]."""
         check_token_ids(idx_BT, self.cfg.max_seq_len, cache)
+        if idx_BT.numel() and not torch.compiler.is_compiling():  # a raw IndexError otherwise (a device assert on CUDA)
+            low, high = int(idx_BT.min()), int(idx_BT.max())
+            if low < 0 or high >= self.cfg.vocab_size:
+                raise ValueError(
+                    f"token ids in [{low}, {high}] are outside the vocabulary [0, {self.cfg.vocab_size}): "
+                    "tokenize with the model's tokenizer, or build it with a larger vocab_size"
+                )
         return self.embed(idx_BT)
 
     def forward_blocks(self, x_BTD: Tensor, cache: KVCache | None = None, on_routing=None) -> Tensor:

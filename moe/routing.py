@@ -550,7 +550,7 @@ class TokenLocalRouter(Router):
 
 
 def check_input(x_BTD: Tensor, d_model: int) -> None:
-    """Raise ValueError unless x is a floating [B, T, d_model] tensor."""
+    """Raise ValueError unless x is a floating [B, T, d_model] tensor with B, T >= 1."""
     if not isinstance(x_BTD, Tensor):
         raise ValueError(f"expected a torch.Tensor of shape [B, T, {d_model}], got {type(x_BTD).__name__}")
     if not x_BTD.is_floating_point():
@@ -562,6 +562,10 @@ def check_input(x_BTD: Tensor, d_model: int) -> None:
         raise ValueError(f"expected input of shape [B, T, D={d_model}], got {tuple(x_BTD.shape)}")
     if x_BTD.shape[-1] != d_model:
         raise ValueError(f"expected last dimension D={d_model}, got input of shape {tuple(x_BTD.shape)}")
+    if not x_BTD.shape[0] or not x_BTD.shape[1]:
+        raise ValueError(
+            f"expected at least one sequence of at least one token, got input of shape {tuple(x_BTD.shape)}"
+        )
 
 
 def fractions(count_X: Tensor) -> Tensor:

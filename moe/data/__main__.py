@@ -8,7 +8,8 @@ Bad input is one line on stderr and exit status 2 (nothing is left behind lookin
 What a folder held that was not read (links to files already read, links to nothing, empty
 files, files that are not text, cache folders, files left out by ``--include`` / ``--exclude``)
 is said in one line, and listed in the manifest; so is why a trained tokenizer has fewer tokens
-than ``--train-tokenizer`` asked for.
+than ``--train-tokenizer`` asked for, and how many bytes of which files were not UTF-8 (replaced
+by U+FFFD, ``not_utf8`` in the manifest; ``--encoding-errors strict`` refuses them instead).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from moe.data.documents import NotUTF8
 from moe.data.files import FileSelection
 from moe.data.prepare import PrepareConfig, prepare
 from moe.data.tokenizer import short_vocabulary
@@ -48,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default=PrepareConfig.text_field, help="text field of .jsonl / .parquet")
     prep.add_argument("--eot", help="end-of-document token of --tokenizer (default: its eos / <|endoftext|>)")
     prep.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    prep.add_argument(
+        "--encoding-errors",
+        choices=("replace", "strict"),
+        default=PrepareConfig.encoding_errors,
+        help="text bytes that are not UTF-8: replace each by U+FFFD (counted, said, in the manifest) or refuse",
+    )
     return p
 
 
@@ -59,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ImportError, OSError) as e:  # bad input, a missing extra, an unwritable --out
         print(f"python -m moe.data prepare: error: {e}", file=sys.stderr)
         return 2
+    replaced = NotUTF8()
+    replaced.files = manifest["not_utf8"]["files"]
+    if note := replaced.said():
+        print(note, file=sys.stderr)
     skipped = FileSelection([], **manifest["skipped"]).skipped()
     if skipped:
         print(f"{args['input']}: read {manifest['num_files']:,} files, {skipped}")

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from moe.data.documents import Piece, input_files, read_pieces
-from moe.data.shards import DTYPES, FORMAT, MANIFEST, token_dtype
+from moe.data.documents import NotUTF8, Piece, input_files, read_pieces
+from moe.data.shards import DTYPES, FORMAT, MANIFEST, check_vocabulary_fits, token_dtype
 from moe.data.tokenizer import (
     EOT,
     MIN_BPE_VOCAB,
@@ -72,8 +72,13 @@ class PrepareConfig:
     ``<|endoftext|>`` if the vocabulary has it, else none: documents are just concatenated)."""
     progress: bool = True
     """Show progress bars (on stderr)."""
+    encoding_errors: str = "replace"
+    """Bytes of text that are not UTF-8: "replace" (each by U+FFFD, counted per file, said and
+    recorded in the manifest as ``not_utf8``) or "strict" (refused, naming the file)."""
 
     def __post_init__(self) -> None:
+        if self.encoding_errors not in ("replace", "strict"):
+            raise ValueError(f"--encoding-errors must be replace or strict, got {self.encoding_errors!r}")
         if (self.train_tokenizer is not None) + (self.tokenizer is not None) + self.byte_level != 1:
             raise ValueError("give exactly one of --train-tokenizer V, --tokenizer PATH and --bytes")
         if self.train_tokenizer is not None and self.train_tokenizer < MIN_BPE_VOCAB:
@@ -154,9 +159,11 @@ def encoded(encoder: Encoder, work: Iterable[list[Piece]], workers: int) -> Iter
 
 
 class ShardWriter:
-    """Appends token ids to ``shard-NNNNN.bin`` files of ``shard_tokens`` tokens each."""
+    """Appends token ids of a vocabulary of ``vocab_size`` to ``shard-NNNNN.bin`` files of
+    ``shard_tokens`` tokens each (ValueError if the vocabulary does not fit ``dtype``)."""
 
-    def __init__(self, directory: Path, dtype: str, shard_tokens: int) -> None:
+    def __init__(self, directory: Path, dtype: str, shard_tokens: int, vocab_size: int) -> None:
+        check_vocabulary_fits(vocab_size, dtype, f"shards in {directory}")
         self.directory, self.dtype, self.shard_tokens = directory, DTYPES[dtype], shard_tokens
         self.shards: list[dict] = []
         """{"file", "num_tokens"} of every shard begun."""
@@ -187,6 +194,10 @@ def _check_out(out: Path) -> None:
         raise ValueError(f"--out {str(out)!r} exists and is not an empty directory")
 
 
+def _not_utf8(cfg: PrepareConfig) -> NotUTF8:
+    return NotUTF8(cfg.encoding_errors == "strict", Path(cfg.input))
+
+
 def _tokenizer(cfg: PrepareConfig, files: list[Path]) -> tuple[object, int | None, str | None]:
     """(tokenizer, end-of-document id, its token) as ``cfg`` asks: the bytes alone, trained on
     ``files``, or loaded."""
@@ -197,7 +208,7 @@ def _tokenizer(cfg: PrepareConfig, files: list[Path]) -> tuple[object, int | Non
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="train tokenizer", disable=not cfg.progress)
 
         def texts() -> Iterator[str]:
-            for piece in read_pieces(files, cfg.text_field):
+            for piece in read_pieces(files, cfg.text_field, _not_utf8(cfg)):
                 bar.update(piece.input_bytes)
                 yield piece.text
 
@@ -227,7 +238,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         dtype = token_dtype(vocab_size)
-        writer = ShardWriter(tmp, dtype, cfg.shard_tokens)
+        writer = ShardWriter(tmp, dtype, cfg.shard_tokens, vocab_size)
         bar = tqdm(
             total=sum(f.stat().st_size for f in files),
             unit="B",
@@ -237,7 +248,9 @@ def prepare(cfg: PrepareConfig) -> dict:
         )
         documents = 0
         encoder = Encoder(str(tmp / TOKENIZER_FILE), eot_id, dtype)
-        for batch, ids in encoded(encoder, batches(read_pieces(files, cfg.text_field), BATCH_CHARS), cfg.workers):
+        not_utf8 = _not_utf8(cfg)
+        pieces = read_pieces(files, cfg.text_field, not_utf8)
+        for batch, ids in encoded(encoder, batches(pieces, BATCH_CHARS), cfg.workers):
             writer.write(ids)
             documents += sum(p.end_of_document for p in batch)
             bar.update(sum(p.input_bytes for p in batch))
@@ -261,6 +274,7 @@ def prepare(cfg: PrepareConfig) -> dict:
             "input": str(Path(cfg.input).resolve()),
             "num_files": len(files),
             "skipped": selection.left_out(),
+            "not_utf8": not_utf8.record(),
             "config": {k: v for k, v in asdict(cfg).items() if k not in ("input", "out", "progress")},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

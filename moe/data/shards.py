@@ -34,6 +34,16 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65_535 else "uint32"
 
 
+def check_vocabulary_fits(vocab_size: int, dtype: str, where: str) -> None:
+    """ValueError unless every id of a vocabulary of ``vocab_size`` fits the shards' ``dtype``."""
+    largest = int(np.iinfo(DTYPES[dtype]).max)
+    if vocab_size - 1 > largest:
+        raise ValueError(
+            f"{where}: vocab_size {vocab_size:,} does not fit {dtype} shards (ids up to {largest:,}): "
+            f"ids would wrap around; use {token_dtype(vocab_size)}"
+        )
+
+
 def is_prepared(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding a ``manifest.json``."""
     p = Path(path)
@@ -72,6 +82,7 @@ def read_manifest(directory: str | Path) -> dict:
         )
     if manifest["dtype"] not in DTYPES:
         raise ValueError(f"{directory / MANIFEST}: dtype must be one of {list(DTYPES)}, got {manifest['dtype']!r}")
+    check_vocabulary_fits(int(manifest["vocab_size"]), manifest["dtype"], str(directory / MANIFEST))
     itemsize = DTYPES[manifest["dtype"]].itemsize
     for shard in manifest["shards"]:
         f = directory / shard["file"]

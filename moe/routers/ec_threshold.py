@@ -109,7 +109,12 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
         self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
     ) -> Routing:
         probs_NE = router_scores(logits_NE, self.score)
-        mask_NE = probs_NE.detach() >= self.threshold.to(probs_NE.dtype) if chosen_NE is None else chosen_NE
+        scores_NE = probs_NE.detach()
+        # a NaN score is below every threshold: routed to every expert instead, so the output is NaN
+        # as other routers' is (not a clean zero); check_finite makes it an error, as for them
+        mask_NE = (
+            (scores_NE >= self.threshold.to(scores_NE.dtype)) | scores_NE.isnan() if chosen_NE is None else chosen_NE
+        )
         token_A, expert_A = mask_NE.nonzero(as_tuple=True)
         if record:
             self._record_cutoffs(probs_NE.detach(), batch_shape)
@@ -145,6 +150,7 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
             self.pending_hist.zero_()
         else:
             mean_E = self.pending_sum / self.pending_count.clamp_min(1.0)
+        seen = seen & torch.isfinite(mean_E).all()  # a step of NaN scores leaves the thresholds as they were
         self.ema_sum.copy_(torch.where(seen, self.momentum * self.ema_sum + (1 - self.momentum) * mean_E, self.ema_sum))
         self.ema_weight.copy_(torch.where(seen, self.momentum * self.ema_weight + (1 - self.momentum), self.ema_weight))
         self.pending_sum.zero_()

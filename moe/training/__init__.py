@@ -6,6 +6,8 @@
 - ``optim``: the optimizer section, AdamW and the learning-rate schedule;
 - ``checkpoint_config``: the checkpoint section (where, how often, resume);
 - ``checkpoint_files``: atomic sharded checkpoints and exact resume, the exported model and its loader;
+- ``resume``: what a run does with the checkpoints in its folder (refuse another run's, keep the schedule);
+- ``guards``: what stops a run in one line (non-finite numbers, unwritable folders, a full disk);
 - ``metrics``: the logging section, per-step metrics and the wandb run;
 - ``report``: what rank 0 prints and writes each step;
 - ``distributed``: process-group setup from torchrun's environment, router-state sync;

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from moe.checks import positive_int
-from moe.data import Corpus, batch_offsets, load_corpus, windows
+from moe.data import Corpus, batch_offsets, eval_offsets, load_corpus, windows
 
 
 @dataclass
@@ -65,4 +65,22 @@ def local_batch(
     b = cfg.batch_size // size
     offsets_B = batch_offsets(corpus.train.numel(), cfg.seq_len, cfg.batch_size, seed, step)
     idx_BT, targets_BT = windows(corpus.train, offsets_B[rank * b : (rank + 1) * b], cfg.seq_len)
+    check_vocabulary(corpus, targets_BT, idx_BT[:, :1], where="a training batch")
     return idx_BT.to(device), targets_BT.to(device)
+
+
+def check_vocabulary(corpus: Corpus, *ids: Tensor, where: str) -> None:
+    """ValueError in one line if ``ids`` (of ``corpus``) hold a token outside its vocabulary:
+    a prepared directory whose manifest's ``vocab_size`` is too small."""
+    high = max(int(t.max()) for t in ids if t.numel())
+    if high >= corpus.vocab_size:
+        raise ValueError(
+            f"{where} of {corpus.source} holds token id {high:,}, outside its vocabulary of {corpus.vocab_size:,} "
+            "(the manifest's vocab_size): prepare the data again (python -m moe.data prepare)"
+        )
+
+
+def check_eval_windows(corpus: Corpus, seq_len: int, num_windows: int) -> None:
+    """:func:`check_vocabulary` on the validation windows an evaluation reads (``moe.eval.evaluate``)."""
+    offsets_W = eval_offsets(corpus.val.numel(), seq_len, num_windows)
+    check_vocabulary(corpus, *windows(corpus.val, offsets_W, seq_len), where="the validation windows")

@@ -19,7 +19,8 @@ class CheckpointConfig:
     checkpoint_every: int = 0
     """Checkpoint every N steps (0 = only after the last step)."""
     keep_checkpoints: int = 2
-    """K: keep the last K complete checkpoints."""
+    """K: keep the last K complete checkpoints (older ones are deleted once a finite step has
+    followed the newest: a diverging run never rotates a good one away)."""
     export_model: bool = False
     """After the last step also write ``checkpoint_dir/model.pt``, the consolidated single-process
     state dict (every rank gathers the whole model: for small models)."""
@@ -29,8 +30,9 @@ class CheckpointConfig:
     ``model.pt`` with it."""
     resume: bool = False
     """Continue from the last complete checkpoint in ``checkpoint_dir`` if there is one (written on
-    any layout or number of processes); start afresh if there is none (so a run restarted by
-    ``torchrun --max-restarts`` resumes)."""
+    any layout or number of processes, by the same run: seed, data and model); start afresh if
+    there is none (so a run restarted by ``torchrun --max-restarts`` resumes). Without it, a
+    folder that holds checkpoints is refused."""
 
     def __post_init__(self) -> None:
         nonnegative_int("checkpoint_every", self.checkpoint_every)

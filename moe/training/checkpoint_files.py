@@ -5,9 +5,12 @@ metric-log truncation for exact resume.
 A checkpoint is a directory ``<checkpoint_dir>/step-00000012``. Saving writes into a hidden
 temporary directory; after every rank has written (DCP gathers the ranks' write results and
 rank 0 writes the metadata; then a barrier), rank 0 adds ``meta.json`` and the ``COMPLETE``
-marker and renames the directory into place. An interrupted save leaves at most a temporary
+marker and renames the directory into place. A save that fails (a full or read-only disk)
+removes its temporary directory and says why in one line; a killed one leaves at most that
 directory, which loading ignores (and the next save of that step replaces): the last complete
-checkpoint stays the one a resume finds. The file system must be shared by all ranks.
+checkpoint stays the one a resume finds. Older checkpoints are rotated away separately
+(:func:`rotate_checkpoints`), when the loop has seen a finite step after the newest. The file
+system must be shared by all ranks.
 
 Integrity: ``meta.json`` records the size and SHA-256 of every other file of the checkpoint.
 Loading verifies them (on rank 0, which tells the others); a checkpoint whose files were
@@ -34,12 +37,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moe.model import ModelConfig, MoETransformer
 from moe.parallel import full_state_dict
-from moe.parallel.sharded_state import load_sharded, save_sharded
+from moe.parallel.sharded_state import save_sharded
 from moe.training.config import TrainConfig
 from moe.training.distributed import DistInfo
+from moe.training.guards import WriteFailed, write_failure
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -164,57 +169,83 @@ def save_checkpoint(
     cfg: TrainConfig,
     mcfg: ModelConfig,
     info: DistInfo,
-    keep: int,
     wandb_run_id: str | None = None,
 ) -> Path:
-    """Write the checkpoint of ``step`` atomically (see the module docstring) and delete all but
-    the last ``keep`` complete ones (see :func:`rotation_victims`); Ctrl-C waits for the end of
-    the save (:func:`sigint_deferred`, entered afresh by each call). Call on every rank."""
+    """Write the checkpoint of ``step`` atomically (see the module docstring); Ctrl-C waits for
+    the end of the save (:func:`sigint_deferred`, entered afresh by each call). A write that
+    fails (a full or read-only disk) removes the partial directory and raises
+    :class:`~moe.training.guards.WriteFailed` saying why in one line. Older checkpoints are
+    rotated away by :func:`rotate_checkpoints`, not here. Call on every rank."""
     final = checkpoint_path(checkpoint_dir, step)
     tmp = checkpoint_dir / f".tmp-{final.name}"
-    if info.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    save_sharded(tmp, model, optimizer)
-    _barrier()
-    if info.is_main:
-        meta = {
-            "step": step,
-            "world_size": info.world_size,
-            "train_config": dataclasses.asdict(cfg),
-            "model_config": dataclasses.asdict(mcfg),
-            "wandb_run_id": wandb_run_id,
-            "checksums": file_checksums(tmp),
-        }
-        (tmp / META).write_text(json.dumps(meta))
-        (tmp / COMPLETE).write_text("")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in rotation_victims(complete_checkpoints(checkpoint_dir), keep):
-            shutil.rmtree(old, ignore_errors=True)
+    failure = None
+    try:
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        save_sharded(tmp, model, optimizer)
+        _barrier()
+        if info.is_main:
+            meta = {
+                "step": step,
+                "world_size": info.world_size,
+                "train_config": dataclasses.asdict(cfg),
+                "model_config": dataclasses.asdict(mcfg),
+                "wandb_run_id": wandb_run_id,
+                "checksums": file_checksums(tmp),
+            }
+            (tmp / META).write_text(json.dumps(meta))
+            (tmp / COMPLETE).write_text("")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+    except (OSError, RuntimeError, CheckpointException) as err:
+        cause = next(iter(err.failures.values()))[0] if isinstance(err, CheckpointException) else err
+        failure = write_failure(cause, checkpoint_dir)
+    failure = _any_failure(failure)
+    if failure is not None:
+        if info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = complete_checkpoints(checkpoint_dir)
+        raise WriteFailed(
+            f"could not write checkpoint {final.name} in {checkpoint_dir}: {failure}; the partial one was removed, "
+            f"{f'the last complete one is {last[-1].name}' if last else 'no complete one is there'}: free space "
+            "and --resume"
+        )
     _barrier()
     return final
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig) -> dict:
-    """Restore model and optimizer from the complete checkpoint ``path`` (any layout), or, if
-    it does not verify, from the newest older one in its directory that does (one warning line
-    per skipped checkpoint); return the loaded checkpoint's ``meta.json`` (``step``: steps
-    already taken, ``wandb_run_id``, ``train_config``: the config that wrote it). ValueError if
-    none verifies. Call on every rank."""
+def _any_failure(failure: str | None) -> str | None:
+    """The first rank's failure, known to every rank (a collective under torch.distributed)."""
+    if not dist.is_initialized():
+        return failure
+    every: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, failure)
+    return next((f for f in every if f is not None), None)
+
+
+def rotate_checkpoints(checkpoint_dir: Path, keep: int, info: DistInfo) -> None:
+    """Delete all but the last ``keep`` complete checkpoints (see :func:`rotation_victims`), on
+    rank 0; call on every rank."""
+    if info.is_main:
+        for old in rotation_victims(complete_checkpoints(checkpoint_dir), keep):
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def resumable_checkpoint(path: Path) -> tuple[Path, dict]:
+    """The complete checkpoint ``path`` if it verifies, else the newest older one in its
+    directory that does (one warning line per skipped checkpoint), and its ``meta.json``
+    (``step``: steps already taken, ``wandb_run_id``, ``train_config`` and ``model_config``: the
+    configs that wrote it). ValueError if none verifies. Call on every rank."""
     older = [p for p in complete_checkpoints(path.parent) if p.name < path.name]
     chosen = newest_verifying([*older, path])
     if chosen is None:
         raise ValueError(
             f"no checkpoint in {path.parent} verifies (see the warnings above); move them away to start fresh"
         )
-    path = chosen
-    meta = json.loads((path / META).read_text())
-    if meta["model_config"] != dataclasses.asdict(mcfg):
-        raise ValueError(f"checkpoint {path} was written for a different model: {meta['model_config']}")
-    load_sharded(path, model, optimizer)
-    return meta
+    return chosen, json.loads((chosen / META).read_text())
 
 
 def export_model(
@@ -224,7 +255,8 @@ def export_model(
     every rank gathers the whole model; with pipeline parallelism ``model`` is one stage and
     the stages' parts are gathered over ``pipeline_group``), with what rebuilds it: the model
     config, and for a swapped Hugging Face model ``hf`` (its transformers config as a dict,
-    router, router options, backend). Written atomically by rank 0; call on every rank."""
+    router, router options, backend). Written atomically by rank 0 (a failed write removes its
+    temporary file and raises :class:`~moe.training.guards.WriteFailed`); call on every rank."""
     state = (
         full_state_dict(model) if info.world_size > 1 else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     )
@@ -232,11 +264,20 @@ def export_model(
         parts: list[dict] = [{} for _ in range(dist.get_world_size(pipeline_group))]
         dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pipeline_group)
         state = {k: v for part in parts for k, v in part.items()}
+    failure, tmp = None, path.with_name(f".{path.name}.tmp{os.getpid()}")
     if info.is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        torch.save({"model": state, "model_config": dataclasses.asdict(mcfg), "hf": hf}, tmp)
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": state, "model_config": dataclasses.asdict(mcfg), "hf": hf}, tmp)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as err:
+            failure = write_failure(err, path.parent)
+            tmp.unlink(missing_ok=True)
+    failure = _any_failure(failure)
+    if failure is not None:
+        raise WriteFailed(
+            f"could not write {path}: {failure}; the checkpoints are kept: free space and --export-model again"
+        )
     _barrier()
 
 

@@ -17,10 +17,13 @@ import tyro._errors
 
 from moe.extras import MissingExtra
 from moe.training.config import TrainConfig
+from moe.training.guards import RunStopped
 from moe.training.loop import Interrupted, SetupError, TrainResult, train
 
 USAGE_EXIT = 2
 """Exit status of a run refused for bad input (as argparse and ``moe-audit`` do)."""
+STOPPED_EXIT = 1
+"""Exit status of a run stopped after it started (a non-finite loss, a full disk: ``moe.training.guards``)."""
 INTERRUPTED_EXIT = 130
 """Exit status of a run stopped by Ctrl-C (128 + SIGINT, as shells report it)."""
 
@@ -72,7 +75,8 @@ def _value_errors_pass_through(event) -> None:
 
 def main(argv: list[str] | None = None) -> TrainResult:
     """``experiments/train.py``: parse, train; a ValueError of the configuration or of the setup
-    (a missing corpus, a layout that does not fit) prints one line (rank 0) and exits 2; Ctrl-C
+    (a missing corpus, a layout that does not fit) prints one line (rank 0) and exits 2; a run
+    stopped after it started (a non-finite loss, a full disk) prints one line and exits 1; Ctrl-C
     prints one line (:func:`interrupted_line`) and exits 130."""
     try:
         cfg = config_from_args(argv)
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> TrainResult:
         return train(cfg)
     except (SetupError, MissingExtra) as e:  # MissingExtra: wandb asked for, not installed
         fail(e)
+    except RunStopped as e:
+        fail(e, STOPPED_EXIT)
     except Interrupted as e:
         fail(interrupted_line(e, sys.argv[1:] if argv is None else argv), INTERRUPTED_EXIT, prefix="")
     except KeyboardInterrupt:

@@ -44,7 +44,8 @@ E experts, L MoE layers, W evaluation windows, P evaluated positions per window.
 
 from __future__ import annotations
 
-import dataclasses
+import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,23 +63,35 @@ from moe.parallel.exchange import EAGER_UNDER_COMPILE
 from moe.parallel.memory import largest_peak_mib, limit_cpu_malloc
 from moe.parallel.placement import Placement, place_model
 from moe.routing import Router
-from moe.training.batches import local_batch
+from moe.training.batches import check_eval_windows, local_batch
 from moe.training.build import build_run_model, hf_recipe, model_config, total_parameters
 from moe.training.checkpoint_files import (
     EXPORT_NAME,
     HF_EXPORT_NAME,
-    checkpoint_path,
     complete_checkpoints,
     export_model,
-    load_checkpoint,
     load_export,
+    rotate_checkpoints,
     save_checkpoint,
 )
 from moe.training.config import TrainConfig
 from moe.training.distributed import DistInfo, inject_fault, setup_distributed, sync_router_state
+from moe.training.guards import (
+    FINAL_CHECKED,
+    WORSE_THAN_UNIFORM,
+    Diverged,
+    RunStopped,
+    check_outputs,
+    check_room,
+    non_finite,
+    on_rank0_for_all,
+    weights_finite,
+    worse_than_uniform,
+)
 from moe.training.metrics import RouterEntropy, StepTally
-from moe.training.optim import OptimizerConfig, lr_at, make_optimizer, set_lr
+from moe.training.optim import lr_at, make_optimizer, set_lr
 from moe.training.report import RunReport
+from moe.training.resume import refuse_foreign, resume
 
 
 @dataclass
@@ -115,6 +128,11 @@ class Session:
     num_experts: int
     steps_done: int = 0
     """Steps finished and reported so far: where an interruption left the run."""
+    unproven: Path | None = None
+    """The checkpoint this invocation wrote last while no finite step has followed it yet: the
+    older ones are rotated away only once one has (:func:`settle`)."""
+    warned: bool = False
+    """Whether the run said that its loss is worse than a uniform guess (once: :func:`settle`)."""
 
 
 class SetupError(ValueError):
@@ -162,6 +180,9 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
 def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     """Load the data, build and place the model with its step strategy, make the optimizer,
     resume from the last checkpoint if asked, and open the run's reports."""
+    if not cfg.checkpoint.resume:
+        refuse_foreign(cfg.checkpoint.directory)  # before anything is written
+    on_rank0_for_all(lambda: check_outputs(cfg.checkpoint.directory, cfg.logging.metrics_jsonl))
     malloc_note = limit_cpu_malloc(info.device, cfg.parallel.cpu_mmap_threshold_kib)  # before the big allocations
     corpus = corpus if corpus is not None else cfg.data.load()
     mcfg = model_config(cfg.model, corpus.vocab_size)
@@ -170,13 +191,17 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
         return build_run_model(cfg.model, mcfg, cfg.seed, info.device, info.world_size, expert_parallel)
 
     place = place_model(cfg, None if cfg.model.hf_model else mcfg.num_experts, build, info)
+    check_eval_windows(corpus, cfg.data.seq_len, cfg.eval.eval_windows)  # a layout that does not fit is said first
+    num_params = total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters()
+    if cfg.checkpoint.directory is not None:  # fp32 weights and AdamW's two moments
+        on_rank0_for_all(lambda: check_room(cfg.checkpoint.directory, 12 * num_params))
     optimizer = make_optimizer(place.model, cfg.optimizer)
     place.strategy.attach(optimizer)
     start, run_id, resumed, cfg = resume(cfg, place.model, optimizer, mcfg)
     report = RunReport(cfg, mcfg, info, start, run_id)
     report.banner(
         corpus,
-        total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters(),
+        num_params,
         place.layout if info.world_size > 1 else None,
         place.model.architecture if cfg.model.hf_model else None,
     )
@@ -201,62 +226,6 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     )
 
 
-def resume(
-    cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, mcfg: ModelConfig
-) -> tuple[int, str | None, list[str], TrainConfig]:
-    """(steps already taken, wandb run id, what happened in words, the config to run): the last
-    complete checkpoint loaded with ``--resume``, else a fresh start. A checkpoint past
-    ``steps`` is refused; the learning-rate schedule is the one the run started with unless
-    ``schedule_steps`` says otherwise (:func:`kept_schedule`)."""
-    if not cfg.checkpoint.resume:
-        return 0, None, [], cfg
-    found = complete_checkpoints(cfg.checkpoint.directory)
-    if not found:
-        return 0, None, [f"no checkpoint found in {cfg.checkpoint.checkpoint_dir}, starting fresh"], cfg
-    meta = load_checkpoint(found[-1], model, optimizer, mcfg)  # or the newest older one that verifies
-    start = int(meta["step"])
-    loaded, steps = checkpoint_path(cfg.checkpoint.directory, start).name, cfg.optimizer.steps
-    if start > steps:
-        raise ValueError(
-            f"--resume: the last checkpoint, {loaded}, is past --steps {steps}: raise --steps "
-            "or use another --checkpoint-dir"
-        )
-    left = f"{steps - start} steps to go" if start < steps else "no steps left: only the final evaluation"
-    cfg, note = kept_schedule(cfg, OptimizerConfig(**meta["train_config"]["optimizer"]), start)
-    return start, meta.get("wandb_run_id"), [f"resumed from {loaded} ({left})", *note], cfg
-
-
-def kept_schedule(cfg: TrainConfig, started: OptimizerConfig, start: int) -> tuple[TrainConfig, list[str]]:
-    """(``cfg`` with the learning-rate schedule a resumed run keeps, a line saying what a changed
-    ``--steps`` or ``--schedule-steps`` does to it, if anything). The run started with
-    ``started``'s schedule and took ``start`` steps of it; without ``--schedule-steps`` that
-    schedule is kept, so a resume with the same flags continues the very run."""
-    opt = cfg.optimizer
-    if opt.schedule_steps is None:
-        opt = dataclasses.replace(opt, schedule_steps=started.schedule)
-    cfg = dataclasses.replace(cfg, optimizer=opt)
-    final, before = opt.lr * opt.min_lr_ratio, lr_at(start - 1, started)
-    if opt.schedule != started.schedule:
-        return cfg, [
-            f"--schedule-steps {opt.schedule}: the learning-rate schedule changes from the {started.schedule} steps "
-            f"the run started with to {opt.schedule}; the rate goes from {before:.2e} at step {start} to "
-            f"{lr_at(start, opt):.2e} at step {start + 1}"
-        ]
-    if opt.steps > opt.schedule:
-        return cfg, [
-            f"--steps {opt.steps} runs past the {opt.schedule}-step learning-rate schedule the run started with: "
-            f"kept, steps {max(start, opt.schedule) + 1}-{opt.steps} at its final rate {final:.2e} "
-            f"(--schedule-steps {opt.steps} stretches it instead)"
-        ]
-    if opt.steps < opt.schedule:
-        return cfg, [
-            f"--steps {opt.steps} stops inside the {opt.schedule}-step learning-rate schedule the run started with: "
-            f"kept, the last rate is {lr_at(opt.steps - 1, opt):.2e}, not its final {final:.2e} "
-            f"(--schedule-steps {opt.steps} shortens it instead)"
-        ]
-    return cfg, []
-
-
 def train_step(s: Session, step: int) -> tuple[dict, float]:
     """One optimizer step (1-based ``step``) through the run's strategy: (its record, seconds)."""
     cfg, info, place = s.cfg, s.info, s.place
@@ -264,12 +233,22 @@ def train_step(s: Session, step: int) -> tuple[dict, float]:
     t0 = time.perf_counter()
     lr = lr_at(step - 1, cfg.optimizer)
     set_lr(s.optimizer, lr)
-    idx_BT, targets_BT = local_batch(s.corpus, cfg.data, cfg.seed, step, info.device, (place.dp_rank, place.dp_size))
+    try:
+        idx_BT, targets_BT = local_batch(
+            s.corpus, cfg.data, cfg.seed, step, info.device, (place.dp_rank, place.dp_size)
+        )
+    except ValueError as e:  # the corpus holds ids outside its vocabulary
+        raise RunStopped(f"step {step}: {e}") from None
     s.entropy.pop()
     s.optimizer.zero_grad(set_to_none=True)
     tally = StepTally(place.num_moe_layers(), s.num_experts, info.device)
     place.strategy.gradients(idx_BT, targets_BT, tally)
-    grad_norm, extra = place.strategy.update(step)
+    try:
+        grad_norm, extra = place.strategy.update(step)
+    except RuntimeError as e:  # AdamW's step size beyond float32 ("cannot be converted ... without overflow")
+        if "overflow" not in str(e):
+            raise
+        stop_if_diverged(s, step, [f"the optimizer step overflows ({e})"])
     sync_router_state(place.model, info, place.dp_group)
     update_routers(place.model)
     record = {"step": step, **tally.finish(s.entropy.pop(), place.layout.pipeline)}
@@ -282,9 +261,56 @@ def train_step(s: Session, step: int) -> tuple[dict, float]:
     return record, dt
 
 
-def run_eval(s: Session) -> dict:
-    e = s.cfg.eval
-    return evaluate(
+def stop_if_diverged(s: Session, step: int, bad: list[str]) -> None:
+    """Stop the run (:class:`~moe.training.guards.Diverged`) if ``bad`` names a non-finite figure
+    of ``step``, first removing the checkpoint this invocation wrote last if no finite forward
+    has followed it (its older ones were kept for this: :func:`settle`)."""
+    if not bad:
+        return
+    directory = s.cfg.checkpoint.directory
+    if s.unproven is not None and s.info.is_main:
+        shutil.rmtree(s.unproven, ignore_errors=True)
+    found = complete_checkpoints(directory) if directory is not None else []
+    kept = f"the last checkpoint kept is {found[-1]}" if found else "no checkpoint of it is kept"
+    raise Diverged(
+        f"step {step}: {', '.join(bad)}: the run diverged and stopped ({kept}); lower --lr "
+        f"(it was {lr_at(step - 1, s.cfg.optimizer):.2e} at this step) and --resume, or start over"
+    )
+
+
+def settle(s: Session, step: int, loss: float) -> None:
+    """A finite forward followed the last checkpoint: rotate the older ones away, unless the
+    loss is worse than a uniform guess (``moe.training.guards.worse_than_uniform``, said once)."""
+    vocab = s.mcfg.vocab_size
+    diverging = worse_than_uniform(loss, vocab)
+    if diverging and not s.warned:
+        s.warned = True
+        s.report.warn(
+            f"step {step}: the training loss {loss:.4g} is more than {WORSE_THAN_UNIFORM:g}x a uniform "
+            f"guess's (ln {vocab} = {math.log(vocab):.3f}): diverging (--lr)? While it lasts no older checkpoint "
+            "is rotated away"
+        )
+    if s.unproven is not None and not diverging:
+        rotate_checkpoints(s.cfg.checkpoint.directory, s.cfg.checkpoint.keep_checkpoints, s.info)
+        s.unproven = None
+
+
+def checkpoint(s: Session, step: int) -> None:
+    """Write the checkpoint of ``step``, unless the weights are not finite (then the run stops,
+    :class:`~moe.training.guards.Diverged`: nothing is written, nothing rotated away)."""
+    if not weights_finite(s.place.model):
+        stop_if_diverged(s, step, ["the weights are not finite after the update"])
+    s.unproven = save_checkpoint(
+        s.cfg.checkpoint.directory, s.place.model, s.optimizer, step, s.cfg, s.mcfg, s.info, s.report.run_id
+    )
+
+
+def run_eval(s: Session, step: int) -> tuple[dict, float]:
+    """The evaluation after ``step`` (a progress bar on rank 0 when the run shows one) and its
+    wall time in seconds."""
+    e, t0 = s.cfg.eval, time.perf_counter()
+    shown = s.info.is_main and s.cfg.logging.progress
+    ev = evaluate(
         s.place.eval_model,
         s.corpus.val,
         s.cfg.data.seq_len,
@@ -293,12 +319,14 @@ def run_eval(s: Session) -> dict:
         e.eval_batch_size,
         s.info.device,
         causal_batch_size=e.causal_batch_size,
+        progress=f"eval step {step}" if shown else None,
     )
+    return ev, time.perf_counter() - t0
 
 
 def run(s: Session) -> TrainResult:
     """The steps after ``s.start``, with evaluations, reports and checkpoints; then the final
-    evaluation and export."""
+    evaluation and export. A non-finite step stops the run (:func:`check_step`)."""
     cfg, place, last = s.cfg, s.place, s.cfg.optimizer.steps
     final_eval: dict = {}
     train_time = 0.0
@@ -307,24 +335,16 @@ def run(s: Session) -> TrainResult:
     for step in range(s.start + 1, last + 1):
         record, dt = train_step(s, step)
         train_time += dt
+        stop_if_diverged(s, step, non_finite(record))
+        settle(s, step, record["loss"])
         if step == last or (cfg.eval.eval_every and step % cfg.eval.eval_every == 0):
-            ev = run_eval(s)
-            record.update({f"eval/{k}": v for k, v in ev.items()})
+            ev, seconds = run_eval(s, step)
+            record.update({f"eval/{k}": v for k, v in ev.items()}, **{"eval/time_s": seconds})
             final_eval = ev if step == last else final_eval
         s.report.step(record)
         s.steps_done = step
         if cfg.checkpoint.due(step, last):
-            save_checkpoint(
-                cfg.checkpoint.directory,
-                place.model,
-                s.optimizer,
-                step,
-                cfg,
-                s.mcfg,
-                s.info,
-                cfg.checkpoint.keep_checkpoints,
-                s.report.run_id,
-            )
+            checkpoint(s, step)
     if cfg.checkpoint.export_model or cfg.checkpoint.export_hf:
         hf = hf_recipe(cfg.model, place.model, s.mcfg.backend)
         export_model(cfg.checkpoint.directory / EXPORT_NAME, place.model, s.mcfg, s.info, place.pp_group, hf)
@@ -335,7 +355,9 @@ def run(s: Session) -> TrainResult:
         written = export_pretrained(load_export(cfg.checkpoint.directory / EXPORT_NAME), folder)
         s.report.say(f"Hugging Face checkpoint: {folder} ({written})")
     s.entropy.close()
-    final_eval = final_eval or run_eval(s)
+    final_eval = final_eval or run_eval(s, last)[0]
+    stop_if_diverged(s, last, non_finite(final_eval, FINAL_CHECKED))
+    settle(s, last, final_eval.get("teacher_forced_loss", 0.0))  # every rank evaluates
     s.report.close(final_eval)
     if place.dp_size > 1:
         share_router_statistics(place.model, None)  # the returned model's routers count locally again

@@ -47,9 +47,9 @@ class OptimizerConfig:
         if self.warmup_steps is not None:
             nonnegative_int("warmup_steps", self.warmup_steps)
         for name, ok, rule in (  # each value is judged alone: an error names only what is wrong
-            ("lr", self.lr > 0, "> 0"),
+            ("lr", 0 < self.lr < math.inf, "finite and > 0"),
             ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
-            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("weight_decay", 0 <= self.weight_decay < math.inf, "finite and >= 0"),
             ("grad_clip", self.grad_clip >= 0, ">= 0"),
             ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
             ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),

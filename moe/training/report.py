@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from moe.model import ModelConfig
 from moe.training.checkpoint_files import truncate_jsonl
 from moe.training.config import TrainConfig
 from moe.training.distributed import DistInfo
+from moe.training.guards import WriteFailed, write_failure
 from moe.training.metrics import resolve_wandb_mode, wandb_flat
 
 
@@ -104,6 +106,11 @@ class RunReport:
         if line and self.main and self.log.log_every:
             tqdm.write(line)
 
+    def warn(self, line: str) -> None:
+        """A warning for the user (rank 0, on stderr, whatever ``log_every`` says)."""
+        if self.main:
+            tqdm.write(f"warning: {line}", file=sys.stderr)
+
     def banner(self, corpus, num_params: int, layout=None, architecture: str | None = None) -> None:
         """What is trained on what: the model (a transformers ``architecture`` named, from which
         ``--hf-model``), the whole model's parameter count (not a rank's shard) and, on more than
@@ -122,15 +129,21 @@ class RunReport:
             return
         self.history.append(record)
         if self.jsonl is not None:
-            with self.jsonl.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with self.jsonl.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                raise WriteFailed(
+                    f"step {record['step']}: could not write --metrics-jsonl {self.jsonl}: "
+                    f"{write_failure(e, self.jsonl.parent)}: free space and --resume"
+                ) from None
         if self.run is not None:
             self.run.log(wandb_flat(record), step=record["step"])
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self.bar.update()
         step, every = record["step"], self.log.log_every
-        if every and (step % every == 0 or step == self.cfg.optimizer.steps):
-            self.say(log_line(record))
+        if every and (step % every == 0 or step == self.cfg.optimizer.steps or "eval/causal_loss" in record):
+            self.say(log_line(record))  # every evaluation's result is printed
 
     def interrupted(self) -> None:
         """Ctrl-C stopped the run: the progress bar ends its line, the wandb run ends as failed."""
@@ -160,4 +173,6 @@ def log_line(record: dict) -> str:
             f" | eval tf {record['eval/teacher_forced_loss']:.4f} causal "
             f"{record['eval/causal_loss']:.4f} gap {format_difference(record['eval/leakage_gap'])}"
         )
+        if "eval/time_s" in record:
+            line += f" ({record['eval/time_s']:.1f} s)"
     return line
