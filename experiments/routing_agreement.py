@@ -70,7 +70,8 @@ def train_row(label: str, seed: int, quick: bool, runs: Path) -> dict:
 
     s = setting(quick)
     fields = router_study.row_config(s["corpus"], s["size"], label, seed, quick)
-    fields.update(checkpoint_dir=str(model_path(runs, label, seed).parent), export_model=True)
+    # resume: a row stopped after a checkpoint continues it (a fresh run refuses a folder holding checkpoints)
+    fields.update(checkpoint_dir=str(model_path(runs, label, seed).parent), export_model=True, resume=True)
     res = train(TrainConfig.flat(**fields))
     ev = res.final_eval
     summary = {
