@@ -99,9 +99,13 @@ def test_resolved_config_is_written_beside_the_metrics_and_reloads(tmp_path):
         "schedule_steps": 2,
     }
     assert TrainConfig.load(written) == TrainConfig.flat(steps=3, schedule_steps=2, resume=True, **run)
-    # a fresh start with the same metrics path begins a new record
-    train(TrainConfig.flat(steps=1, **{**run, "checkpoint_dir": str(tmp_path / "other")}))
-    assert [i["started_at_step"] for i in json.loads(written.read_text())["invocations"]] == [0]
+    # a fresh start with the same metrics path is refused and changes nothing; another path begins a new record
+    metrics = (tmp_path / "run" / "m.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=r"m\.jsonl holds another run's metrics: add --resume"):
+        train(TrainConfig.flat(steps=1, **{**run, "checkpoint_dir": str(tmp_path / "other")}))
+    assert (tmp_path / "run" / "m.jsonl").read_bytes() == metrics and not (tmp_path / "other").exists()
+    train(TrainConfig.flat(steps=1, **{**run, "metrics_jsonl": str(tmp_path / "new.jsonl"), "checkpoint_dir": None}))
+    assert [i["started_at_step"] for i in json.loads((tmp_path / "new.config.json").read_text())["invocations"]] == [0]
 
 
 def test_the_config_selects_one_strategy():

@@ -202,7 +202,7 @@ def test_a_read_only_folder_is_refused_before_the_first_step(folder, tmp_path, c
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
 
     monkeypatch.setattr(guards.tempfile, "mkstemp", read_only)
-    args = ["--checkpoint-dir", str(folder), "--resume"] if where == "checkpoint" else ["--metrics-jsonl", str(folder / "m.jsonl")]  # fmt: skip
+    args = ["--checkpoint-dir", str(folder), "--resume"] if where == "checkpoint" else ["--metrics-jsonl", str(folder / "new.jsonl")]  # fmt: skip
     capsys.readouterr()
     assert run("--steps", "6", *args) == 2
     line = one_error_line(capsys)

@@ -91,7 +91,7 @@ from moe.training.guards import (
 from moe.training.metrics import RouterEntropy, StepTally
 from moe.training.optim import lr_at, make_optimizer, set_lr
 from moe.training.report import RunReport
-from moe.training.resume import refuse_foreign, resume
+from moe.training.resume import refuse_foreign, refuse_foreign_metrics, resume
 
 
 @dataclass
@@ -180,8 +180,9 @@ def train(cfg: TrainConfig, corpus: Corpus | None = None) -> TrainResult:
 def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     """Load the data, build and place the model with its step strategy, make the optimizer,
     resume from the last checkpoint if asked, and open the run's reports."""
-    if not cfg.checkpoint.resume:
-        refuse_foreign(cfg.checkpoint.directory)  # before anything is written
+    if not cfg.checkpoint.resume:  # before anything is written
+        refuse_foreign(cfg.checkpoint.directory)
+        refuse_foreign_metrics(cfg.logging.metrics_jsonl)
     on_rank0_for_all(lambda: check_outputs(cfg.checkpoint.directory, cfg.logging.metrics_jsonl))
     malloc_note = limit_cpu_malloc(info.device, cfg.parallel.cpu_mmap_threshold_kib)  # before the big allocations
     corpus = corpus if corpus is not None else cfg.data.load()

@@ -1,5 +1,6 @@
 """What a run does with the checkpoints already in its ``--checkpoint-dir``: a fresh run refuses a
-folder that holds another run's (it never writes over, rotates away or mixes with them); a
+folder that holds another run's (it never writes over, rotates away or mixes with them), and a
+``--metrics-jsonl`` that holds another run's records; a
 resumed run refuses a checkpoint of another run (another model, data or seed: the fields named),
 keeps the learning-rate schedule it started with, and says in one line what it changes (another
 ``--steps``, ``--schedule-steps``, ``--lr`` or AdamW setting)."""
@@ -46,6 +47,16 @@ def refuse_foreign(directory: Path | None) -> None:
         raise ValueError(
             f"--checkpoint-dir {directory} holds another run's checkpoints ({shown}): add --resume to continue "
             "that run, or use another --checkpoint-dir (a fresh run never writes over them)"
+        )
+
+
+def refuse_foreign_metrics(metrics_jsonl: str | None) -> None:
+    """ValueError if a fresh run (no ``--resume``) would empty a metrics JSONL that holds records
+    it did not write."""
+    if metrics_jsonl and Path(metrics_jsonl).is_file() and Path(metrics_jsonl).stat().st_size:
+        raise ValueError(
+            f"--metrics-jsonl {metrics_jsonl} holds another run's metrics: add --resume to continue that run, "
+            "or use another --metrics-jsonl (a fresh run never writes over them)"
         )
 
 
