@@ -2,9 +2,9 @@
 backend (``"torch"``, the one the router study runs) and a dense SwiGLU of equal active FLOPs, on CPU,
 forward + backward, interleaved in one process; prints the ratios.
 
-    PYTHONPATH=. nice python experiments/bench_grouped.py                 # 2-4 min on the shared cores
-    PYTHONPATH=. nice python experiments/bench_grouped.py --label quiet   # appended to the file names
-    PYTHONPATH=. python experiments/bench_grouped.py --quick              # smoke run, seconds
+    PYTHONPATH=.:kernels nice python experiments/bench_grouped.py                 # 2-4 min on the shared cores
+    PYTHONPATH=.:kernels nice python experiments/bench_grouped.py --label quiet   # appended to the file names
+    PYTHONPATH=.:kernels python experiments/bench_grouped.py --quick              # smoke run, seconds
 
 Two shapes (top-2 over 8 experts in both):
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
         results[shape] = summarise(sub, base, [(grouped, torch_)])
     result = {
         "date": dt.date.today().isoformat(),
-        "command": " ".join(["PYTHONPATH=. nice python experiments/bench_grouped.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["PYTHONPATH=.:kernels nice python experiments/bench_grouped.py", *(argv or sys.argv[1:])]),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_average_before": load_before,

@@ -2,10 +2,10 @@
 
 Commands (from the repository root):
 
-    PYTHONPATH=. python experiments/bench_kernels.py                 # GPU: check, then shapes A, B, decode
-    PYTHONPATH=. python experiments/bench_kernels.py --shapes A      # one shape
-    PYTHONPATH=. python experiments/bench_kernels.py --dry-run       # CPU, tiny shapes, Triton interpreter
-    PYTHONPATH=. python experiments/bench_kernels.py --dry-run --out-dir /tmp/bench
+    PYTHONPATH=.:kernels python experiments/bench_kernels.py                 # GPU: check, then shapes A, B, decode
+    PYTHONPATH=.:kernels python experiments/bench_kernels.py --shapes A      # one shape
+    PYTHONPATH=.:kernels python experiments/bench_kernels.py --dry-run       # CPU, tiny shapes, Triton interpreter
+    PYTHONPATH=.:kernels python experiments/bench_kernels.py --dry-run --out-dir /tmp/bench
 
 What it does, in order:
 

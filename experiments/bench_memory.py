@@ -219,7 +219,9 @@ def trainer_run(world: int, threshold_kib: int, model_kw: dict, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     root = str(Path(__file__).resolve().parents[1])  # this checkout's moe, whatever is installed
     env.update(
-        OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")])
+        OMP_NUM_THREADS="1",
+        WANDB_MODE="disabled",
+        PYTHONPATH=os.pathsep.join([root, str(Path(root) / "kernels"), env.get("PYTHONPATH", "")]),
     )
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"

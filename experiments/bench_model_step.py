@@ -2,9 +2,9 @@
 
 Commands (from the repository root):
 
-    PYTHONPATH=. python experiments/bench_model_step.py --bench-json experiments/results/bench_kernels-<date>-<gpu>.json
-    PYTHONPATH=. python experiments/bench_model_step.py --matmul-tflops 700 --routers topk,expert_choice
-    PYTHONPATH=. python experiments/bench_model_step.py --dry-run          # CPU, "tiny" preset, under a minute
+    PYTHONPATH=.:kernels python experiments/bench_model_step.py --bench-json experiments/results/bench_kernels-<date>-<gpu>.json
+    PYTHONPATH=.:kernels python experiments/bench_model_step.py --matmul-tflops 700 --routers topk,expert_choice
+    PYTHONPATH=.:kernels python experiments/bench_model_step.py --dry-run          # CPU, "tiny" preset, under a minute
 
 A step is forward + backward + AdamW step + ``moe.update_routers`` on a batch of random byte
 tokens, in bf16 autocast (fp32 master weights). Every router runs eager with each MoE backend

@@ -2,9 +2,9 @@
 dense against MoE of equal active FLOPs, eager and compiled, and where the MoE step's extra time
 goes. Every figure is a ratio to the dense baseline measured in the same run.
 
-    PYTHONPATH=. nice python experiments/bench_study_shape.py                # 3-10 min on the shared 2 cores
-    PYTHONPATH=. nice python experiments/bench_study_shape.py --no-compile   # eager only, about half of that
-    PYTHONPATH=. nice python experiments/bench_study_shape.py --quick        # smoke run, about 1 min
+    PYTHONPATH=.:kernels nice python experiments/bench_study_shape.py                # 3-10 min on the shared 2 cores
+    PYTHONPATH=.:kernels nice python experiments/bench_study_shape.py --no-compile   # eager only, about half of that
+    PYTHONPATH=.:kernels nice python experiments/bench_study_shape.py --quick        # smoke run, about 1 min
 
 The shape: 4 blocks, d_model 128, 4 heads, T=64, batch 12 (768 tokens a step), byte vocabulary
 (the embedded stdlib corpus: the data do not change the arithmetic), AdamW as the study runs it
@@ -319,7 +319,9 @@ def main(argv: list[str] | None = None) -> dict:
     layer = bench_layer_phases(args.phase_rounds)
     result = {
         "date": dt.date.today().isoformat(),
-        "command": " ".join(["PYTHONPATH=. nice python experiments/bench_study_shape.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(
+            ["PYTHONPATH=.:kernels nice python experiments/bench_study_shape.py", *(argv or sys.argv[1:])]
+        ),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),

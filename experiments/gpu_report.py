@@ -2,7 +2,7 @@
 folder and say which goals are met, what ``backend="auto"`` should run on CUDA, and every figure
 the issues ask for (issues 45 and 46).
 
-    PYTHONPATH=. python experiments/gpu_report.py OUT_DIR      # gpu_check.sh's last step
+    PYTHONPATH=.:kernels python experiments/gpu_report.py OUT_DIR      # gpu_check.sh's last step
 
 Reads ``OUT_DIR``'s newest ``bench_kernels-*.json``, ``bench_model_step-*.json``,
 ``bench_kernels-*-profile-A.txt``, ``pytest_gpu.xml`` and ``train/metrics.jsonl`` (each optional:
