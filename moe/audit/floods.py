@@ -41,6 +41,8 @@ FLOOD_SCALE = 3.0
 vectors, of the mean norm of an input position)."""
 BATCH_SOURCES = 2
 """Positions whose copies fill the other samples in the batch probe (per way of filling them)."""
+BESIDE = 4
+"""Adversarial futures the batch probe runs beside a copy of the example (each in both orders)."""
 
 
 def _filled(x: Tensor, b: int, r: int, scale: float = 1.0) -> Tensor:
@@ -162,6 +164,22 @@ def batch_interference(ctx: ProbeContext) -> Iterator[Variant]:
     if ctx.b > 1:
         yield from _first_changed(ctx)
         yield Variant(ctx.x[:1], ctx.t, rows=(0,), label="sample 0 alone")
+    if ctx.regime == "deterministic":
+        yield from _beside_the_example(ctx)
+
+
+def _beside_the_example(ctx: ProbeContext) -> Iterator[Variant]:
+    """A few of the adversarial futures (after cut 0: the special ids, then copies of one
+    position) as a batch of their own beside a copy of the example, either order: each compared
+    with itself alone. Perturbed copies share forwards only when this finds nothing, so a batch
+    statistic such inputs move (the longest document, the fullest expert) is seen here, and
+    never hidden by the example's copy in a pack."""
+    futures = list(_special_ids(ctx, 0, own_ids=False)) if ctx.sampler.tokens else []
+    futures += list(_floods(ctx, 0, ctx.gen(3)))[: len(_scales(ctx))]
+    rows = tuple(range(ctx.b))
+    for v in futures[:BESIDE]:
+        yield Variant(torch.cat([v.x, ctx.x]), ctx.t, rows=rows, label=f"{v.label}, beside the example", reference=v.x)
+        yield Variant(torch.cat([ctx.x, v.x]), ctx.t, rows=rows, label=f"the example beside: {v.label}")
 
 
 def _others_changed(ctx: ProbeContext) -> Iterator[Variant]:

@@ -346,7 +346,7 @@ class AuditReport:
         if len(self.outputs) > 1:
             out.append(f"audited: {'; '.join(self.outputs)}")
         if self.outputs_not_audited:
-            out.append(f"not audited (no positions to compare): {'; '.join(self.outputs_not_audited)}")
+            out.append(f"not audited, with why: {'; '.join(self.outputs_not_audited)}")
         return out + list(self.notes)
 
     def _findings_section(self) -> list[str]:
