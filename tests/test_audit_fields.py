@@ -98,3 +98,13 @@ def test_a_dict_with_a_none_and_a_number_names_both():
         "router_logits (None: nothing returned in it)",
         "step (int, not a tensor)",
     ], report.outputs_not_audited
+
+
+def test_the_header_names_the_leaking_outputs_and_a_deselected_one_says_so():
+    report = audit(SequenceNormalisedLoad(0), example(), modes=("eval",))
+    assert report.summary().splitlines()[0] == "SequenceNormalisedLoad: LEAKS in eval mode in 1 of 2 outputs: 2"
+    picked = audit(SequenceNormalisedLoad(0), example(), modes=("eval",), output="2")
+    assert picked.outputs_not_audited == [
+        "0 [4, 16, 8] (not selected by --output (output=))",
+        "1 (not selected by --output (output=))",
+    ], picked.outputs_not_audited

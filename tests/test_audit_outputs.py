@@ -100,7 +100,7 @@ def test_a_leak_in_the_second_output_is_found_and_named():
             if p.leaks and p.kind == "future":
                 assert p.leaking_outputs == ["1"], report.table()
         summary = report.summary()
-        assert summary.splitlines()[0] == "TopOneBlock: LEAKS in train, eval mode in 2 outputs", summary
+        assert summary.splitlines()[0] == "TopOneBlock: LEAKS in train, eval mode in 1 of 2 outputs: 1", summary
         assert "audited: 0 [4, 16, 8]; 1 [64, 4] (rows b*T+t)" in summary, summary
         assert "found by random_future (train): 1 at positions" in summary, summary
         assert "outputs moved" in report.table()

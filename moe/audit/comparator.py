@@ -124,6 +124,10 @@ class Tally:
     inconclusive: list[str] = field(default_factory=list)
     """Distribution comparisons the last stage could neither call significant nor dismiss."""
     failures: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
+    exact_entries: int = 0
+    """Exact entries (routing decisions, integer / bool outputs) compared directly, summed."""
+    exact_changed: int = 0
+    """How many of them changed."""
     found: Variant | None = field(default=None, repr=False)
     """The first variant that moved an output (:meth:`Comparator.confirm` retests it in another mode)."""
 
@@ -163,6 +167,9 @@ class Tally:
 
     def add_diff(self, d: Diff, p: int, v: Variant) -> None:
         """Copy p of a compared pack, the comparison of variant ``v``."""
+        if d.exact_entries_P is not None and d.exact_changed_P is not None:
+            self.exact_entries += int(d.exact_entries_P[p])
+            self.exact_changed += int(d.exact_changed_P[p])
         if d.same:  # nothing differed: only what was compared is recorded
             self.probed_T[: v.upto] = True
             self.comparisons += 1
@@ -205,6 +212,7 @@ class Tally:
             draws=self.draws,
             inconclusive=[] if moved else list(self.inconclusive),
             screened=self.screened,
+            changed_share=self.exact_changed / self.exact_entries if self.exact_entries else None,
         )
 
 

@@ -39,7 +39,7 @@ from moe.audit.distribution import DRAWS
 from moe.audit.flat_order import check_flat_order
 from moe.audit.registry import Probe, registered_probes
 from moe.audit.report import AuditReport, ProbeResult
-from moe.audit.runner import Runner, TargetFailure, TargetTimeout, cost_clock
+from moe.audit.runner import Runner, TargetExit, TargetFailure, TargetTimeout, cost_clock
 from moe.audit.target import AuditTarget, AuditUsageError
 
 MODES = ("train", "eval")
@@ -156,6 +156,8 @@ def _audit_modes(
             report.error = _audit_one_mode(session, report, example, mode)
         except TargetTimeout as e:
             report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+        except TargetExit as e:
+            report.error = f"{e} in {mode} mode"
         except TargetFailure as e:
             report.error = f"the target failed on the example in {mode} mode ({e})"
         if report.error is not None:
@@ -318,6 +320,9 @@ def _confirm_across_modes(session: _Session, at: AuditTarget, report: AuditRepor
             report.error = (
                 f"{e} in {result.mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
             )
+            return
+        except TargetExit as e:
+            report.error = f"{e} in {result.mode} mode"
             return
         confirmed.forwards = result.forwards + session.runner.cost.forwards - forwards
         confirmed.seconds = result.seconds + time.perf_counter() - began

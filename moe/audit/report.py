@@ -86,6 +86,10 @@ class ProbeResult:
     screened: int = 0
     """Distribution regime: the variants run once under the audit seed to choose which to test
     (``comparisons`` counts the tests)."""
+    changed_share: float | None = None
+    """Of the exact entries compared directly (routing decisions, integer and bool outputs: any
+    change counts, so ``excess``, a float figure, says nothing of them), the share that changed,
+    over all the probe's comparisons; None where none were compared."""
     forwards: int = 0
     """Calls of the target this probe made."""
     seconds: float = 0.0
@@ -124,6 +128,7 @@ class ProbeResult:
             "draws": self.draws,
             "inconclusive": self.inconclusive,
             "screened": self.screened,
+            "changed_share": self.changed_share,
             "forwards": self.forwards,
             "seconds": round(self.seconds, 4),
         }
@@ -332,14 +337,27 @@ class AuditReport:
         else:
             found = "no leak found"
         claims = "" if self.claims is None else f" ({self.verdict})"
+        leaking = self.leaking_outputs
         where = (
             f" in {self.outputs[0]}"
             if len(self.outputs) == 1
+            else f" in {len(leaking)} of {len(self.outputs)} outputs: {', '.join(leaking)}"
+            if leaking
             else f" in {len(self.outputs)} outputs"
             if self.outputs
             else ""
         )
         return f"{self.name}: {found}{claims}{where}"
+
+    @property
+    def leaking_outputs(self) -> list[str]:
+        """The audited outputs (names, in order) a future probe saw move; a Routing output counts
+        by its weights or its kept assignments."""
+        moved = {
+            o.removesuffix(" (kept assignments)") for p in self.probes if p.kind == "future" for o in p.leaking_outputs
+        }
+        names = [o.split(" [")[0] for o in self.outputs]
+        return [n for n in names if n in moved]
 
     def _outputs_section(self) -> list[str]:
         out = []
