@@ -423,14 +423,12 @@ class Comparator:
             )
 
     def confirm(self, v: Variant, tally: Tally) -> ProbeResult:
-        """Retest in this mode the variant that moved the outputs in another mode (the inputs are
-        the same in every mode), into the probe's own ``tally``: by distribution on the last
-        stage's draws at once where this mode judges it so (its level is reserved for it,
-        :func:`per_comparison_alpha`), else directly."""
-        if self._by_distribution(v):
+        """Retest, in this mode judged by distribution, the variant that moved the outputs in
+        another mode (the inputs are the same in every mode), into the probe's own ``tally``: on
+        the last stage's draws at once, at the level reserved for it (:func:`per_comparison_alpha`).
+        A variant compared with another input than the example is not retested."""
+        if v.reference is None:
             self._tested(v, tally, DRAWS[-1:])
-        else:
-            self._judge_one(v, tally)
         return tally.result(self.cal.tolerance)
 
     def _named(self, outcome: Outcome) -> list[str]:

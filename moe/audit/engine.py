@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +48,8 @@ QUICK_MODES = ("eval",)
 """The modes of a quick audit (``quick=True``, ``moe-audit --quick``) unless given."""
 TRIALS = 2
 """Random futures per cut position (one in a quick audit) unless given."""
+UNIT_FORWARDS = 7
+"""Forwards of the example timed for the unit of the audit's cost (their median)."""
 FORWARD_TIMEOUT_S = 60.0
 """Default limit on one forward of the target, in seconds (``moe-audit --forward-timeout``)."""
 
@@ -116,11 +119,9 @@ def audit(
     runner = Runner(at, seed, forward_timeout)
     session = _Session(runner, sampler, trials, seed, suite, alpha, progress, start)
     with _rng_preserved(), at.state.preserved():
+        unit_before = _one_forward_seconds(runner, at, example)
         _audit_modes(session, at, report, example, modes)
-        if report.error is None:
-            _confirm_across_modes(session, at, report)
-        if agreement and report.error is None:
-            report.agreement = target_agreement(at, example)
+        _after_modes(session, at, report, example, agreement, unit_before)
     if report.error is None and not any(p.ran for p in report.probes if p.kind == "future" and p.compares_forwards):
         failures = [e for p in report.probes for e in p.errors]
         report.error = "no future-perturbation probe ran" + (f": {failures[0]}" if failures else "")
@@ -128,6 +129,7 @@ def audit(
     report.forwards = runner.cost.forwards
     report.seconds = time.perf_counter() - start
     report.cost_seconds = clock() - clock_start
+    report.cost_clock = "cpu" if clock is time.process_time else "wall"
     return report
 
 
@@ -228,7 +230,6 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
     if cal.stateful:
         return f"{cal.stateful} in {mode} mode"
     report.updated_buffers += [b for b in cal.updated_buffers if b not in report.updated_buffers]
-    report.forward_seconds = min(report.forward_seconds or cal.seconds, cal.seconds)
     repeats = cal.tolerances if cal.regime != "distribution" else None
     ctx = ProbeContext(
         runner.target,
@@ -293,6 +294,35 @@ def _run(probe: Probe, comparator: Comparator, ctx: ProbeContext, session: _Sess
             f"{probe.name} ({ctx.mode}): {found} in {now - began:.1f} s ({now - session.start:.0f} s so far)"
         )
     return result
+
+
+def _after_modes(
+    session: _Session, at: AuditTarget, report: AuditReport, example: Tensor, agreement: bool, unit_before: float
+) -> None:
+    """Once every mode ran: the variants that leaked in one mode retested in the others, the
+    unit of the cost measured again (the smaller of that and ``unit_before``, measured before the
+    modes, is kept: a slow spell on a loaded machine during one of them decides nothing), and a
+    model's routing agreement figures (if asked)."""
+    if report.error is None:
+        _confirm_across_modes(session, at, report)
+    if report.error is None:
+        units = [u for u in (unit_before, _one_forward_seconds(session.runner, at, example)) if u > 0]
+        report.forward_seconds = min(units, default=0.0)
+        report.unit_forwards = UNIT_FORWARDS if units else 0
+    if agreement and report.error is None:
+        report.agreement = target_agreement(at, example)
+
+
+def _one_forward_seconds(runner: Runner, at: AuditTarget, example: Tensor) -> float:
+    """The median time of one plain eval-mode forward of the example under ``torch.no_grad()``
+    (UNIT_FORWARDS of them after one warm-up) on the audit's cost clock, as
+    ``experiments/bench_audit.py`` measures its unit (0 if one fails)."""
+    at.set_mode("eval")
+    try:
+        times = [runner.time_forward(example) for _ in range(UNIT_FORWARDS + 1)]
+    except (TargetFailure, TargetTimeout, TargetExit):
+        return 0.0
+    return statistics.median(times[1:])
 
 
 def _confirm_across_modes(session: _Session, at: AuditTarget, report: AuditReport) -> None:

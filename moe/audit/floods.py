@@ -43,7 +43,7 @@ BATCH_SOURCES = 2
 """Positions whose copies fill the other samples in the batch probe (per way of filling them)."""
 FEW_IDS = 3
 """Copies of a special id in a future that holds a few of them (besides one copy and a flood)."""
-BESIDE = 4
+BESIDE = 2
 """Adversarial futures the batch probe runs beside a copy of the example (each in both orders)."""
 
 

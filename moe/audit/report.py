@@ -177,10 +177,16 @@ class AuditReport:
     """Token inputs: the ids put in futures on purpose, by why (smallest / largest id, named by
     the user, the example's own); uniform random ids are drawn besides."""
     forward_seconds: float = 0.0
-    """The fastest forward of the example measured in the audit: the unit of its cost (on
-    :func:`moe.audit.runner.cost_clock`: CPU time under one torch thread on the CPU, else wall time)."""
+    """The unit of the audit's cost: the median time of ``unit_forwards`` plain eval-mode forwards
+    of the example under ``torch.no_grad()``, on ``cost_clock``."""
+    unit_forwards: int = 0
+    """How many forwards ``forward_seconds`` is the median of (0: not measured)."""
+    cost_clock: str = "cpu"
+    """"cpu": this process's CPU time (a CPU target under one torch thread: a loaded machine does
+    not stretch it); "wall": wall time (another device, or several threads)."""
     cost_seconds: float = 0.0
-    """The whole audit on the clock of ``forward_seconds``."""
+    """The whole audit (every call of the target, with or without gradients, the comparisons,
+    building the inputs) on ``cost_clock``."""
     forwards: int = 0
     """Calls of the target the audit made."""
     notes: list[str] = field(default_factory=list)
@@ -532,7 +538,12 @@ class AuditReport:
             )
         cost = f"{self.seconds:.2g} s"
         if self.forward_seconds > 0:
-            cost += f", {self.forwards} forwards, {self.forward_equivalents:.0f} forward-equivalents"
+            clock = "CPU time" if self.cost_clock == "cpu" else "wall time"
+            cost += (
+                f", {self.forwards} forwards, {self.forward_equivalents:.0f} forward-equivalents (the audit's {clock} "
+                f"over one eval forward of the example, {1e3 * self.forward_seconds:.2g} ms, the median of "
+                f"{self.unit_forwards})"
+            )
         return f"{self.regime} regime; " + "; ".join(parts) + f"; {cost}"
 
     @property
@@ -590,6 +601,8 @@ class AuditReport:
             "seconds": round(self.seconds, 4),
             "forwards": self.forwards,
             "forward_seconds": self.forward_seconds,
+            "unit_forwards": self.unit_forwards,
+            "cost_clock": self.cost_clock,
             "forward_equivalents": round(self.forward_equivalents, 1),
             "probes": [p.to_dict() for p in self.probes],
         }

@@ -226,6 +226,12 @@ class Runner:
         out = self._run(x, self.seed if seed is None else seed, call)
         return Forward(out, tuple(recorder.draws) if recorder is not None else None)
 
+    def time_forward(self, x: Tensor) -> float:
+        """One plain eval forward of the target on x (:meth:`AuditTarget.plain`), its time on
+        :func:`cost_clock`."""
+        self._run(x, self.seed, self.target.plain)
+        return self.last_seconds
+
     def forward_with_grad(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(value_BTF with its graph, the input it is differentiated against) or None; see
         :meth:`AuditTarget.forward_with_grad`. Always under the audit seed."""
