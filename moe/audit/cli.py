@@ -9,10 +9,11 @@
 Exit codes: 0 no leak (built-in suite: no leak it does not claim) and every claim holds;
 1 a leak (``--target``), or a false claim either way: a target claiming causality, batch
 invariance or decode consistency it lacks, or claiming a leak, batch interference or decode
-inconsistency the audit cannot demonstrate; 2 usage error (unimportable target, a name that
-is neither a module nor a factory, a malformed --input, an unknown --output field, no CUDA for
---device cuda) or a target the audit could not run at all (it fails on the example, a forward
-runs past --forward-timeout, two identical calls differ because it is stateful, or no
+inconsistency the audit cannot demonstrate; 2 usage error (unimportable target, a target that
+calls ``sys.exit`` at import, in its factory or in a forward, a name that is neither a module
+nor a factory, a malformed --input, an unknown --output field, no CUDA for --device cuda) or
+a target the audit could not run at all (it fails on the example, a forward runs past
+--forward-timeout, two identical calls differ because it is stateful, or no
 future-perturbation probe ran). Never a traceback.
 """
 
