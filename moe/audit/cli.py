@@ -35,9 +35,10 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from moe.audit.engine import FORWARD_TIMEOUT_S, MODES, QUICK_MODES, TRIALS, audit
-from moe.audit.report import SUMMARY_LEGEND, AuditReport, reports_to_json, summary_table
+from moe.audit.report import AuditReport, reports_to_json
 from moe.audit.runner import exit_text
 from moe.audit.suite import builtin_targets
+from moe.audit.suite_table import SUMMARY_LEGEND, summary_table
 from moe.audit.target import AuditUsageError
 from moe.layer import MoELayer
 from moe.routing import Router

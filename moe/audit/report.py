@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from moe.audit.advice import advice
+from moe.audit.text import format_table, yes_no
 from moe.routing import Claims
 
 KINDS = ("future", "batch", "decode")
@@ -638,60 +639,18 @@ class AuditReport:
         else:
             summary = (
                 f"{self.name}: leaks in {', '.join(self.leaks_in) or 'no mode'}; "
-                f"batch-invariant: {_yes(self.batch_invariant)}; decode-consistent: {_yes(self.decode_consistent)}"
+                f"batch-invariant: {yes_no(self.batch_invariant)}; decode-consistent: {yes_no(self.decode_consistent)}"
                 f"; regime: {self.regime}"
             )
             if self.inconclusive_in:
                 summary += f"; INCONCLUSIVE in {', '.join(self.inconclusive_in)}"
         if self.false_claims:
             summary += "\nFALSE CLAIMS: " + "; ".join(self.false_claims)
-        return "\n".join([summary, *self._probe_notes(), _format(head, rows)])
+        return "\n".join([summary, *self._probe_notes(), format_table(head, rows)])
 
 
 def reports_to_json(reports: list[AuditReport], indent: int | None = 2) -> str:
     return json.dumps({"targets": [r.to_dict() for r in reports]}, indent=indent)
-
-
-SUMMARY_LEGEND = (
-    "causal claim: what the target claims (train only / eval only: causal in that mode); ? = it claims "
-    "nothing (an opaque module: only leaks count). batch-inv, decode: claimed/found; decode in the modes the "
-    "claim covers, i.e. those claimed causal ((eval): the claim and the finding are eval mode's). verdict: "
-    "claims hold, FALSE CLAIM (either way), INCONCLUSIVE, NOT AUDITED; for opaque targets LEAKS or clean."
-)
-"""Printed under :func:`summary_table`: what its columns and marks mean."""
-
-
-def summary_table(reports: list[AuditReport]) -> str:
-    """One row per target: what it claims, what the audit found, and the verdict (at most
-    about 100 columns for the built-in suite's names)."""
-    head = ("target", "causal claim", "leaks in", "batch-inv", "decode", "verdict")
-    rows = []
-    for r in reports:
-        claims = r.claims
-        rows.append(
-            (
-                r.name,
-                _claimed(r.claimed_causal),
-                ",".join(r.leaks_in) or "-",
-                f"{'?' if claims is None else _yes(claims.batch_invariant)}/{_yes(r.batch_invariant)}",
-                _decode_cell(r),
-                r.verdict,
-            )
-        )
-    return _format(head, rows)
-
-
-def _decode_cell(r: AuditReport) -> str:
-    """claimed/found, in the modes the decode claim covers: a router causal only in eval claims
-    decode consistency in eval, so "yes/same (eval)" where its training mode differs."""
-    claimed = r.claimed_causal
-    if r.claims is None or claimed is None:
-        return f"?/{'same' if r.decode_consistent else 'differs'}"
-    covered = [m for m, c in claimed.items() if c] if r.claims.decode_consistent else list(r.modes)
-    covered = covered or list(r.modes)
-    found = "differs" if any(m in r.decode_differs_in for m in covered) else "same"
-    only = f" ({','.join(covered)})" if len(covered) < len(r.modes) else ""
-    return f"{_yes(r.claims.decode_consistent)}/{found}{only}"
 
 
 def _ids_text(ids: dict[str, list[int]]) -> str:
@@ -705,24 +664,10 @@ def _ids_text(ids: dict[str, list[int]]) -> str:
     return "; ".join(parts) + "; and uniform random ids"
 
 
-def _claimed(claimed: dict[str, bool] | None) -> str:
-    if claimed is None:
-        return "?"
-    if all(claimed.values()):
-        return "yes"
-    if not any(claimed.values()):
-        return "no"
-    return " ".join(f"{m} only" for m, c in claimed.items() if c)
-
-
 _REGIME_SHORT = {"deterministic": "det", "seeded": "seeded", "distribution": "dist"}
 """The per-probe table's regime column (the summary line above it spells the regime out)."""
 _LEAK_WORD = {"future": "LEAKS", "batch": "MIXES", "decode": "DIFFERS"}
 """What the per-probe table prints for a probe that saw a change, by kind."""
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
 
 
 def _ranges(positions: list[int]) -> str:
@@ -738,11 +683,3 @@ def _ranges(positions: list[int]) -> str:
 
 def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
-
-
-def _format(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
