@@ -6,6 +6,7 @@ the same run; prints a table and, with --json, writes it.
     PYTHONPATH=/path/to/older/checkout python experiments/bench_audit.py --json before.json
     python experiments/bench_audit.py --compare before.json after.json  # side by side, no audit run
     python experiments/bench_audit.py --quick                           # the pre-commit check's cost
+    python experiments/bench_audit.py --user-path                       # what a user pays: the command, assert_causal
 
 One forward-equivalent is the median time of one eval-mode forward of the target on its example
 under ``torch.no_grad()`` (30 runs after 5 warm-up runs, measured before and after the audit and
@@ -15,6 +16,11 @@ input building; calibration is its own row) divided by it. Times are this proces
 the wall clock also counts the time the process waits for a core, which varies by several times
 from one run to the next. The ratio is measured within one process; the before/after comparison
 sets two such ratios side by side. ``wall_s`` is kept for reference.
+``--user-path`` measures what docs/audit-ci.md quotes, for the MoELayer block there (one forward
+about a millisecond): ``moe-audit --target`` as a user runs it (the CPU time of the whole
+command, its start-up, imports included, measured apart as ``python -c "import
+moe.audit.cli"``), and ``assert_causal`` in a process (its first call, then later calls), each
+also in forwards of the block; medians of ``--repeats`` runs.
 The script only wraps functions both versions of the audit have (``engine._run``,
 ``engine.calibrate``, ``runner.Runner._run``), so it runs against an older checkout unchanged.
 """
@@ -25,8 +31,11 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -224,6 +233,63 @@ def bench(name: str, trials: int, seed: int, quick: bool) -> dict:
     }
 
 
+USER_BLOCK = """
+import torch
+from moe import MoELayer
+
+
+def build_block():
+    torch.manual_seed(0)
+    return MoELayer(32, 64, 4, router="topk", top_k=2)
+"""
+"""The block of docs/audit-ci.md, as a user's file for ``moe-audit --target``."""
+
+
+def _child_cpu(argv: list[str], env: dict) -> tuple[float, str]:
+    """(CPU seconds, user and system, of one child process; its stdout)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), done.stdout
+
+
+def user_path(repeats: int) -> dict:
+    """What docs/audit-ci.md quotes: the command and assert_causal on the block there."""
+    from moe.audit import assert_causal
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        file = os.path.join(tmp, "block.py")
+        with open(file, "w") as f:
+            f.write(USER_BLOCK)
+        command = [sys.executable, "-m", "moe.audit", "--target", f"{file}:build_block", "--input", "float:4,16,32"]
+        runs = [_child_cpu([*command, "--no-progress"], env) for _ in range(repeats)]
+        startup = [_child_cpu([sys.executable, "-c", "import moe.audit.cli"], env)[0] for _ in range(repeats)]
+    reported = [float(out.split(" forward-equivalents")[0].rsplit(" ", 1)[-1]) for _, out in runs]
+    namespace: dict = {}
+    exec(USER_BLOCK, namespace)
+    block, x = namespace["build_block"](), torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
+    unit = one_forward_s(block, x)
+    calls = []
+    for _ in range(repeats + 1):
+        t0 = time.process_time()
+        assert_causal(block, x, batch_invariant=True)
+        calls.append(time.process_time() - t0)
+    unit = min(unit, one_forward_s(block, x))
+    command_s = statistics.median(c for c, _ in runs)
+    return {
+        "one_forward_ms": round(unit * 1e3, 3),
+        "command_cpu_s": round(command_s, 2),
+        "command_startup_cpu_s": round(statistics.median(startup), 2),
+        "command_forward_equivalents": round(command_s / unit),
+        "command_reported_forward_equivalents": statistics.median(reported),
+        "assert_causal_first_cpu_s": round(calls[0], 3),
+        "assert_causal_first_forward_equivalents": round(calls[0] / unit),
+        "assert_causal_later_cpu_s": round(statistics.median(calls[1:]), 3),
+        "assert_causal_later_forward_equivalents": round(statistics.median(calls[1:]) / unit),
+    }
+
+
 def print_rows(rows: list[dict]) -> None:
     probes = sorted({p for r in rows for p in r["per_probe"]})
     head = ["target", "1 fwd ms", "fwd-eq", "forwards", *probes, "leaks in", "batch-inv", "decode"]
@@ -284,7 +350,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="audit(..., quick=True): the pre-commit check")
     p.add_argument("--json", metavar="PATH", help="also write the rows (and the conditions) as JSON")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print two JSON files side by side")
+    p.add_argument("--user-path", action="store_true", help="the command and assert_causal on docs/audit-ci.md's block")
+    p.add_argument("--repeats", type=int, default=3, help="--user-path: runs of each (their median)")
     args = p.parse_args(argv)
+    if args.user_path:
+        torch.set_num_threads(1)
+        print(json.dumps({"load_average": os.getloadavg(), **user_path(args.repeats)}, indent=2))
+        return
     if args.compare:
         before, after = (json.load(open(path)) for path in args.compare)
         compare(before, after)
@@ -294,7 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         p.error(f"unknown targets {unknown}; known: {', '.join(TARGETS)}")
-    audit(nn.Linear(D, D), torch.randn(2, 4, D), modes=("eval",))  # one-time imports (sympy for draw recording)
+    # One-time imports (torch._dynamo and sympy for recording random draws, which only a target that draws loads).
+    audit(nn.Sequential(nn.Linear(D, D), nn.Dropout(0.1)), torch.randn(2, 4, D), modes=("train",))
     rows = [bench(n, args.trials, args.seed, args.quick) for n in names]
     print_rows(rows)
     if args.json:

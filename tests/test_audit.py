@@ -391,7 +391,7 @@ def test_a_probe_registered_from_outside_runs_and_is_counted():
 
     before = audit(SinglePositionLeak(seed=0), example(0), modes=("eval",))
     builtin = sum(p.compares_forwards for p in registered_probes())
-    assert before.per_comparison_alpha == pytest.approx(ALPHA / (MAX_DISTRIBUTION_COMPARISONS * builtin))
+    assert before.per_comparison_alpha == pytest.approx(ALPHA / ((MAX_DISTRIBUTION_COMPARISONS + 1) * builtin))
     register_probe(Probe("reversed_future", "future", variants=_reversed_future))
     try:
         with pytest.raises(ValueError, match="already registered"):
@@ -403,7 +403,7 @@ def test_a_probe_registered_from_outside_runs_and_is_counted():
     assert p is not None and p.ran and p.comparisons == 4 and p.kind == "future", report.table()
     # Reversing positions > LEAK_TO moves input LEAK_FROM: the leak into LEAK_TO is seen.
     assert p.leaks and LEAK_TO in p.leaking_positions, report.table()
-    assert report.per_comparison_alpha == pytest.approx(ALPHA / (MAX_DISTRIBUTION_COMPARISONS * (builtin + 1)))
+    assert report.per_comparison_alpha == pytest.approx(ALPHA / ((MAX_DISTRIBUTION_COMPARISONS + 1) * (builtin + 1)))
     assert [q.name for q in report.probes][-1] == "reversed_future"
     assert audit(SinglePositionLeak(seed=0), example(0), modes=("eval",)).probe("reversed_future", "eval") is None
 

@@ -12,7 +12,7 @@ from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for
 from torch import nn
 
 from moe import MoELayer
-from moe.audit import CausalityError, assert_causal
+from moe.audit import AuditUsageError, CausalityError, assert_causal
 
 B, T, D, E = 4, 16, 32, 4
 
@@ -53,3 +53,24 @@ def test_batch_invariance_and_decode_consistency_are_asserted_when_asked():
 def test_a_target_that_cannot_run_raises():
     with pytest.raises(CausalityError, match="NOT AUDITED: the target failed on the example"):
         assert_causal(nn.Linear(3, 3), example(), modes=("eval",))
+
+
+def test_a_float_example_without_its_time_axis_is_a_shape_problem_not_a_leak():
+    """[N, D] features (the time axis missing) read as [B, T] would make features positions: on
+    7dc4c10 a position-wise layer was reported as leaking."""
+    with pytest.raises(AuditUsageError, match=r"float of shape \(4, 32\): float features must be \[B, T, D, \.\.\.\]"):
+        assert_causal(nn.Linear(32, 32), torch.randn(4, 32))
+
+
+def test_assert_causal_hides_its_own_frame_from_pytest():
+    """A failing test shows the report first: pytest drops assert_causal's frame from the
+    traceback it prints (``__tracebackhide__``)."""
+    from _pytest._code import ExceptionInfo
+
+    torch.manual_seed(0)
+    leaky = MoELayer(D, 2 * D, E, router="capacity", priority="score", capacity_factor=1.0)
+    with pytest.raises(CausalityError) as caught:
+        assert_causal(leaky, example(), quick=True)
+    info = ExceptionInfo.from_exception(caught.value)
+    shown = [entry.path for entry in info.traceback.filter(info)]
+    assert shown and not any(str(p).endswith("assertion.py") for p in shown), shown

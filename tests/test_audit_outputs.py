@@ -100,7 +100,7 @@ def test_a_leak_in_the_second_output_is_found_and_named():
             if p.leaks and p.kind == "future":
                 assert p.leaking_outputs == ["1"], report.table()
         summary = report.summary()
-        assert summary.splitlines()[0] == "TopOneBlock: LEAKS in train, eval mode in 2 outputs", summary
+        assert summary.splitlines()[0] == "TopOneBlock: LEAKS in train, eval mode in 1 of 2 outputs: 1", summary
         assert "audited: 0 [4, 16, 8]; 1 [64, 4] (rows b*T+t)" in summary, summary
         assert "found by random_future (train): 1 at positions" in summary, summary
         assert "outputs moved" in report.table()
@@ -121,7 +121,7 @@ def test_dict_outputs_name_the_leaking_field_and_skip_the_scalar():
     assert report.outputs_not_audited == ["loss [] (a scalar: a loss or a statistic of the whole batch)"]
     data = json.loads(report.to_json())["targets"][0]
     assert data["outputs"] == report.outputs and data["outputs_not_audited"] == report.outputs_not_audited
-    assert "not audited (no positions to compare): loss []" in report.summary(), report.summary()
+    assert "not audited, with why: loss []" in report.summary(), report.summary()
 
 
 @pytest.mark.parametrize("leaky_layer", [None, 1])
@@ -169,7 +169,10 @@ def test_a_time_major_flattening_is_found_and_read_in_its_order():
     report = audit(TimeMajorRouterLogits(0), example(), modes=("eval",))
     assert report.error is None and not report.leaks, report.table()
     assert report.outputs[1] == "1 [64, 4] (rows t*B+b)", report.outputs
-    assert report.notes == ["1: rows are t*B+b (time-major), checked with a change at the last position"]
+    assert report.notes == [
+        "1: rows are t*B+b (time-major): a change at position 15 alone moved rows at positions >= 15 only when "
+        "read so (read as b*T+t, rows before 15 moved)"
+    ], report.notes
 
 
 class TimeMajorHidden(TopOneBlock):

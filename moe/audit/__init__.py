@@ -12,8 +12,9 @@
 
 from moe.audit.assertion import CausalityError, assert_causal
 from moe.audit.engine import audit
-from moe.audit.report import AuditReport, ProbeResult, reports_to_json, summary_table
+from moe.audit.report import AuditReport, ProbeResult, reports_to_json
 from moe.audit.suite import BuiltinTarget, builtin_targets
+from moe.audit.suite_table import summary_table
 from moe.audit.target import AuditUsageError
 
 __all__ = [

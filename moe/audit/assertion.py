@@ -44,6 +44,7 @@ def assert_causal(
     INCONCLUSIVE mode, audited at all, and no false claim. ``batch_invariant`` /
     ``decode_consistent``: also require that no sample's output depends on the other samples /
     that prefix-only forwards reproduce the full-sequence outputs. Returns the report."""
+    __tracebackhide__ = True  # pytest shows the report, not this frame
     report = audit(target, example, **audit_options)
     problems = []
     if report.error:

@@ -95,6 +95,10 @@ class Diff:
     excess_PS: Tensor
     by_part: dict[str, tuple[Tensor, Tensor]]
     same: bool = False
+    exact_entries_P: Tensor | None = None
+    """int64 [P]: exact entries (routing decisions, integer / bool values) compared in each copy."""
+    exact_changed_P: Tensor | None = None
+    """int64 [P]: how many of them changed."""
 
     @functools.cached_property
     def moved_PS(self) -> Tensor:
@@ -131,6 +135,8 @@ def compare(
 
     out_parts = {p.name: p for p in outs.parts}
     identical = True
+    exact_entries_P = torch.zeros(copies, dtype=torch.long)
+    exact_changed_P = torch.zeros(copies, dtype=torch.long)
     for part in ref.parts:
         other = out_parts.get(part.name)
         if other is None or other.exact != part.exact or other.stop - other.start != part.stop - part.start:
@@ -141,6 +147,8 @@ def compare(
         a = ref_all[pick, :s, part.start : part.stop][None]
         b = shaped(out_all[..., other.start : other.stop])
         live_P1S1 = live_PS.to(a.device)[:, None, :, None]
+        if part.exact:
+            exact_entries_P += live_PS.sum(1) * a.shape[1] * a.shape[3]
         if not bool(((a != b) & live_P1S1).any()):  # the usual case for a causal target: nothing moved
             by_part[part.name] = (torch.zeros(copies, dtype=torch.float64), torch.zeros(copies, dtype=torch.long))
             continue
@@ -148,6 +156,7 @@ def compare(
         if part.exact:
             f_PS = ((a != b) & live_P1S1).sum(dim=(1, 3)).cpu()
             flips_PS += f_PS
+            exact_changed_P += f_PS.sum(1)
             by_part[part.name] = (torch.zeros(copies, dtype=torch.float64), f_PS.sum(1))
             continue
         both = torch.isfinite(a) & torch.isfinite(b)
@@ -163,7 +172,7 @@ def compare(
         excess_PS = torch.maximum(excess_PS, e_PS)
         flips_PS += f_PS
         by_part[part.name] = (e_PS.amax(1), f_PS.sum(1))
-    return Diff(delta_PS, flips_PS, excess_PS, by_part, identical)
+    return Diff(delta_PS, flips_PS, excess_PS, by_part, identical, exact_entries_P, exact_changed_P)
 
 
 def difference(
@@ -238,7 +247,9 @@ def calibrate(runner: Runner, x: Tensor, probes_x: Iterable[Tensor] = ()) -> Cal
     """Measure the example's noise and pick the regime. ``probes_x``: other inputs of the
     example's shape; a stochastic target must draw the same noise shapes for them to be judged
     by a fixed seed. Raises :class:`TargetFailure` when the target cannot run the example."""
-    base = runner.forward(x, record=True)
+    base = runner.forward(x)
+    if runner.last_drew:  # its draws, recorded (a dispatch mode, slower: only for a target that draws)
+        base = runner.forward(x, record=True)
     seconds = runner.last_seconds
     updated = tuple(runner.target.state.changed_buffers())
     value = base.out.value_BTF

@@ -9,10 +9,11 @@
 Exit codes: 0 no leak (built-in suite: no leak it does not claim) and every claim holds;
 1 a leak (``--target``), or a false claim either way: a target claiming causality, batch
 invariance or decode consistency it lacks, or claiming a leak, batch interference or decode
-inconsistency the audit cannot demonstrate; 2 usage error (unimportable target, a name that
-is neither a module nor a factory, a malformed --input, an unknown --output field, no CUDA for
---device cuda) or a target the audit could not run at all (it fails on the example, a forward
-runs past --forward-timeout, two identical calls differ because it is stateful, or no
+inconsistency the audit cannot demonstrate; 2 usage error (unimportable target, a target that
+calls ``sys.exit`` at import, in its factory or in a forward, a name that is neither a module
+nor a factory, a malformed --input, an unknown --output field, no CUDA for --device cuda) or
+a target the audit could not run at all (it fails on the example, a forward runs past
+--forward-timeout, two identical calls differ because it is stateful, or no
 future-perturbation probe ran). Never a traceback.
 """
 
@@ -34,8 +35,10 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from moe.audit.engine import FORWARD_TIMEOUT_S, MODES, QUICK_MODES, TRIALS, audit
-from moe.audit.report import SUMMARY_LEGEND, AuditReport, reports_to_json, summary_table
+from moe.audit.report import AuditReport, reports_to_json
+from moe.audit.runner import exit_text
 from moe.audit.suite import builtin_targets
+from moe.audit.suite_table import SUMMARY_LEGEND, summary_table
 from moe.audit.target import AuditUsageError
 from moe.layer import MoELayer
 from moe.routing import Router
@@ -180,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             reports = _audit_builtins(args, modes)
     except AuditUsageError as e:
         print(f"moe-audit: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # the target's own sys.exit outside a forward: never read as a verdict
+        print(f"moe-audit: error: the target called {exit_text(e)}; the audit stopped", file=sys.stderr)
         return 2
     except Exception as e:  # whatever else went wrong: one line and exit 2, never a traceback
         print(f"moe-audit: error: the audit itself failed: {type(e).__name__}: {e}", file=sys.stderr)
@@ -351,6 +357,10 @@ def load_target(spec: str) -> tuple[nn.Module, str]:
             pass  # no signature to inspect (some builtins): just call it
         try:
             built = obj()
+        except SystemExit as e:
+            raise AuditUsageError(
+                f"the target could not be loaded: {attr}() in {where} called {exit_text(e)}"
+            ) from None
         except Exception as e:  # the user's factory failed: report it, no traceback
             raise AuditUsageError(f"{attr}() in {where} raised {type(e).__name__}: {e}") from None
         if not isinstance(built, nn.Module):
@@ -389,6 +399,11 @@ def _import_file(path: str) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[name]
+        raise AuditUsageError(
+            f"the target could not be loaded: it called {exit_text(e)} when {path} was imported"
+        ) from None
     except Exception as e:
         del sys.modules[name]
         raise AuditUsageError(f"cannot import {path}: {type(e).__name__}: {e}") from None
@@ -400,6 +415,10 @@ def _import_module(name: str) -> ModuleType:
         sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(name)
+    except SystemExit as e:
+        raise AuditUsageError(
+            f"the target could not be loaded: it called {exit_text(e)} when {name} was imported"
+        ) from None
     except Exception as e:
         raise AuditUsageError(f"cannot import {name}: {type(e).__name__}: {e}") from None
 

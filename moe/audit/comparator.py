@@ -64,6 +64,10 @@ class Variant:
     variant did not change, at the same index in the variant and in the example."""
     label: str = ""
     """What the variant is, for the report (e.g. "every sample's future = copies of (1, 5)")."""
+    reference: Tensor | None = None
+    """Compare with the forward of this input instead of the example's (the samples ``rows`` at
+    the same index in both): a batch probe's input beside other samples against it alone.
+    Deterministic regime only."""
 
 
 def spread(values: list, k: int) -> list:
@@ -78,9 +82,11 @@ def spread(values: list, k: int) -> list:
 
 def per_comparison_alpha(forward_probes: int) -> float:
     """Bonferroni over every distribution comparison a mode can make: ``forward_probes`` probes
-    that compare forwards, each at most MAX_DISTRIBUTION_COMPARISONS times (each comparison's
-    stages share its level, :data:`~moe.audit.distribution.DRAWS`)."""
-    return ALPHA / (MAX_DISTRIBUTION_COMPARISONS * max(1, forward_probes))
+    that compare forwards, each at most MAX_DISTRIBUTION_COMPARISONS times as its screen chose
+    and once more for the variant that moved the outputs in another mode
+    (:meth:`Comparator.confirm`); each comparison's stages share its level
+    (:data:`~moe.audit.distribution.DRAWS`)."""
+    return ALPHA / ((MAX_DISTRIBUTION_COMPARISONS + 1) * max(1, forward_probes))
 
 
 # -- bookkeeping ----------------------------------------------------------------------------
@@ -118,6 +124,12 @@ class Tally:
     inconclusive: list[str] = field(default_factory=list)
     """Distribution comparisons the last stage could neither call significant nor dismiss."""
     failures: list[tuple[tuple[int, ...], str]] = field(default_factory=list)
+    exact_entries: int = 0
+    """Exact entries (routing decisions, integer / bool outputs) compared directly, summed."""
+    exact_changed: int = 0
+    """How many of them changed."""
+    found: Variant | None = field(default=None, repr=False)
+    """The first variant that moved an output (:meth:`Comparator.confirm` retests it in another mode)."""
 
     def __post_init__(self) -> None:
         self.delta_T = torch.zeros(self.t, dtype=torch.float64)
@@ -135,10 +147,11 @@ class Tally:
         flips_S: Tensor,
         moved_S: Tensor,
         excess_S: Tensor,
-        label: str = "",
+        variant: Variant | None = None,
         p_value: float | None = None,
         outputs: Iterable[str] = (),
     ) -> None:
+        label = variant.label if variant is not None else ""
         s = delta_S.numel()
         if s and float(excess_S.max()) > self.excess:
             self.excess, self.largest_by, self.largest_p = float(excess_S.max()), label or None, p_value
@@ -150,18 +163,19 @@ class Tally:
         if bool(moved_S.any()):
             self.outputs.update(dict.fromkeys(outputs))
             if self.found_by is None:
-                self.found_by = label or None
+                self.found_by, self.found = label or None, variant
 
-    def add_diff(self, d: Diff, p: int, upto: int, label: str) -> None:
-        """Copy p of a compared pack."""
+    def add_diff(self, d: Diff, p: int, v: Variant) -> None:
+        """Copy p of a compared pack, the comparison of variant ``v``."""
+        if d.exact_entries_P is not None and d.exact_changed_P is not None:
+            self.exact_entries += int(d.exact_entries_P[p])
+            self.exact_changed += int(d.exact_changed_P[p])
         if d.same:  # nothing differed: only what was compared is recorded
-            self.probed_T[:upto] = True
+            self.probed_T[: v.upto] = True
             self.comparisons += 1
             return
-        moved_S = d.moved_PS[p, :upto]
-        self.add(
-            d.delta_PS[p, :upto], d.flips_PS[p, :upto], moved_S, d.excess_PS[p, :upto], label, None, d.moved_parts(p)
-        )
+        u = v.upto
+        self.add(d.delta_PS[p, :u], d.flips_PS[p, :u], d.moved_PS[p, :u], d.excess_PS[p, :u], v, None, d.moved_parts(p))
 
     def fail(self, failure: TargetFailure) -> None:
         self.failures.append(
@@ -198,6 +212,7 @@ class Tally:
             draws=self.draws,
             inconclusive=[] if moved else list(self.inconclusive),
             screened=self.screened,
+            changed_share=self.exact_changed / self.exact_entries if self.exact_entries else None,
         )
 
 
@@ -220,6 +235,8 @@ class Comparator:
         """Perturbed copies may share forwards exactly (deterministic and seeded regimes)."""
         self.screen_packs = False
         """Distribution regime: screening forwards may share forwards (they only rank variants)."""
+        self.unpacked: str | None = None
+        """Why packing stopped midway (a pack moved the example's own copy), for the report."""
         self._reference: Tensor | None = None
         self._gen = torch.Generator().manual_seed(runner.seed + 7)
 
@@ -293,24 +310,25 @@ class Comparator:
     def _judge_one(self, v: Variant, tally: Tally) -> None:
         same_shape = tuple(v.x.shape) == tuple(self.x.shape)
         try:
+            ref = self.base.out if v.reference is None else self.runner.forward(v.reference).out
             fwd = self.runner.forward(v.x, record=self.cal.stochastic and same_shape)
         except TargetFailure as e:
             tally.fail(e)
             return
         if self.cal.stochastic and same_shape and fwd.draws != self.base.draws:
             raise Misaligned
-        tally.add_diff(compare(self.base.out, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances), 0, v.upto, v.label)
+        tally.add_diff(compare(ref, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances), 0, v)
 
     def _packed_forwards(
         self, variants: list[Variant], size: int | None = None
     ) -> Iterable[tuple[list[Variant], Diff | None]]:
         """(chunk, its comparison with the example's copy in the same forward) per packed
-        forward; None where the pack failed or ran past the time limit (its variants are then run
-        one by one). ``size``: copies per forward, fixed (None: as the packer finds it pays)."""
+        forward; None where the pack failed, ran past the time limit or moved the example's own
+        copy (its variants are then run one by one). ``size``: copies per forward, fixed (None: as the packer finds it pays)."""
         i = 0
         while i < len(variants):
             copies = self.packer.size if size is None else size
-            if copies < 3:
+            if copies < 3 or (size is None and not self.batchable):
                 yield variants[i:], None
                 return
             chunk = variants[i : i + copies - 1]
@@ -321,9 +339,16 @@ class Comparator:
                 self.packer.failed()
                 yield chunk, None
                 continue
+            ref, rest = out.rows(0, self.b), out.rows(self.b, None)
             if size is None:
                 self.packer.observe(len(chunk) + 1, self.runner.last_seconds)
-            ref, rest = out.rows(0, self.b), out.rows(self.b, None)
+                if bool(compare(self.base.out, ref, 1, [self.t], None, self.cal.tolerances).moved_PS.any()):
+                    self.batchable = False  # the pack changed what the example's copy sees: none from now on
+                    self.unpacked = (
+                        f"a pack of {len(chunk) + 1} copies moved the example's own copy ({chunk[0].label}, ...)"
+                    )
+                    yield chunk, None
+                    continue
             yield chunk, compare(ref, rest, len(chunk), [v.upto for v in chunk], None, self.cal.tolerances)
 
     def _judge_packed(self, variants: list[Variant], tally: Tally, stop_at_first: bool) -> None:
@@ -335,7 +360,7 @@ class Comparator:
                     self._judge_one(v, tally)
                 continue
             for j, v in enumerate(chunk):
-                tally.add_diff(d, j, v.upto, v.label)
+                tally.add_diff(d, j, v)
             if stop_at_first and tally.moved:
                 return
 
@@ -375,42 +400,49 @@ class Comparator:
         screened = self._screen(variants, tally, enough)
         tally.screened += len(screened)
         for _, _, v in screened[:MAX_DISTRIBUTION_COMPARISONS]:
-            try:
-                outcome = self._test(v)
-            except TargetFailure as e:
-                tally.fail(e)
-                continue
-            tally.add(
-                outcome.change_S,
-                torch.zeros(v.upto, dtype=torch.long),
-                outcome.changed_S,
-                outcome.excess_S,
-                v.label,
-                outcome.p,
-                self._named(outcome),
-            )
-            tally.distribution_comparisons += 1
-            tally.draws = max(tally.draws, outcome.draws)
-            tally.p_value = outcome.p if tally.p_value is None else min(tally.p_value, outcome.p)
-            if not bool(outcome.changed_S.any()) and outcome.draws == DRAWS[-1] and outcome.p <= INCONCLUSIVE_P:
-                tally.inconclusive.append(
-                    f"{v.label}: mean change up to {float(outcome.change_S.max()):.3g} over {outcome.draws} draws per "
-                    f"input, p = {outcome.p:.1e}, not below the level {self.alpha / len(DRAWS):.1e} of one test"
-                )
+            self._tested(v, tally, DRAWS)
             if tally.moved:  # the verdict is made; more tests would cost thousands of relabellings each
                 return
+
+    def _tested(self, v: Variant, tally: Tally, stages: tuple[int, ...]) -> None:
+        """One distribution comparison of ``v`` (draws per input at each stage, ``stages``) into ``tally``."""
+        try:
+            outcome = self._test(v, stages)
+        except TargetFailure as e:
+            tally.fail(e)
+            return
+        zeros = torch.zeros(v.upto, dtype=torch.long)
+        tally.add(outcome.change_S, zeros, outcome.changed_S, outcome.excess_S, v, outcome.p, self._named(outcome))
+        tally.distribution_comparisons += 1
+        tally.draws = max(tally.draws, outcome.draws)
+        tally.p_value = outcome.p if tally.p_value is None else min(tally.p_value, outcome.p)
+        if not bool(outcome.changed_S.any()) and outcome.draws == DRAWS[-1] and outcome.p <= INCONCLUSIVE_P:
+            tally.inconclusive.append(
+                f"{v.label}: mean change up to {float(outcome.change_S.max()):.3g} over {outcome.draws} draws per "
+                f"input, p = {outcome.p:.1e}, not below the level {self.alpha / len(stages):.1e} of one test"
+            )
+
+    def confirm(self, v: Variant, tally: Tally) -> ProbeResult:
+        """Retest, in this mode judged by distribution, the variant that moved the outputs in
+        another mode (the inputs are the same in every mode), into the probe's own ``tally``: on
+        the last stage's draws at once, at the level reserved for it (:func:`per_comparison_alpha`).
+        A variant compared with another input than the example is not retested."""
+        if v.reference is None:
+            self._tested(v, tally, DRAWS[-1:])
+        return tally.result(self.cal.tolerance)
 
     def _named(self, outcome: Outcome) -> list[str]:
         """The outputs a distribution comparison saw change (all float outputs: the test is joint)."""
         return [p.name for p in self.base.out.parts] if bool(outcome.changed_S.any()) else []
 
-    def _test(self, v: Variant) -> Outcome:
-        """The permutation test on DRAWS[0] draws per input, then more while it stays suggestive."""
+    def _test(self, v: Variant, stages: tuple[int, ...] = DRAWS) -> Outcome:
+        """The permutation test on ``stages[0]`` draws per input, then more while it stays
+        suggestive; each stage at the comparison's level over the number of stages."""
         rows = slice(None) if v.rows is None else list(v.rows)
-        level = self.alpha / len(DRAWS)
+        level = self.alpha / len(stages)
         var: list[Tensor] = []
         outcome: Outcome | None = None
-        for k in DRAWS:
+        for k in stages:
             ref_KBSF = self._reference_draws(k)[:, rows, : v.upto]
             first = self.runner.seed + 1 + DRAWS[-1]  # seeds disjoint from the reference's
             var += [

@@ -32,6 +32,12 @@ class Sampler:
     def __init__(self, example: Tensor, vocab_size: int | None, special_ids: tuple[int, ...] | list[int] = ()) -> None:
         if example.dim() < 2 or example.shape[0] < 1 or example.shape[1] < 2:
             raise AuditUsageError(f"the example input must be [B >= 1, T >= 2, ...], got shape {tuple(example.shape)}")
+        if example.is_floating_point() and example.dim() < 3:
+            raise AuditUsageError(
+                f"the example input is float of shape {tuple(example.shape)}: float features must be [B, T, D, ...] "
+                "(a sample axis, a time axis, then the features of each position); add the missing axis (x[None] "
+                "for one sequence, x[..., None] for one feature per position), or pass token ids as int64 [B, T]"
+            )
         self.tokens = not example.is_floating_point()
         self.named = tuple(dict.fromkeys(int(i) for i in special_ids))
         if self.named and not self.tokens:

@@ -2,7 +2,7 @@
 
 Within a mode: :func:`~moe.audit.calibration.calibrate` measures the example's noise and picks
 the regime (deterministic, seeded or distribution); in the first mode the order of any
-[B * T, ...] output is checked (:func:`check_flat_order`); the probes of kind "batch" run
+[B * T, ...] output is told (:func:`~moe.audit.flat_order.check_flat_order`); the probes of kind "batch" run
 (separate forwards); then, if none of them found interference and the target claims (or is
 opaque about) batch invariance and repeats itself exactly in a doubled batch, perturbed copies
 share forwards, in packs sized by :mod:`moe.audit.packing`; then the other probes in
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,19 +34,22 @@ import moe.audit.probes  # noqa: F401  (registers the built-in probes)
 from moe.audit.advice import router_mechanism
 from moe.audit.agreement import target_agreement
 from moe.audit.calibration import calibrate, resolution_of
-from moe.audit.comparator import Comparator, Misaligned, per_comparison_alpha
-from moe.audit.context import ProbeContext, Sampler, calibration_inputs, probe_generator
+from moe.audit.comparator import Comparator, Misaligned, Tally, per_comparison_alpha
+from moe.audit.context import ProbeContext, Sampler, calibration_inputs
 from moe.audit.distribution import DRAWS
+from moe.audit.flat_order import check_flat_order
 from moe.audit.registry import Probe, registered_probes
 from moe.audit.report import AuditReport, ProbeResult
-from moe.audit.runner import Runner, TargetFailure, TargetTimeout, cost_clock
-from moe.audit.target import AuditTarget, AuditUsageError, Outputs
+from moe.audit.runner import Runner, TargetExit, TargetFailure, TargetTimeout, cost_clock
+from moe.audit.target import AuditTarget, AuditUsageError
 
 MODES = ("train", "eval")
 QUICK_MODES = ("eval",)
 """The modes of a quick audit (``quick=True``, ``moe-audit --quick``) unless given."""
 TRIALS = 2
 """Random futures per cut position (one in a quick audit) unless given."""
+UNIT_FORWARDS = 7
+"""Forwards of the example timed for the unit of the audit's cost (their median)."""
 FORWARD_TIMEOUT_S = 60.0
 """Default limit on one forward of the target, in seconds (``moe-audit --forward-timeout``)."""
 
@@ -115,9 +119,9 @@ def audit(
     runner = Runner(at, seed, forward_timeout)
     session = _Session(runner, sampler, trials, seed, suite, alpha, progress, start)
     with _rng_preserved(), at.state.preserved():
+        unit_before = _one_forward_seconds(runner, at, example)
         _audit_modes(session, at, report, example, modes)
-        if agreement and report.error is None:
-            report.agreement = target_agreement(at, example)
+        _after_modes(session, at, report, example, agreement, unit_before)
     if report.error is None and not any(p.ran for p in report.probes if p.kind == "future" and p.compares_forwards):
         failures = [e for p in report.probes for e in p.errors]
         report.error = "no future-perturbation probe ran" + (f": {failures[0]}" if failures else "")
@@ -125,6 +129,7 @@ def audit(
     report.forwards = runner.cost.forwards
     report.seconds = time.perf_counter() - start
     report.cost_seconds = clock() - clock_start
+    report.cost_clock = "cpu" if clock is time.process_time else "wall"
     return report
 
 
@@ -153,6 +158,8 @@ def _audit_modes(
             report.error = _audit_one_mode(session, report, example, mode)
         except TargetTimeout as e:
             report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+        except TargetExit as e:
+            report.error = f"{e} in {mode} mode"
         except TargetFailure as e:
             report.error = f"the target failed on the example in {mode} mode ({e})"
         if report.error is not None:
@@ -194,6 +201,8 @@ class _Session:
     alpha: float
     progress: Callable[[str], None] | None
     start: float
+    tallies: dict[tuple[str, str], tuple[Comparator, Tally]] = field(default_factory=dict)
+    """Per (mode, probe name) of a probe with variants: its comparator and tally (the last run)."""
 
 
 def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mode: str) -> str | None:
@@ -221,7 +230,6 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
     if cal.stateful:
         return f"{cal.stateful} in {mode} mode"
     report.updated_buffers += [b for b in cal.updated_buffers if b not in report.updated_buffers]
-    report.forward_seconds = min(report.forward_seconds or cal.seconds, cal.seconds)
     repeats = cal.tolerances if cal.regime != "distribution" else None
     ctx = ProbeContext(
         runner.target,
@@ -236,12 +244,16 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
         cal.regime,
         report.quick,
     )
+    comparator = Comparator(runner, example, mode, cal, session.alpha)
     try:
-        results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, session)
+        results = _run_probes(comparator, ctx, session)
     except Misaligned:
         cal = cal.by_distribution()
         ctx.regime, ctx.repeat_tolerance = cal.regime, None
-        results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, session)
+        comparator = Comparator(runner, example, mode, cal, session.alpha)
+        results = _run_probes(comparator, ctx, session)
+    if comparator.unpacked:
+        report.notes.append(f"{mode} mode: perturbed copies stopped sharing forwards: {comparator.unpacked}")
     report.probes += results
     report.regimes[mode] = cal.regime
     if ctx.sampler.tokens:
@@ -270,6 +282,7 @@ def _run(probe: Probe, comparator: Comparator, ctx: ProbeContext, session: _Sess
         result = probe.measure(ctx)
     else:
         tally = comparator.tally(probe.name, probe.kind)
+        session.tallies[(ctx.mode, probe.name)] = (comparator, tally)
         result = comparator.judge(probe.variants(ctx), tally, probe.stop_at_first, probe.enough)
     if result is not None:
         result.forwards = session.runner.cost.forwards - forwards
@@ -283,39 +296,67 @@ def _run(probe: Probe, comparator: Comparator, ctx: ProbeContext, session: _Sess
     return result
 
 
-def check_flat_order(runner: Runner, example: Tensor, base: Outputs, sampler: Sampler, seed: int) -> list[str]:
-    """Read each [B * T, ...] output in the order its rows follow: ``base`` (the example's
-    outputs, flat ones read as rows b * T + t) against one forward with only the last position
-    changed. Rows b * T + t change only at t = T - 1 when read so; a time-major flattening (row
-    t * B + b) changes the last B rows. A field that fits neither (every row moves: a leak,
-    noise) is read as b * T + t, and a note says so. Sets ``runner.target.time_major``."""
-    at = runner.target
-    flat = [p for p in base.parts if p.name in at.flat_fields]
-    b, t = example.shape[:2]
-    if not flat or b < 2:
-        return []
-    x = example.clone()
-    x[:, -1:] = sampler.draw((b, 1, *example.shape[2:]), probe_generator(seed, 9))
+def _after_modes(
+    session: _Session, at: AuditTarget, report: AuditReport, example: Tensor, agreement: bool, unit_before: float
+) -> None:
+    """Once every mode ran: the variants that leaked in one mode retested in the others, the
+    unit of the cost measured again (the smaller of that and ``unit_before``, measured before the
+    modes, is kept: a slow spell on a loaded machine during one of them decides nothing), and a
+    model's routing agreement figures (if asked)."""
+    if report.error is None:
+        _confirm_across_modes(session, at, report)
+    if report.error is None:
+        units = [u for u in (unit_before, _one_forward_seconds(session.runner, at, example)) if u > 0]
+        report.forward_seconds = min(units, default=0.0)
+        report.unit_forwards = UNIT_FORWARDS if units else 0
+    if agreement and report.error is None:
+        report.agreement = target_agreement(at, example)
+
+
+def _one_forward_seconds(runner: Runner, at: AuditTarget, example: Tensor) -> float:
+    """The median time of one plain eval-mode forward of the example under ``torch.no_grad()``
+    (UNIT_FORWARDS of them after one warm-up) on the audit's cost clock, as
+    ``experiments/bench_audit.py`` measures its unit (0 if one fails)."""
+    at.set_mode("eval")
     try:
-        moved = runner.forward(x).out
-    except TargetFailure:
-        return [f"{', '.join(p.name for p in flat)}: read as rows b*T+t (the check of the order failed)"]
-    notes = []
-    for part in flat:
-        a, z = (
-            base.value_BTF if not part.exact else base.exact_BTX,
-            moved.value_BTF if not part.exact else moved.exact_BTX,
-        )
-        changed_BT = (a[..., part.start : part.stop] != z[..., part.start : part.stop]).any(-1)
-        time_major_BT = changed_BT.reshape(t, b).T  # the same rows read as t * B + b
-        if bool(changed_BT.any()) and not bool(changed_BT[:, :-1].any()):
+        times = [runner.time_forward(example) for _ in range(UNIT_FORWARDS + 1)]
+    except (TargetFailure, TargetTimeout, TargetExit):
+        return 0.0
+    return statistics.median(times[1:])
+
+
+def _confirm_across_modes(session: _Session, at: AuditTarget, report: AuditReport) -> None:
+    """A probe that found nothing in a mode judged by distribution, where the same probe moved the
+    outputs in another mode: the variant that did it is tested in this mode too, on the last
+    stage's draws (the inputs are the same in every mode; a training-mode leak under dropout is
+    often too small for the screen to pick out of the noise, but not for 64 draws)."""
+    for i, result in enumerate(report.probes):
+        entry = session.tallies.get((result.mode, result.name))
+        if result.leaks or entry is None or entry[0].cal.regime != "distribution":
             continue
-        if bool(time_major_BT.any()) and not bool(time_major_BT[:, :-1].any()):
-            at.time_major.add(part.name)
-            notes.append(f"{part.name}: rows are t*B+b (time-major), checked with a change at the last position")
-        else:
-            notes.append(f"{part.name}: read as rows b*T+t; a change at the last position moved other rows too")
-    return notes
+        found = [
+            t.found
+            for (mode, name), (_, t) in session.tallies.items()
+            if name == result.name and mode != result.mode and t.found is not None
+        ]
+        if not found:
+            continue
+        comparator, tally = entry
+        at.set_mode(result.mode)
+        forwards, began = session.runner.cost.forwards, time.perf_counter()
+        try:
+            confirmed = comparator.confirm(found[0], tally)
+        except TargetTimeout as e:
+            report.error = (
+                f"{e} in {result.mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+            )
+            return
+        except TargetExit as e:
+            report.error = f"{e} in {result.mode} mode"
+            return
+        confirmed.forwards = result.forwards + session.runner.cost.forwards - forwards
+        confirmed.seconds = result.seconds + time.perf_counter() - began
+        report.probes[i] = confirmed
 
 
 def _dtype_notes(example: Tensor, at: AuditTarget) -> list[str]:

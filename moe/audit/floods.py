@@ -41,6 +41,10 @@ FLOOD_SCALE = 3.0
 vectors, of the mean norm of an input position)."""
 BATCH_SOURCES = 2
 """Positions whose copies fill the other samples in the batch probe (per way of filling them)."""
+FEW_IDS = 3
+"""Copies of a special id in a future that holds a few of them (besides one copy and a flood)."""
+BESIDE = 2
+"""Adversarial futures the batch probe runs beside a copy of the example (each in both orders)."""
 
 
 def _filled(x: Tensor, b: int, r: int, scale: float = 1.0) -> Tensor:
@@ -102,7 +106,9 @@ def _floods(ctx: ProbeContext, c: int, gen: torch.Generator) -> Iterator[Variant
 
 def _special_ids(ctx: ProbeContext, c: int, own_ids: bool) -> Iterator[Variant]:
     """Token futures holding the ids a target may treat specially (:attr:`Sampler.special_ids`):
-    every future position one id, for the smallest, largest and named ids; and, where
+    for the smallest, largest and named ids, every future position that id, and the example's
+    own future with the id at one position (right after the cut, the last) or a few (a switch
+    that fires on exactly one marker in the sequence sees no flood); and, where
     ``own_ids``, the example's own ids in turn, R of them in every sample's future per variant,
     so each of them stands after the cut in every sample once (an end-of-document id, a padding
     id or a separator in the example is tried wherever the example put it)."""
@@ -110,15 +116,36 @@ def _special_ids(ctx: ProbeContext, c: int, own_ids: bool) -> Iterator[Variant]:
     b, r = ctx.b, ctx.t - c - 1
     like = ctx.x
     for why in ("smallest", "largest", "named"):
+        yield from _id_floods(ctx, c, (why,))
         for i in special.get(why, []):
-            yield ctx.with_future(
-                c, torch.full((b, r), i, dtype=like.dtype, device=like.device), f"every future id = {i} ({why})"
-            )
+            for at in _few_positions(c + 1, ctx.t):
+                future = like[:, c + 1 :].clone()
+                future[:, [q - c - 1 for q in at]] = i
+                where = f"position {at[0]}" if len(at) == 1 else f"positions {', '.join(map(str, at))}"
+                yield ctx.with_future(c, future, f"id {i} ({why}) at {where} of every sample's future, else as is")
     own = special.get("the example's own", []) if own_ids else []
     for start in range(0, len(own), r):
         shown = [own[(start + j) % len(own)] for j in range(r)]
         future = torch.tensor(shown, dtype=like.dtype, device=like.device).expand(b, r)
         yield ctx.with_future(c, future, f"every sample's future = the example's ids {shown[0]}..{shown[-1]}")
+
+
+def _id_floods(ctx: ProbeContext, c: int, whys: tuple[str, ...]) -> Iterator[Variant]:
+    """Every future position after cut c one special id, for each id of the kinds ``whys``."""
+    b, r, like = ctx.b, ctx.t - c - 1, ctx.x
+    for why in whys:
+        for i in ctx.sampler.special_ids.get(why, []):
+            yield ctx.with_future(
+                c, torch.full((b, r), i, dtype=like.dtype, device=like.device), f"every future id = {i} ({why})"
+            )
+
+
+def _few_positions(first: int, t: int) -> list[list[int]]:
+    """Where a future from ``first`` to T - 1 holds one special id, or a few (:data:`FEW_IDS`):
+    one copy right after the cut, one at the last position, a few spread over the future."""
+    future = list(range(first, t))
+    out = [[first], [t - 1], spread(future, FEW_IDS)]
+    return [list(q) for q in dict.fromkeys(tuple(q) for q in out)]
 
 
 def gate_floods(
@@ -162,6 +189,22 @@ def batch_interference(ctx: ProbeContext) -> Iterator[Variant]:
     if ctx.b > 1:
         yield from _first_changed(ctx)
         yield Variant(ctx.x[:1], ctx.t, rows=(0,), label="sample 0 alone")
+    if ctx.regime == "deterministic":
+        yield from _beside_the_example(ctx)
+
+
+def _beside_the_example(ctx: ProbeContext) -> Iterator[Variant]:
+    """A few of the adversarial futures (after cut 0: the special ids, then copies of one
+    position) as a batch of their own beside a copy of the example, either order: each compared
+    with itself alone. Perturbed copies share forwards only when this finds nothing, so a batch
+    statistic such inputs move (the longest document, the fullest expert) is seen here, and
+    never hidden by the example's copy in a pack."""
+    futures = list(_id_floods(ctx, 0, ("named", "smallest", "largest"))) if ctx.sampler.tokens else []
+    futures += list(_floods(ctx, 0, ctx.gen(3)))[: len(_scales(ctx))]
+    rows = tuple(range(ctx.b))
+    for v in futures[:BESIDE]:
+        yield Variant(torch.cat([v.x, ctx.x]), ctx.t, rows=rows, label=f"{v.label}, beside the example", reference=v.x)
+        yield Variant(torch.cat([ctx.x, v.x]), ctx.t, rows=rows, label=f"the example beside: {v.label}")
 
 
 def _others_changed(ctx: ProbeContext) -> Iterator[Variant]:

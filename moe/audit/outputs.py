@@ -11,12 +11,14 @@ tensor is named by its path (``logits``, ``router_logits.1``, ``0``; a bare tens
 * [N, ...] (``N = B * T``, the leading axis of ``x.view(-1, D)``, as Hugging Face MoE blocks
   return their router logits): audited as [B, T, ...], row n being token (n // T, n % T). A
   time-major flattening (row t * B + b, Megatron's [T, B] order) has the same shape; the
-  engine checks the order once with a forward whose last position alone changed
-  (:func:`flat_order`), and audits such a field in that order;
+  engine tells the order with forwards that change one position alone
+  (:mod:`moe.audit.flat_order`), and audits such a field in that order;
 * [T, B, ...] with T != B: a time-major output the audit will not guess at: a usage error that
   names ``output=`` / ``--output`` (a time-major tensor is not told apart from [B, T, ...] when B == T);
 * anything else (a scalar loss, a [B, D] pooled vector, per-expert counts): not per position,
   so no causality question: listed as not audited, with why;
+* a field that is None (an output a block fills in only when asked) or not a tensor: listed as
+  not audited, with why; the fields after it are read as any others;
 * the key/value cache and attention weights of a ``ModelOutput`` (fields named in
   :data:`NOT_PER_POSITION`) are head-major: listed as not audited.
 
@@ -89,14 +91,12 @@ def _children(out: Any) -> list[tuple[str, Any]] | None:
 
 
 def _leaves(out: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """Every tensor, Routing or other non-container leaf, depth first, with its dotted path."""
-    children = None if isinstance(out, (Tensor, Routing)) else _children(out)
+    """Every tensor, Routing or other non-container leaf (None included), depth first, with its dotted path."""
+    children = None if isinstance(out, (Tensor, Routing)) or out is None else _children(out)
     if children is None:
         yield path or BARE, out
         return
     for name, value in children:
-        if value is None:
-            continue
         yield from _leaves(value, f"{path}.{name}" if path else name)
 
 
@@ -123,7 +123,7 @@ def read_outputs(out: Any, b: int, t: int, select: str | None = None) -> tuple[l
     skipped: list[Skipped] = []
     for name, value in leaves:
         if not _selected(name, wanted):
-            skipped.append(Skipped(name, _shape(value), "not selected by output="))
+            skipped.append(Skipped(name, _shape(value), "not selected by --output (output=)"))
             continue
         top = name.split(".")[0]
         if top in NOT_PER_POSITION:
@@ -140,8 +140,10 @@ def read_outputs(out: Any, b: int, t: int, select: str | None = None) -> tuple[l
                 fields.append(field)
             else:
                 skipped.append(Skipped(name, tuple(value.shape), why))
+        elif value is None:
+            skipped.append(Skipped(name, None, "None: nothing returned in it"))
         else:
-            skipped.append(Skipped(name, None, f"a {type(value).__name__}, not a tensor"))
+            skipped.append(Skipped(name, None, f"{type(value).__name__}, not a tensor"))
     if not fields:
         raise OutputError(_nothing_to_audit(out, skipped, b, t))
     return fields, skipped

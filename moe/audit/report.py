@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from moe.audit.advice import advice
+from moe.audit.text import format_table, yes_no
 from moe.routing import Claims
 
 KINDS = ("future", "batch", "decode")
@@ -86,6 +87,10 @@ class ProbeResult:
     screened: int = 0
     """Distribution regime: the variants run once under the audit seed to choose which to test
     (``comparisons`` counts the tests)."""
+    changed_share: float | None = None
+    """Of the exact entries compared directly (routing decisions, integer and bool outputs: any
+    change counts, so ``excess``, a float figure, says nothing of them), the share that changed,
+    over all the probe's comparisons; None where none were compared."""
     forwards: int = 0
     """Calls of the target this probe made."""
     seconds: float = 0.0
@@ -124,6 +129,7 @@ class ProbeResult:
             "draws": self.draws,
             "inconclusive": self.inconclusive,
             "screened": self.screened,
+            "changed_share": self.changed_share,
             "forwards": self.forwards,
             "seconds": round(self.seconds, 4),
         }
@@ -172,10 +178,16 @@ class AuditReport:
     """Token inputs: the ids put in futures on purpose, by why (smallest / largest id, named by
     the user, the example's own); uniform random ids are drawn besides."""
     forward_seconds: float = 0.0
-    """The fastest forward of the example measured in the audit: the unit of its cost (on
-    :func:`moe.audit.runner.cost_clock`: CPU time under one torch thread on the CPU, else wall time)."""
+    """The unit of the audit's cost: the median time of ``unit_forwards`` plain eval-mode forwards
+    of the example under ``torch.no_grad()``, on ``cost_clock``."""
+    unit_forwards: int = 0
+    """How many forwards ``forward_seconds`` is the median of (0: not measured)."""
+    cost_clock: str = "cpu"
+    """"cpu": this process's CPU time (a CPU target under one torch thread: a loaded machine does
+    not stretch it); "wall": wall time (another device, or several threads)."""
     cost_seconds: float = 0.0
-    """The whole audit on the clock of ``forward_seconds``."""
+    """The whole audit (every call of the target, with or without gradients, the comparisons,
+    building the inputs) on ``cost_clock``."""
     forwards: int = 0
     """Calls of the target the audit made."""
     notes: list[str] = field(default_factory=list)
@@ -332,21 +344,34 @@ class AuditReport:
         else:
             found = "no leak found"
         claims = "" if self.claims is None else f" ({self.verdict})"
+        leaking = self.leaking_outputs
         where = (
             f" in {self.outputs[0]}"
             if len(self.outputs) == 1
+            else f" in {len(leaking)} of {len(self.outputs)} outputs: {', '.join(leaking)}"
+            if leaking
             else f" in {len(self.outputs)} outputs"
             if self.outputs
             else ""
         )
         return f"{self.name}: {found}{claims}{where}"
 
+    @property
+    def leaking_outputs(self) -> list[str]:
+        """The audited outputs (names, in order) a future probe saw move; a Routing output counts
+        by its weights or its kept assignments."""
+        moved = {
+            o.removesuffix(" (kept assignments)") for p in self.probes if p.kind == "future" for o in p.leaking_outputs
+        }
+        names = [o.split(" [")[0] for o in self.outputs]
+        return [n for n in names if n in moved]
+
     def _outputs_section(self) -> list[str]:
         out = []
         if len(self.outputs) > 1:
             out.append(f"audited: {'; '.join(self.outputs)}")
         if self.outputs_not_audited:
-            out.append(f"not audited (no positions to compare): {'; '.join(self.outputs_not_audited)}")
+            out.append(f"not audited, with why: {'; '.join(self.outputs_not_audited)}")
         return out + list(self.notes)
 
     def _findings_section(self) -> list[str]:
@@ -514,7 +539,12 @@ class AuditReport:
             )
         cost = f"{self.seconds:.2g} s"
         if self.forward_seconds > 0:
-            cost += f", {self.forwards} forwards, {self.forward_equivalents:.0f} forward-equivalents"
+            clock = "CPU time" if self.cost_clock == "cpu" else "wall time"
+            cost += (
+                f", {self.forwards} forwards, {self.forward_equivalents:.0f} forward-equivalents (the audit's {clock} "
+                f"over one eval forward of the example, {1e3 * self.forward_seconds:.2g} ms, the median of "
+                f"{self.unit_forwards})"
+            )
         return f"{self.regime} regime; " + "; ".join(parts) + f"; {cost}"
 
     @property
@@ -572,6 +602,8 @@ class AuditReport:
             "seconds": round(self.seconds, 4),
             "forwards": self.forwards,
             "forward_seconds": self.forward_seconds,
+            "unit_forwards": self.unit_forwards,
+            "cost_clock": self.cost_clock,
             "forward_equivalents": round(self.forward_equivalents, 1),
             "probes": [p.to_dict() for p in self.probes],
         }
@@ -607,60 +639,18 @@ class AuditReport:
         else:
             summary = (
                 f"{self.name}: leaks in {', '.join(self.leaks_in) or 'no mode'}; "
-                f"batch-invariant: {_yes(self.batch_invariant)}; decode-consistent: {_yes(self.decode_consistent)}"
+                f"batch-invariant: {yes_no(self.batch_invariant)}; decode-consistent: {yes_no(self.decode_consistent)}"
                 f"; regime: {self.regime}"
             )
             if self.inconclusive_in:
                 summary += f"; INCONCLUSIVE in {', '.join(self.inconclusive_in)}"
         if self.false_claims:
             summary += "\nFALSE CLAIMS: " + "; ".join(self.false_claims)
-        return "\n".join([summary, *self._probe_notes(), _format(head, rows)])
+        return "\n".join([summary, *self._probe_notes(), format_table(head, rows)])
 
 
 def reports_to_json(reports: list[AuditReport], indent: int | None = 2) -> str:
     return json.dumps({"targets": [r.to_dict() for r in reports]}, indent=indent)
-
-
-SUMMARY_LEGEND = (
-    "causal claim: what the target claims (train only / eval only: causal in that mode); ? = it claims "
-    "nothing (an opaque module: only leaks count). batch-inv, decode: claimed/found; decode in the modes the "
-    "claim covers, i.e. those claimed causal ((eval): the claim and the finding are eval mode's). verdict: "
-    "claims hold, FALSE CLAIM (either way), INCONCLUSIVE, NOT AUDITED; for opaque targets LEAKS or clean."
-)
-"""Printed under :func:`summary_table`: what its columns and marks mean."""
-
-
-def summary_table(reports: list[AuditReport]) -> str:
-    """One row per target: what it claims, what the audit found, and the verdict (at most
-    about 100 columns for the built-in suite's names)."""
-    head = ("target", "causal claim", "leaks in", "batch-inv", "decode", "verdict")
-    rows = []
-    for r in reports:
-        claims = r.claims
-        rows.append(
-            (
-                r.name,
-                _claimed(r.claimed_causal),
-                ",".join(r.leaks_in) or "-",
-                f"{'?' if claims is None else _yes(claims.batch_invariant)}/{_yes(r.batch_invariant)}",
-                _decode_cell(r),
-                r.verdict,
-            )
-        )
-    return _format(head, rows)
-
-
-def _decode_cell(r: AuditReport) -> str:
-    """claimed/found, in the modes the decode claim covers: a router causal only in eval claims
-    decode consistency in eval, so "yes/same (eval)" where its training mode differs."""
-    claimed = r.claimed_causal
-    if r.claims is None or claimed is None:
-        return f"?/{'same' if r.decode_consistent else 'differs'}"
-    covered = [m for m, c in claimed.items() if c] if r.claims.decode_consistent else list(r.modes)
-    covered = covered or list(r.modes)
-    found = "differs" if any(m in r.decode_differs_in for m in covered) else "same"
-    only = f" ({','.join(covered)})" if len(covered) < len(r.modes) else ""
-    return f"{_yes(r.claims.decode_consistent)}/{found}{only}"
 
 
 def _ids_text(ids: dict[str, list[int]]) -> str:
@@ -674,24 +664,10 @@ def _ids_text(ids: dict[str, list[int]]) -> str:
     return "; ".join(parts) + "; and uniform random ids"
 
 
-def _claimed(claimed: dict[str, bool] | None) -> str:
-    if claimed is None:
-        return "?"
-    if all(claimed.values()):
-        return "yes"
-    if not any(claimed.values()):
-        return "no"
-    return " ".join(f"{m} only" for m, c in claimed.items() if c)
-
-
 _REGIME_SHORT = {"deterministic": "det", "seeded": "seeded", "distribution": "dist"}
 """The per-probe table's regime column (the summary line above it spells the regime out)."""
 _LEAK_WORD = {"future": "LEAKS", "batch": "MIXES", "decode": "DIFFERS"}
 """What the per-probe table prints for a probe that saw a change, by kind."""
-
-
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
 
 
 def _ranges(positions: list[int]) -> str:
@@ -707,11 +683,3 @@ def _ranges(positions: list[int]) -> str:
 
 def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
-
-
-def _format(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)

@@ -54,6 +54,21 @@ class TargetTimeout(Exception):
         super().__init__(f"a forward on an input of shape {shape} did not return within {limit:g} s")
 
 
+def exit_text(e: SystemExit) -> str:
+    """``sys.exit(3)``, ``sys.exit()``: the call a target made, from the SystemExit it raised."""
+    return f"sys.exit({'' if e.code is None else repr(e.code)})"
+
+
+class TargetExit(Exception):
+    """The target called ``sys.exit`` in a forward: the audit of this target stops (NOT AUDITED)."""
+
+    def __init__(self, shape: tuple[int, ...], error: SystemExit) -> None:
+        self.shape = shape
+        super().__init__(
+            f"the target could not be run: it called {exit_text(error)} in a forward on an input of shape {shape}"
+        )
+
+
 class _Expired(BaseException):
     """Raised inside the target by the timer (a BaseException: a target's ``except Exception``
     does not swallow it)."""
@@ -99,8 +114,10 @@ class _DrawRecorder(TorchDispatchMode):
 
 @functools.cache
 def _warm_up_draw_recording() -> None:
-    """The first dispatch mode of a process imports what torch needs for it (sympy: seconds): done
-    once before any timed forward, so the time limit never interrupts an import half-way."""
+    """The first dispatch mode of a process imports what torch needs for it (torch._dynamo and
+    sympy: about a second of CPU): done once, before the first recorded forward and outside its
+    clock and time limit, so the limit never interrupts an import half-way; a process that audits
+    only targets drawing no random numbers never pays it."""
     with _DrawRecorder():
         torch.ones(1) + 1
 
@@ -144,8 +161,9 @@ class Runner:
         self.cost = Cost()
         self.last_seconds = 0.0
         """How long the last call took, on :func:`cost_clock`."""
-        if timeout:
-            _warm_up_draw_recording()
+        self.last_drew = False
+        """Whether the last call advanced a generator the runner seeds (torch's CPU and CUDA ones,
+        the target's own): it drew random numbers."""
 
     def _reset(self, seed: int) -> None:
         """The target's buffers as at the start; every generator it may draw from seeded: the CPU
@@ -161,10 +179,16 @@ class Runner:
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed(seed % 2**32)
 
+    def _generator_states(self) -> list[Tensor]:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+        return [torch.default_generator.get_state(), *cuda, *(g.get_state() for g in self.target.state.generators)]
+
     def _run(self, x: Tensor, seed: int, call: Any) -> Any:
-        """``call(fresh copy of x)`` after :meth:`_reset`, within the time limit."""
+        """``call(fresh copy of x)`` after :meth:`_reset`, within the time limit; sets
+        :attr:`last_drew`."""
         fresh = x.detach().clone(memory_format=torch.contiguous_format)
         self._reset(seed)
+        seeded = self._generator_states()
         clock = cost_clock(x)
         start = clock()
         try:
@@ -175,10 +199,13 @@ class Runner:
                 return out
         except _Expired:
             raise TargetTimeout(tuple(x.shape), self.timeout) from None
+        except SystemExit as e:  # never the audit's own exit: its caller reads it as a verdict
+            raise TargetExit(tuple(x.shape), e) from None
         except Exception as e:  # the target's own failure: reported with the shape, never raised
             raise TargetFailure(tuple(x.shape), e) from None
         finally:
             self.last_seconds = clock() - start
+            self.last_drew = any(not torch.equal(a, b) for a, b in zip(seeded, self._generator_states()))
             self.cost.forwards += 1
             self.cost.samples += x.shape[0]
             self.cost.seconds += self.last_seconds
@@ -186,6 +213,8 @@ class Runner:
     def forward(self, x: Tensor, seed: int | None = None, record: bool = False) -> Forward:
         """One call of the target on a fresh copy of x; ``record``: also list its random draws
         (a dispatch mode around the call: slower, so only where the draws are compared)."""
+        if record:
+            _warm_up_draw_recording()
         recorder = _DrawRecorder() if record else None
 
         def call(fresh: Tensor) -> Outputs:
@@ -196,6 +225,12 @@ class Runner:
 
         out = self._run(x, self.seed if seed is None else seed, call)
         return Forward(out, tuple(recorder.draws) if recorder is not None else None)
+
+    def time_forward(self, x: Tensor) -> float:
+        """One plain eval forward of the target on x (:meth:`AuditTarget.plain`), its time on
+        :func:`cost_clock`."""
+        self._run(x, self.seed, self.target.plain)
+        return self.last_seconds
 
     def forward_with_grad(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(value_BTF with its graph, the input it is differentiated against) or None; see

@@ -188,6 +188,12 @@ class AuditTarget:
             for h in handles:
                 h.remove()
 
+    def plain(self, x: Tensor) -> Any:
+        """The target's own eval forward on x under ``torch.no_grad()``, nothing read or hooked
+        (what :func:`~moe.audit.runner.Runner.time_forward` times)."""
+        with torch.no_grad():
+            return self._call(x)
+
     def _call(self, x: Tensor) -> Any:
         if self.ids_by_keyword and not x.is_floating_point():
             return self.fn(input_ids=x)
