@@ -113,7 +113,9 @@ def test_the_same_command_resumes_its_own_rows_after_a_crash(tmp_path, monkeypat
     path.write_text(json.dumps(kept))
     ran = []
     real = study.run_rows
-    monkeypatch.setattr(study, "run_rows", lambda todo, *a: (ran.extend(t["router"] for t in todo), real(todo, *a)))
+    monkeypatch.setattr(
+        study, "run_rows", lambda todo, *a, **k: (ran.extend(t["router"] for t in todo), real(todo, *a, **k))
+    )
     again = study.main(argv)  # no --update: the same command resumes
     assert ran == ["remoe"] and again["rows"][0] == first["rows"][0]
 
@@ -354,7 +356,7 @@ def test_registered_rows_stay_out_of_the_tables_until_the_verdict_and_then_get_t
     ]
     rows += [_row("top_p", s, 12, 3.0, 3.0 + 0.001 * s * s) for s in (6, 7)]
     rows += [_row("top_p", 0, 12, 3.4, 3.4)]  # explored, unregistered seed: shown
-    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, registration())
+    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, {"": registration()})
     assert (
         "Router study (5 rows, 6 registered rows held out" in table
         and "| c | s | top_p | 1 |" in table
@@ -369,10 +371,10 @@ def test_registered_rows_stay_out_of_the_tables_until_the_verdict_and_then_get_t
     ]
     done = registration(verdict=stats.registered_verdict(registration(), rows))
     result = {"rows": rows, "wall_time_s": 60.0}
-    explored, registered = report.render(result, tmp_path / "s.json", done).split("Its rows")
+    explored, registered = report.render(result, tmp_path / "s.json", {"": done}).split("Its rows")
     # the exploratory table keeps its seeds; the registered rows are a table of their own whose
     # comparison column is the registered test's
-    assert "Router study (5 rows; the registered test's 9 rows in their own table below" in explored
+    assert "Router study (5 rows; the registered tests' 9 rows in their own tables below" in explored
     assert "| c | s | top_p | 1 |" in explored and "| c | s | topk_aux | 2 |" in explored
     et, tp = done["verdict"]["challengers"]
     assert f"| {et['challenger']} | {et['diff']:+.4f} ± {et['se']:.4f} |" in explored
@@ -387,7 +389,7 @@ def test_registered_rows_stay_out_of_the_tables_until_the_verdict_and_then_get_t
 
 def test_a_registration_runs_only_once_committed(tmp_path, capsys):
     path = tmp_path / "reg.json"
-    path.write_text(json.dumps(registration()))
+    path.write_text(json.dumps(registration(size="large", corpus="shakespeare-bpe")))
     with pytest.raises(SystemExit) as exit_info:
         study.main(["--registered", str(path), "--json", str(tmp_path / "s.json")])
     assert exit_info.value.code == 2
