@@ -64,13 +64,16 @@ from datetime import date
 from pathlib import Path
 
 import torch
-from study_report import SMOKE, registration_lines, render
-from study_stats import StudyError, registered_verdict, require_scipy
 from tqdm import tqdm
 
-from moe.eval import evaluate, format_difference
-
 ROOT = Path(__file__).resolve().parents[1]
+# this tree's code, whatever copy of the package is installed: a row records this tree's commit
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
+from study_report import SMOKE, registration_lines, render  # noqa: E402
+from study_stats import StudyError, registered_verdict, require_scipy  # noqa: E402
+
+from moe.eval import evaluate, format_difference  # noqa: E402
+
 RESULTS = ROOT / "experiments" / "results"
 DATA_DIR = ROOT / "runs" / "router_study" / "data"
 

@@ -134,3 +134,14 @@ def test_registered_rows_stored_before_the_registration_was_committed_are_refuse
         study.check_fresh(repo / "factors.json", {**factors, "reuses": {"topk_lossfree_unnorm": "first.json"}}, [])
     with pytest.raises(study.StudyError, match="did not register expert_threshold"):  # seeds it did not register
         study.check_fresh(repo / "factors.json", {**factors, "seeds": [6, 8]}, reused)
+
+
+def test_the_study_runs_the_code_of_its_own_tree_whose_commit_its_rows_record(tmp_path):
+    # `python experiments/router_study.py` puts the script's folder first on the path, not the tree:
+    # without the study's own insert, moe would come from wherever the package is installed
+    probe = "import sys; sys.path.insert(0, sys.argv[1]); import router_study, moe; print(moe.__file__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(ROOT / "experiments")], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == str(ROOT / "moe" / "__init__.py"), done.stderr
