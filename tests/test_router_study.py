@@ -397,3 +397,25 @@ def test_a_registration_runs_only_once_committed(tmp_path, capsys):
     path.write_text("{}")
     with pytest.raises(study.StudyError, match="lacks seeds, baseline, challengers"):
         study.load_registration(path)
+
+
+def test_a_verdict_goes_by_the_holm_p_not_the_uncorrected_one():
+    # two challengers, each ahead on every seed with t = -5.0 and -4.6 (2 df): uncorrected p 0.038 and
+    # 0.044, both below alpha 0.05; Holm: 2 x 0.038 = 0.075 for both, so neither is distinguished
+    base = (3.50, 3.60, 3.55)
+    rows = [_row("topk_aux", s, 12, x, x) for s, x in zip((6, 7, 8), base)]
+    for label, t in (("expert_threshold", 5.0), ("top_p", 4.6)):
+        spread = 0.02 * 3**0.5 / t  # the sd that gives mean 0.02 this t over three seeds
+        diffs = (0.02 - spread, 0.02, 0.02 + spread)
+        rows += [_row(label, s, 12, x - d, x - d) for s, x, d in zip((6, 7, 8), base, diffs)]
+    verdict = stats.registered_verdict(registration(), rows)
+    et, tp = verdict["challengers"]
+    assert (et["t"], tp["t"]) == (pytest.approx(-5.0), pytest.approx(-4.6))
+    assert (et["p"], tp["p"]) == (pytest.approx(p_2df(5.0)), pytest.approx(p_2df(4.6)))
+    assert et["p"] < tp["p"] < 0.05
+    assert et["p_holm"] == pytest.approx(2 * p_2df(5.0)) and tp["p_holm"] == et["p_holm"] > 0.05
+    assert [c["decision"] for c in (et, tp)] == ["not distinguished", "not distinguished"]
+    summary = {s["router"]: s for s in stats.summarise(rows, "topk_aux")}  # the table's verdicts: the same rule
+    assert [summary[r]["verdict"] for r in ("expert_threshold", "top_p")] == ["not distinguished"] * 2
+    lines = report.registration_lines(registration(verdict=verdict))
+    assert sum("| not distinguished |" in line for line in lines) == 2
