@@ -426,7 +426,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="run a committed registration's rows and record its verdict once all are stored",
     )
     p.add_argument("--allow-unequal-compute", action="store_true", help="compare routers of unequal active compute")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="train each row N steps, not the recipe's (a check that two commits train a config alike; needs --json)",
+    )
+    args = p.parse_args(argv)
+    if args.steps is not None and (args.json is None or args.registered is not None or args.steps < 1):
+        p.error("--steps N (N >= 1) writes a check, not the study's rows: give --json, and no --registered")
+    return args
 
 
 def expand(names: list[str]) -> list[str]:
@@ -640,6 +649,8 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
             for size in sizes:
                 for label in labels:
                     fields = row_config(corpus, size, label, seed, args.quick, path)
+                    if args.steps is not None:
+                        fields["steps"] = args.steps
                     spec = {"corpus": corpus, "size": size, "router": label, "seed": seed, "fields": fields}
                     spec["key"] = row_key(spec)
                     spec["data_sha256"] = check_row(fields, checked)

@@ -419,3 +419,20 @@ def test_a_verdict_goes_by_the_holm_p_not_the_uncorrected_one():
     assert [summary[r]["verdict"] for r in ("expert_threshold", "top_p")] == ["not distinguished"] * 2
     lines = report.registration_lines(registration(verdict=verdict))
     assert sum("| not distinguished |" in line for line in lines) == 2
+
+
+def test_steps_trains_a_short_check_of_a_rows_config_into_its_own_file(tmp_path, capsys):
+    path = tmp_path / "check.json"
+    argv = [*QUICK, "--routers", "topk_aux", "--steps", "4", "--json", str(path)]
+    (row,) = study.main(argv)["rows"]
+    assert row["steps"] == 4 and row["config"]["optimizer"]["steps"] == 4 and len(row["loss_curve"]) == 4
+    full = study.row_config("stdlib-bytes", "quick", "topk_aux", 0, True)
+    assert row["key"] != study.row_key({**row, "fields": full})  # a check never passes for a row of the study
+    for bad in (
+        ["--steps", "4"],
+        ["--steps", "0", "--json", str(path)],
+        ["--steps", "4", "--json", "x", "--registered", "r"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            study.main([*QUICK, *bad])
+        assert exit_info.value.code == 2 and "--steps N (N >= 1) writes a check" in capsys.readouterr().err
