@@ -436,3 +436,25 @@ def test_steps_trains_a_short_check_of_a_rows_config_into_its_own_file(tmp_path,
         with pytest.raises(SystemExit) as exit_info:
             study.main([*QUICK, *bad])
         assert exit_info.value.code == 2 and "--steps N (N >= 1) writes a check" in capsys.readouterr().err
+
+
+def test_each_registration_beside_a_results_file_holds_its_rows_out_and_compares_with_its_own_baseline(tmp_path):
+    rows = [
+        _row(r, s, 12, 3.0, 3.0 + d * s) for r, d in (("topk_aux", 0.0), ("expert_threshold", -0.01)) for s in (6, 7, 8)
+    ]
+    rows += [_row("top_p", 0, 12, 3.4, 3.4)]  # explored: the only row of the exploratory table
+    first = registration(challengers=["expert_threshold"])
+    first["verdict"] = stats.registered_verdict(first, rows)
+    factors = registration(baseline="expert_threshold", challengers=["topk_lossfree_unnorm"])
+    rows += [_row("topk_lossfree_unnorm", s, 12, 3.0, 3.0 + 0.002 * s * s) for s in (6, 7)]  # seed 8 still running
+    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, {"": first, "_factors": factors})
+    assert "Router study (1 rows, 8 registered rows held out" in table and "| c | s | top_p | 1 |" in table
+    assert "Verdict: not yet: 5 of its 6 rows are stored" in table  # expert_threshold's 3 rows are shared
+    assert table.count("Its rows") == 1 and "topk_lossfree_unnorm | 2 |" not in table
+    rows.append(_row("topk_lossfree_unnorm", 8, 12, 3.0, 3.128))
+    factors["verdict"] = stats.registered_verdict(factors, rows)
+    table = report.render({"rows": rows, "wall_time_s": 60.0}, tmp_path / "s.json", {"": first, "_factors": factors})
+    line = next(x for x in table.splitlines() if x.startswith("| c | s | topk_lossfree_unnorm | 3 |"))
+    (c,) = factors["verdict"]["challengers"]
+    assert f"{c['diff']:+.4f} ± {c['se']:.4f} vs expert_threshold" in line  # the factors test's own baseline
+    assert (tmp_path / "s_registered.png").is_file() and (tmp_path / "s_registered_factors.png").is_file()

@@ -145,3 +145,13 @@ def test_the_study_runs_the_code_of_its_own_tree_whose_commit_its_rows_record(tm
         [sys.executable, "-c", probe, str(ROOT / "experiments")], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert done.stdout.strip() == str(ROOT / "moe" / "__init__.py"), done.stderr
+
+
+def test_every_registration_beside_a_results_file_is_found_by_its_name(tmp_path):
+    (tmp_path / "s_registration.json").write_text(json.dumps(registration()))
+    (tmp_path / "s_registration_factors.json").write_text(
+        json.dumps(registration(baseline="expert_threshold", challengers=["topk_aux"]))
+    )
+    (tmp_path / "other_registration.json").write_text(json.dumps(registration()))  # another results file's
+    found = study.registrations_of(tmp_path / "s.json")
+    assert list(found) == ["", "_factors"] and found["_factors"]["baseline"] == "expert_threshold"
