@@ -15,3 +15,8 @@ def nonnegative_int(name: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return value
+
+
+def first_few(names: list[str], most: int = 3) -> str:
+    """The first ``most`` of ``names`` joined for a one-line message, and how many more there are."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")

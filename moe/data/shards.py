@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from moe.checks import first_few
 from moe.data.corpus import Corpus, split_ranges
 
 MANIFEST = "manifest.json"
@@ -61,9 +62,8 @@ def refuse_without_manifest(path: str | Path) -> None:
         ["tokenizer.json"] if (p / "tokenizer.json").is_file() else []
     )
     if found:
-        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ValueError(
-            f"{str(p)!r} holds {shown} but no {MANIFEST}: a prepared directory without its manifest "
+            f"{str(p)!r} holds {first_few(found)} but no {MANIFEST}: a prepared directory without its manifest "
             "(deleted, or never written) is not read; prepare it again with python -m moe.data prepare"
         )
 

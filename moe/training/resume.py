@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe.checks import first_few
 from moe.model import ModelConfig
 from moe.parallel.sharded_state import load_sharded
 from moe.training.checkpoint_files import (
@@ -43,9 +44,8 @@ def refuse_foreign(directory: Path | None) -> None:
         return
     found = sorted(p.name for p in [*directory.glob("step-*"), directory / EXPORT_NAME] if p.exists())
     if found:
-        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ValueError(
-            f"--checkpoint-dir {directory} holds another run's checkpoints ({shown}): add --resume to continue "
+            f"--checkpoint-dir {directory} holds another run's checkpoints ({first_few(found)}): add --resume to continue "
             "that run, or use another --checkpoint-dir (a fresh run never writes over them)"
         )
 
