@@ -16,6 +16,7 @@ def test_registry_lists_builtins():
         "ec_predictor",
         "ec_threshold",
         "expert_choice",
+        "hash",
         "quantile",
         "remoe",
         "seq_topk",

@@ -5,6 +5,7 @@ from moe.routers.capacity import CapacityRouter
 from moe.routers.ec_predictor import ExpertChoicePredictorRouter
 from moe.routers.ec_threshold import ExpertChoiceThresholdRouter
 from moe.routers.expert_choice import ExpertChoiceRouter
+from moe.routers.hash import HashRouter
 from moe.routers.quantile import QuantileBalancingRouter
 from moe.routers.remoe import ReLURouter
 from moe.routers.seq_topk import SeqTopKRouter
@@ -36,6 +37,7 @@ __all__ = [
     "ExpertChoicePredictorRouter",
     "ExpertChoiceRouter",
     "ExpertChoiceThresholdRouter",
+    "HashRouter",
     "QuantileBalancingRouter",
     "ReLURouter",
     "SeqTopKRouter",
