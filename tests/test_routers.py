@@ -18,6 +18,7 @@ def test_registry_lists_builtins():
         "expert_choice",
         "hash",
         "quantile",
+        "quantile_global",
         "remoe",
         "seq_topk",
         "top_p",

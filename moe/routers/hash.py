@@ -69,13 +69,7 @@ class HashRouter(TokenChoiceBase):
         super().__init__(d_model, num_experts, aux_loss_coef=aux_loss_coef, **options)
         positive_int("vocab_size", vocab_size)
         nonnegative_int("table_seed", table_seed)
-        if self.has_balance_loss():
-            raise ValueError(
-                "hash routing takes its experts from a fixed table, which no balance loss can move: "
-                "set aux_loss_coef, seq_aux_loss_coef and global_aux_loss_coef to 0"
-            )
-        if self.balance_rate > 0 or self.num_expert_groups is not None:
-            raise ValueError("hash routing selects by its table: balance_rate and num_expert_groups do not apply")
+        self.refuse_balancing("hash routing takes its experts from a fixed table, which no balance loss can move")
         self.vocab_size = vocab_size
         self.table_seed = table_seed
         self.register_buffer("tid2eid", hash_table(vocab_size, num_experts, self.top_k, table_seed))
