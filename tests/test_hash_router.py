@@ -82,6 +82,25 @@ def test_bad_input_and_refused_options_raise_one_line_errors():
         checked(torch.randn(1, 2, 4), token_ids_BT=torch.tensor([[1, 8]]))
 
 
+def test_a_training_step_reads_nothing_on_the_host(monkeypatch):
+    """As tests/test_decode.py checks every router of helpers.ROUTER_CONFIGS (which call routers
+    without token ids): no .item(), bool(), .tolist(), int(), float() or bincount."""
+    monkeypatch.delenv("MOE_DEBUG", raising=False)
+    router = moe.build_router("hash", d_model=16, num_experts=E, vocab_size=V)
+    x, ids = torch.randn(2, 12, 16, requires_grad=True), torch.randint(0, V, (2, 12))
+    calls = []
+    for method in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda *a, m=method, f=original, **k: calls.append(m) or f(*a, **k))
+    monkeypatch.setattr(torch, "bincount", lambda *a, **k: calls.append("bincount"))
+    routing = router.train()(x, token_ids_BT=ids)
+    (routing.weight.sum() + routing.aux_loss).backward()
+    router.update_after_step()
+    router.eval()(x, token_ids_BT=ids)
+    monkeypatch.undo()
+    assert calls == [], calls
+
+
 def test_hash_layers_route_the_first_blocks_by_the_models_token_ids():
     model = small_lm("topk", {"top_k": 2, "gate": "sigmoid"}, hash_layers=1)
     first, second = model.routers()
