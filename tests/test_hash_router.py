@@ -17,6 +17,7 @@ import moe
 from moe.audit import audit
 from moe.audit import cli as audit_cli
 from moe.model import MoETransformer, preset
+from moe.training import TrainConfig
 
 V, E = 32, 4
 
@@ -77,6 +78,8 @@ def test_bad_input_and_refused_options_raise_one_line_errors():
         preset("tiny", n_layers=2, moe_every=2, hash_layers=1)
     with pytest.raises(ValueError, match="exceeds n_layers"):
         preset("tiny", hash_layers=3)
+    with pytest.raises(ValueError, match="no pipeline_parallel"):
+        TrainConfig.flat(pipeline_parallel=2, model={"hash_layers": 1})
     checked = moe.build_router("hash", d_model=4, num_experts=E, vocab_size=8, check_finite=True)
     with pytest.raises(ValueError, match="vocab_size=8"):
         checked(torch.randn(1, 2, 4), token_ids_BT=torch.tensor([[1, 8]]))
@@ -189,6 +192,7 @@ def test_moe_audit_cli_passes_token_ids_to_the_hash_layers(tmp_path, capsys):
         textwrap.dedent(
             f"""
             from moe.model import MoETransformer, preset
+from moe.training import TrainConfig
             import sys
             sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
             from test_hash_router import NextIdHash
