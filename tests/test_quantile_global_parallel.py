@@ -39,7 +39,8 @@ def _batch() -> torch.Tensor:
 
 
 def _step(model: MoETransformer, chunks: list[torch.Tensor], group=None) -> list[torch.Tensor]:
-    """One optimiser step (SGD, lr 0: the weights stay) over ``chunks``; (histograms, biases)."""
+    """One optimiser step (SGD, lr 0: the weights stay) over ``chunks``; (histograms, biases). The
+    hook solves both layers with one all-reduce (none without a group)."""
     share_router_statistics(model, group)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     register_quantile_balancing_hook(opt, model)
@@ -49,7 +50,13 @@ def _step(model: MoETransformer, chunks: list[torch.Tensor], group=None) -> list
     if group is not None:
         for h in counted:
             dist.all_reduce(h, group=group)
-    opt.step()
+    calls, real = [], dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    try:
+        opt.step()
+    finally:
+        dist.all_reduce = real
+    assert len(calls) == (group is not None), f"the pre-step hook ran {len(calls)} all-reduces for 2 layers"
     return counted + [r.balance_bias.clone() for r in model.routers()]
 
 
