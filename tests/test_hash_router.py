@@ -192,7 +192,6 @@ def test_moe_audit_cli_passes_token_ids_to_the_hash_layers(tmp_path, capsys):
         textwrap.dedent(
             f"""
             from moe.model import MoETransformer, preset
-from moe.training import TrainConfig
             import sys
             sys.path.insert(0, {str(__file__.rsplit("/", 1)[0])!r})
             from test_hash_router import NextIdHash
@@ -203,5 +202,5 @@ from moe.training import TrainConfig
         )
     )
     flags = ["--input", "tokens:2,12,256", "--modes", "eval", "--trials", "1", "--no-agreement", "--no-progress"]
-    assert audit_cli.main(["--target", f"{target}:honest", *flags]) == 0, capsys.readouterr().out
-    assert audit_cli.main(["--target", f"{target}:NextIdHash", *flags]) == 1, capsys.readouterr().out
+    assert audit_cli.main(["--target", f"{target}:honest", *flags]) == 0, capsys.readouterr()
+    assert audit_cli.main(["--target", f"{target}:NextIdHash", *flags]) == 1, capsys.readouterr()
