@@ -100,6 +100,8 @@ ROUTERS: dict[str, tuple[str, dict, dict]] = {
     "ec_predictor": ("ec_predictor", {"capacity_factor": 2.0}, {}),
     "quantile": ("quantile", {"top_k": 2}, {}),  # Megatron-Core's quantile balancing (its defaults: no aux loss, ema 0)
     "seq_topk": ("seq_topk", {"top_k": 2}, {}),  # SeqTopK: a sequence's best T*k scores, decoded online
+    "quantile_global": ("quantile_global", {"top_k": 2}, {}),  # Kimi K3's global-step quantile balancing
+    "hash_first": ("topk", {"top_k": 2}, {"model": {"hash_layers": 1}}),  # topk_aux, block 0 hashed (DeepSeek-V4)
     # expert choice's selection pool: a sequence (T tokens), the batch (B*T), a 4x larger batch at equal tokens
     "expert_choice_batch": ("expert_choice", {"capacity_factor": 2.0, "group": "batch"}, {}),
     "expert_choice_batch_b48": ("expert_choice", {"capacity_factor": 2.0, "group": "batch"}, {"batch_size": 48}),

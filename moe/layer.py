@@ -108,13 +108,22 @@ class MoELayer(nn.Module):
         self.backend = backend
 
     def forward(
-        self, x_BTD: Tensor, return_routing: bool = False, decode_state: DecodeState | None = None
+        self,
+        x_BTD: Tensor,
+        return_routing: bool = False,
+        decode_state: DecodeState | None = None,
+        token_ids_BT: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Routing]:
         """``decode_state`` (from ``self.router.init_decode_state(B)``): x holds the next tokens
-        of the state's sequences, routed as in the full-sequence forward (see ``moe.routing``)."""
+        of the state's sequences, routed as in the full-sequence forward (see ``moe.routing``).
+        ``token_ids_BT`` (int [B, T]): the ids of x's tokens, for a router that routes by them
+        (``Router.reads_token_ids``, e.g. ``hash``); other routers ignore them."""
         check_input(x_BTD, self.d_model)
         b, t, d = x_BTD.shape
-        routing = self.router(x_BTD, decode_state=decode_state)
+        if self.router.reads_token_ids:
+            routing = self.router(x_BTD, decode_state=decode_state, token_ids_BT=token_ids_BT)
+        else:
+            routing = self.router(x_BTD, decode_state=decode_state)
         if self.backend == "triton":
             warn_inexact("backend 'triton'", "its kernels are not blocked by rows (use 'torch' or 'grouped_mm')")
         x_ND = x_BTD.reshape(b * t, d)

@@ -27,6 +27,7 @@ from moe.checks import nonnegative_int, positive_int
 from moe.generation import generate
 from moe.layer import MoELayer
 from moe.lm import KVCache, ModelOutput, check_token_ids, empty_cache, lm_loss
+from moe.routers.hash import block_router
 from moe.routing import DecodeState, Router, Routing
 from moe.shared import SwiGLU
 
@@ -66,6 +67,10 @@ class ModelConfig:
     (``preset`` says which of a preset's options carry over to another router)."""
     moe_every: int = 1
     """Block i uses MoE iff (i + 1) % moe_every == 0; 1 = every block, 0 = dense model."""
+    hash_layers: int = 0
+    """Blocks 0 .. hash_layers-1 (MoE blocks all) route by a fixed table of token ids (router
+    ``hash``, with the options of ``router_options`` that set the weights; DeepSeek-V4, MaxText's
+    first_num_hash_layers, torchtitan's n_hash_layers); 0 = none."""
     max_seq_len: int = 256
     """Longest sequence the rotary tables cover."""
     rope_theta: float = 10000.0
@@ -97,6 +102,11 @@ class ModelConfig:
             )
         if not isinstance(self.moe_every, int) or self.moe_every < 0:
             raise ValueError(f"moe_every must be an integer >= 0, got {self.moe_every!r}")
+        nonnegative_int("ModelConfig.hash_layers", self.hash_layers)
+        if not all(self.is_moe_block(i) for i in range(min(self.hash_layers, self.n_layers))):
+            raise ValueError(f"hash_layers={self.hash_layers} names dense blocks (moe_every={self.moe_every})")
+        if self.hash_layers > self.n_layers:
+            raise ValueError(f"hash_layers={self.hash_layers} exceeds n_layers={self.n_layers}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("rope_theta and norm_eps must be > 0")
 
@@ -197,33 +207,38 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, use_moe: bool, expert_parallel=None) -> None:
+    def __init__(self, cfg: ModelConfig, use_moe: bool, expert_parallel=None, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         if use_moe:
+            router, options = block_router(
+                cfg.router, cfg.router_options, cfg.vocab_size, index, index < cfg.hash_layers
+            )
             self.ffn = MoELayer(
                 cfg.d_model,
                 cfg.moe_d_ff,
                 cfg.num_experts,
-                router=cfg.router,
+                router=router,
                 backend=cfg.backend,
                 expert_parallel=expert_parallel,
                 shared_experts=cfg.shared_experts,
                 shared_expert_gate=cfg.shared_expert_gate,
                 latent_dim=cfg.moe_latent_dim,
-                **cfg.router_options,
+                **options,
             )
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x_BTD: Tensor, cache: KVCache | None = None, layer: int = 0) -> tuple[Tensor, Routing | None]:
+    def forward(
+        self, x_BTD: Tensor, cache: KVCache | None = None, layer: int = 0, token_ids_BT: Tensor | None = None
+    ) -> tuple[Tensor, Routing | None]:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cache, layer)
         h = self.ffn_norm(x_BTD)
         if isinstance(self.ffn, MoELayer):
             state = None if cache is None else cache.router_states[layer]
-            y, routing = self.ffn(h, return_routing=True, decode_state=state)
+            y, routing = self.ffn(h, return_routing=True, decode_state=state, token_ids_BT=token_ids_BT)
             return x_BTD + y, routing
         return x_BTD + self.ffn(h), None
 
@@ -249,7 +264,7 @@ class MoETransformer(nn.Module):
         # drawn before any submodule draws, so the global generator's state alone decides it
         self.init_seed = int(torch.randint(2**62, (), device="cpu")) if init_seed is None else init_seed
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), expert_parallel) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), expert_parallel, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -297,7 +312,7 @@ class MoETransformer(nn.Module):
             routings.append(routing)
             return x_BTD
 
-        x_BTD = self.forward_blocks(self.embed_tokens(idx_BT, cache), cache, keep)
+        x_BTD = self.forward_blocks(self.embed_tokens(idx_BT, cache), cache, keep, idx_BT)
         if cache is not None:
             cache.length += idx_BT.shape[1]
         logits_BTV = self.output_logits(x_BTD)
@@ -321,12 +336,15 @@ class MoETransformer(nn.Module):
                 )
         return self.embed(idx_BT)
 
-    def forward_blocks(self, x_BTD: Tensor, cache: KVCache | None = None, on_routing=None) -> Tensor:
+    def forward_blocks(
+        self, x_BTD: Tensor, cache: KVCache | None = None, on_routing=None, token_ids_BT: Tensor | None = None
+    ) -> Tensor:
         """Run the held blocks in order; after each MoE block, ``x = on_routing(x, layer, routing)``
-        (block index ``layer``) lets the caller keep the routing (and rewire x)."""
+        (block index ``layer``) lets the caller keep the routing (and rewire x). ``token_ids_BT``:
+        the input's token ids, for the blocks that route by them (``hash_layers``)."""
         blocks = self.blocks.items() if isinstance(self.blocks, nn.ModuleDict) else enumerate(self.blocks)
         for name, block in blocks:
-            x_BTD, routing = block(x_BTD, cache, int(name))
+            x_BTD, routing = block(x_BTD, cache, int(name), token_ids_BT)
             if routing is not None and on_routing is not None:
                 x_BTD = on_routing(x_BTD, int(name), routing)
         return x_BTD

@@ -197,6 +197,9 @@ class Router(nn.Module):
     """
 
     name: str = ""
+    reads_token_ids: bool = False
+    """True for a router that routes by token id (``hash``): it is called as
+    ``router(x_BTD, token_ids_BT=ids)``, and ``MoELayer`` passes it the ids it is given."""
     routing_hook = None
     """None (route as usual), or a callable with :meth:`route_tokens`' signature that routes in its
     place: ``moe.record_routing`` and ``moe.replay_routing`` set one per router while they run."""

@@ -153,6 +153,7 @@ ROUTER_CONFIGS: list[tuple[str, dict]] = [
     ("quantile", {"top_k": 2}),
     ("seq_topk", {"top_k": 2}),
     ("topk", DEEPSEEK_V3_STYLE),
+    ("quantile_global", {"top_k": 2}),
 ]
 
 

@@ -246,7 +246,9 @@ def test_hf_causal_lm_interface_and_aux_loss():
     assert gate.grad is not None and gate.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("router", list_routers())
+@pytest.mark.parametrize(
+    "router", [r for r in list_routers() if not moe.routing.registered_routers()[r].reads_token_ids]
+)
 def test_every_router_swaps_in_and_trains_a_step(router):
     model = HFCausalLM(swap_moe_blocks(tiny_model("qwen3-moe-tiny", norm=True), router)).train()
     idx = torch.randint(0, V, (2, 12))

@@ -8,7 +8,9 @@ from moe.routers.doc_pool import DocumentPoolRouter
 from moe.routers.ec_predictor import ExpertChoicePredictorRouter
 from moe.routers.ec_threshold import ExpertChoiceThresholdRouter
 from moe.routers.expert_choice import ExpertChoiceRouter
+from moe.routers.hash import HashRouter
 from moe.routers.quantile import QuantileBalancingRouter
+from moe.routers.quantile_global import GlobalQuantileBalancingRouter
 from moe.routers.remoe import ReLURouter
 from moe.routers.seq_topk import SeqTopKRouter
 from moe.routers.token_choice import TokenChoiceBase, TopKRouter
@@ -62,6 +64,8 @@ __all__ = [
     "ExpertChoicePredictorRouter",
     "ExpertChoiceRouter",
     "ExpertChoiceThresholdRouter",
+    "GlobalQuantileBalancingRouter",
+    "HashRouter",
     "QuantileBalancingRouter",
     "ReLURouter",
     "SeqTopKRouter",

@@ -111,6 +111,14 @@ class TokenChoiceBase(Router):
     def nominal_experts_per_token(self) -> float:
         return float(self.top_k)
 
+    def refuse_balancing(self, reason: str) -> None:
+        """ValueError, starting with ``reason``, if a balance loss, ``balance_rate`` or expert
+        groups are set: for a subclass that selects (or balances) by other means."""
+        if self.has_balance_loss():
+            raise ValueError(f"{reason}: set aux_loss_coef, seq_aux_loss_coef and global_aux_loss_coef to 0")
+        if self.balance_rate > 0 or self.num_expert_groups is not None:
+            raise ValueError(f"{reason}: balance_rate and num_expert_groups do not apply")
+
     def select(self, logits_NE: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Top-k choice per token: (scores_NE, expert_NK, weight_NK). ``scores_NE`` are the
         score function's outputs (softmax over all experts, or per-expert sigmoid /

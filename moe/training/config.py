@@ -93,6 +93,10 @@ class TrainConfig:
                 "global_aux_loss_coef over several microbatches counts the whole batch in a forward first, which "
                 "pipeline_parallel does not run: use microbatches=1 or no pipeline"
             )
+        if par.pipeline_parallel > 1 and (m.router == "hash" or m.given().get("hash_layers")):
+            raise ValueError(
+                "hash routing reads the token ids, which pipeline stages do not pass: no pipeline_parallel"
+            )
         if self.data.batch_size % par.microbatches:
             raise ValueError(f"batch_size={self.data.batch_size} is not divisible by microbatches={par.microbatches}")
 

@@ -62,6 +62,7 @@ from moe.parallel import share_router_statistics
 from moe.parallel.exchange import EAGER_UNDER_COMPILE
 from moe.parallel.memory import largest_peak_mib, limit_cpu_malloc
 from moe.parallel.placement import Placement, place_model
+from moe.routers.quantile_global import register_quantile_balancing_hook
 from moe.routing import Router
 from moe.training.batches import check_eval_windows, local_batch
 from moe.training.build import build_run_model, hf_recipe, model_config, total_parameters
@@ -197,6 +198,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     if cfg.checkpoint.directory is not None:  # fp32 weights and AdamW's two moments
         on_rank0_for_all(lambda: check_room(cfg.checkpoint.directory, 12 * num_params))
     optimizer = make_optimizer(place.model, cfg.optimizer)
+    register_quantile_balancing_hook(optimizer, place.model)  # one all-reduce of every layer's histograms
     place.strategy.attach(optimizer)
     start, run_id, resumed, cfg = resume(cfg, place.model, optimizer, mcfg)
     report = RunReport(cfg, mcfg, info, start, run_id)

@@ -207,6 +207,11 @@ def swap_moe_blocks(
     router modules this replaces, so ``config.output_router_logits`` is set to False. Call
     ``moe.update_routers(model)`` after each optimiser step, as with any model of this package.
     """
+    if getattr(registered_routers().get(router), "reads_token_ids", False):
+        raise ValueError(
+            f"router {router!r} routes by token id, and a transformers decoder layer gives its MoE block the hidden "
+            "states alone: not supported by swap_moe_blocks (use moe.model.MoETransformer with hash_layers)"
+        )
     swaps = [
         (parent, name, child, FAMILIES[type(child).__name__])
         for parent in model.modules()
