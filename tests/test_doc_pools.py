@@ -58,9 +58,9 @@ def test_hand_case_pools_from_the_whole_document_or_its_prefix():
     doc = identity_router("doc_pool", 4, pool_from="document", **options)
     prefix = identity_router("doc_pool", 4, pool_from="prefix", **options)
     # the whole second document sums to experts 3 and 2 first: position 2 loses its favourite
-    assert pairs(doc(x, token_ids=ids)) == [(0, 0), (1, 1), (2, 3), (3, 2), (4, 2)]
+    assert pairs(doc(x, token_ids_BT=ids)) == [(0, 0), (1, 1), (2, 3), (3, 2), (4, 2)]
     # its prefix at position 2 is position 2 alone (pool {0, 3}); at 3, positions 2-3 (pool {3, 0})
-    assert pairs(prefix(x, token_ids=ids)) == [(0, 0), (1, 1), (2, 0), (3, 3), (4, 2)]
+    assert pairs(prefix(x, token_ids_BT=ids)) == [(0, 0), (1, 1), (2, 0), (3, 3), (4, 2)]
     # without the ids the sequence is one document: position 1's favourite is outside the pool {0, 3}
     assert pairs(doc(x)) == [(0, 0), (1, 3), (2, 0), (3, 3), (4, 3)]
 
@@ -75,7 +75,7 @@ def test_routing_equals_the_per_token_reference(pool_from, m):
     r = identity_router(
         "doc_pool", 6, top_k=2, document_expert_pool=3, eos_token_id=EOS, pool_from=pool_from, pool_prefix=m
     )
-    out = r(x, token_ids=ids).dense()
+    out = r(x, token_ids_BT=ids).dense()
     for b in range(2):
         want = reference(x[b], ids[b].tolist(), 3, 2, pool_from, m)
         got = {(t, j): out[b, t, j].item() for t, j in out[b].nonzero().tolist()}
@@ -93,7 +93,7 @@ class DocPoolTarget(nn.Module):
         self.router = moe.build_router("doc_pool", d_model=D, num_experts=E, eos_token_id=EOS, **options)
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        return self.router(self.embed(idx_BT), token_ids=idx_BT).dense()
+        return self.router(self.embed(idx_BT), token_ids_BT=idx_BT).dense()
 
 
 def test_audit_finds_the_whole_document_leak_and_none_in_the_prefix_pool():
@@ -112,10 +112,10 @@ def test_prefix_pool_decodes_chunk_by_chunk_as_the_full_forward():
     idx[0, [2, 6]] = EOS
     idx[1, 8] = EOS  # chunks below end on an EOS (position 2, 8) and start after one
     x = target.embed(idx)
-    full = target.router(x, token_ids=idx)
+    full = target.router(x, token_ids_BT=idx)
     state = target.router.init_decode_state(2)
     chunks = [(0, 3), (3, 4), (4, 9), (9, 13)]
-    decoded = [target.router(x[:, s:e], decode_state=state, token_ids=idx[:, s:e]).dense() for s, e in chunks]
+    decoded = [target.router(x[:, s:e], decode_state=state, token_ids_BT=idx[:, s:e]).dense() for s, e in chunks]
     assert torch.equal(torch.cat(decoded, 1), full.dense())
     assert state.position == 13
     whole = moe.build_router("doc_pool", d_model=D, num_experts=E, pool_from="document").eval()
@@ -137,6 +137,24 @@ def test_model_kv_cache_decoding_equals_the_full_forward_and_replays():
         prefix.generate(idx[:, :3], 4, temperature=0)
 
 
+def test_the_model_passes_its_ids_so_an_eos_id_ends_a_document_in_the_model_and_its_cache():
+    """A model's prefix pools read the ids it is given: with the EOS id in the input the routing
+    differs from the same model without an EOS id (one document per sequence), and it decodes
+    through the KV cache as its full forward does."""
+    eos = 7
+    idx = torch.randint(8, 32, (2, 12))
+    idx[:, 5] = eos
+    options = {"top_k": 2, "document_expert_pool": 2, "pool_prefix": 2}
+    torch.manual_seed(0)
+    with_eos = small_lm("doc_pool", {**options, "eos_token_id": eos}).eval()
+    torch.manual_seed(0)
+    without = small_lm("doc_pool", options).eval()
+    with torch.no_grad():
+        a, b = with_eos(idx).routings[0].mask(), without(idx).routings[0].mask()
+    assert torch.equal(a[:, :6], b[:, :6]) and not torch.equal(a[:, 6:], b[:, 6:])  # pools reset after the EOS
+    assert_cache_decoding_is_the_full_forward(with_eos, idx)
+
+
 @pytest.mark.parametrize(
     "options,match",
     [
@@ -154,8 +172,8 @@ def test_bad_options(options, match):
 
 def test_token_ids_must_match_the_input():
     r = moe.build_router("doc_pool", d_model=8, num_experts=4, eos_token_id=EOS)
-    with pytest.raises(ValueError, match=r"token_ids must be integer ids of shape \[B, T\] = \[2, 5\]"):
-        r(torch.randn(2, 5, 8), token_ids=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token_ids_BT must be integer ids of shape \[B, T\] = \[2, 5\]"):
+        r(torch.randn(2, 5, 8), token_ids_BT=torch.zeros(2, 4, dtype=torch.long))
 
 
 TARGET_FILE = """
@@ -173,7 +191,7 @@ class Target(nn.Module):
         self.router = moe.build_router("doc_pool", d_model=16, num_experts=4, eos_token_id=9, pool_from=pool_from)
 
     def forward(self, idx):
-        return self.router(self.embed(idx), token_ids=idx).dense()
+        return self.router(self.embed(idx), token_ids_BT=idx).dense()
 
 
 def whole():

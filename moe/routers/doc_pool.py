@@ -5,7 +5,8 @@ Shape legend: B sequences, T positions, N = B*T tokens, E experts, K top-k, P po
 
 Documents: a sequence starts one, and a token whose id is ``eos_token_id`` ends the document it
 belongs to (the next token starts a new one), as OLMo-core derives ``document_boundaries`` from
-the EOS id. The token ids reach the router as ``router(x_BTD, token_ids=idx_BT)``; without them
+the EOS id. The token ids reach the router as ``router(x_BTD, token_ids_BT=idx_BT)`` (``reads_token_ids``:
+``MoELayer`` and ``MoETransformer`` pass their input ids, through the KV cache too); without them
 (or without ``eos_token_id``) each sequence is one document.
 
 A pool is the P experts of largest summed softmax probability (ties: the lower index), taken
@@ -65,6 +66,8 @@ class DocumentPoolRouter(TokenChoiceBase):
     as OLMo-core's ``EmoRouterV2`` refuses them.
     """
 
+    reads_token_ids = True
+
     def __init__(
         self,
         d_model: int,
@@ -95,17 +98,17 @@ class DocumentPoolRouter(TokenChoiceBase):
         return Claims(causal_train=causal, causal_eval=causal, batch_invariant=True, decode_consistent=causal)
 
     def forward(
-        self, x_BTD: Tensor, decode_state: DecodeState | None = None, token_ids: Tensor | None = None
+        self, x_BTD: Tensor, decode_state: DecodeState | None = None, token_ids_BT: Tensor | None = None
     ) -> Routing:
-        """``token_ids`` (int [B, T], optional): the ids of x's tokens, whose EOS ids end documents."""
-        if token_ids is not None and (
-            token_ids.is_floating_point() or tuple(token_ids.shape) != tuple(x_BTD.shape[:2])
+        """``token_ids_BT`` (int [B, T], optional): the ids of x's tokens, whose EOS ids end documents."""
+        if token_ids_BT is not None and (
+            token_ids_BT.is_floating_point() or tuple(token_ids_BT.shape) != tuple(x_BTD.shape[:2])
         ):
             raise ValueError(
-                f"token_ids must be integer ids of shape [B, T] = {list(x_BTD.shape[:2])}, "
-                f"got {token_ids.dtype} {list(token_ids.shape)}"
+                f"token_ids_BT must be integer ids of shape [B, T] = {list(x_BTD.shape[:2])}, "
+                f"got {token_ids_BT.dtype} {list(token_ids_BT.shape)}"
             )
-        self._token_ids = token_ids
+        self._token_ids = token_ids_BT
         try:
             return super().forward(x_BTD, decode_state)
         finally:
