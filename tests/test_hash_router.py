@@ -154,14 +154,6 @@ def test_record_and_replay_are_the_recorded_forward_bit_for_bit(mode):
         assert torch.equal(model(idx, targets).logits, out.logits)
 
 
-def test_transformers_blocks_refuse_hash_routing_with_a_clear_error():
-    pytest.importorskip("transformers")
-    from moe.integrations.hf import swap_moe_blocks
-
-    with pytest.raises(ValueError, match="routes by token id.*hash_layers"):
-        swap_moe_blocks(nn.Linear(2, 2), "hash")
-
-
 class NextIdHash(nn.Module):
     """A planted leak: the model's hash blocks are given the *next* position's ids (position t
     routed by token t+1), while its routers keep claiming causality."""

@@ -246,9 +246,7 @@ def test_hf_causal_lm_interface_and_aux_loss():
     assert gate.grad is not None and gate.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize(
-    "router", [r for r in list_routers() if not moe.routing.registered_routers()[r].reads_token_ids]
-)
+@pytest.mark.parametrize("router", list_routers())
 def test_every_router_swaps_in_and_trains_a_step(router):
     model = HFCausalLM(swap_moe_blocks(tiny_model("qwen3-moe-tiny", norm=True), router)).train()
     idx = torch.randint(0, V, (2, 12))
@@ -502,3 +500,21 @@ def test_an_exported_hf_run_loads_and_samples_as_the_trained_model(tmp_path, cap
     generate.main([str(tmp_path / "model.pt"), "--prompt", "def f", "--max-new-tokens", "6", "--temperature", "0"])
     sample = model.generate(torch.tensor([corpus.encode("def f")]), 6, temperature=0)[0, 5:].tolist()
     assert capsys.readouterr().out.splitlines()[2:4] == ["--- sample: 6 new tokens ---", corpus.decode(sample)]
+
+
+def test_hash_routing_reads_the_models_input_ids_in_a_full_forward_and_through_the_cache():
+    """A swapped model hands its input_ids to the blocks: each token's experts are the table's row
+    of its id, and greedy decoding through transformers' cache gives the full forward's logits."""
+    hf = swap_moe_blocks(tiny_model("qwen3-moe-tiny", norm=True), "hash").eval()
+    idx = torch.randint(0, V, (2, 10))
+    with torch.no_grad():
+        hf(input_ids=idx)
+    for block in [m for m in hf.modules() if isinstance(m, HFMoEBlock)]:
+        table_BTE = torch.zeros(2, 10, block.moe.num_experts, dtype=torch.bool)
+        table_BTE.scatter_(2, block.moe.router.tid2eid[idx], True)
+        assert torch.equal(block.routing.mask(), table_BTE) and block.token_ids_BT is None
+    with torch.no_grad():
+        seq, logits = generate_with_logits(hf, idx[:, :4], 5)
+        torch.testing.assert_close(logits, full_forward_logits(hf, seq, 5), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="call the model with input_ids, not inputs_embeds"):
+        hf(inputs_embeds=torch.randn(2, 4, hf.config.hidden_size))

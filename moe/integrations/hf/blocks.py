@@ -17,6 +17,7 @@ copied, and a swapped checkpoint keeps its parameter objects.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -92,9 +93,14 @@ class HFMoEBlock(nn.Module):
         self.shared_expert_gate = shared_expert_gate
         self.routing: Routing | None = None
         self.decode_state: DecodeState | None = None
+        self.token_ids_BT: Tensor | None = None
+        """The ids of the model call running now, for a router that routes by them (set by the
+        swapped model's forward hooks, :func:`hand_token_ids`)."""
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        y_BTD, self.routing = self.moe(hidden_states, return_routing=True, decode_state=self.decode_state)
+        y_BTD, self.routing = self.moe(
+            hidden_states, return_routing=True, decode_state=self.decode_state, token_ids_BT=self.token_ids_BT
+        )
         if self.shared_expert is not None:
             shared_BTD = self.shared_expert(hidden_states)
             if self.shared_expert_gate is not None:
@@ -207,11 +213,9 @@ def swap_moe_blocks(
     router modules this replaces, so ``config.output_router_logits`` is set to False. Call
     ``moe.update_routers(model)`` after each optimiser step, as with any model of this package.
     """
-    if getattr(registered_routers().get(router), "reads_token_ids", False):
-        raise ValueError(
-            f"router {router!r} routes by token id, and a transformers decoder layer gives its MoE block the hidden "
-            "states alone: not supported by swap_moe_blocks (use moe.model.MoETransformer with hash_layers)"
-        )
+    reads_ids = getattr(registered_routers().get(router), "reads_token_ids", False)
+    if reads_ids and "vocab_size" in inspect.signature(registered_routers()[router]).parameters:
+        router_options = {"vocab_size": model.config.vocab_size, **router_options}
     swaps = [
         (parent, name, child, FAMILIES[type(child).__name__])
         for parent in model.modules()
@@ -229,7 +233,30 @@ def swap_moe_blocks(
         config.output_router_logits = False
     model.swap_recipe = {"router": router, "router_options": dict(router_options)}
     model.register_forward_pre_hook(warn_outside_decoding, with_kwargs=True)
+    if reads_ids:
+        model.register_forward_pre_hook(hand_token_ids, with_kwargs=True)
+        model.register_forward_hook(take_token_ids_back, always_call=True)
     return model
+
+
+def hand_token_ids(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a model whose swapped blocks route by token id: its ``input_ids`` (the
+    new tokens only, when ``generate`` decodes through the cache) go to every swapped block for
+    this call (the matching forward hook takes them back). A call with ``inputs_embeds`` alone
+    has no ids: one line."""
+    ids_BT = kwargs.get("input_ids", args[0] if args else None)
+    if ids_BT is None and kwargs.get("inputs_embeds") is not None:
+        raise ValueError("the swapped MoE blocks route by token id: call the model with input_ids, not inputs_embeds")
+    for block in model.modules():
+        if isinstance(block, HFMoEBlock):
+            block.token_ids_BT = ids_BT
+
+
+def take_token_ids_back(model: nn.Module, args: tuple, output) -> None:
+    """Forward hook (also after a failed call): the swapped blocks keep no ids of a finished call."""
+    for block in model.modules():
+        if isinstance(block, HFMoEBlock):
+            block.token_ids_BT = None
 
 
 def outside_decoding_misroute(router: Router) -> str | None:
