@@ -15,11 +15,11 @@ import math
 
 import pytest
 import torch
+from test_parallel_train import COMMON, REL_TOL, _torchrun
 
 from moe.model import MoETransformer, preset
 from moe.parallel.pipeline import AuxLossInjector, StageModel, bubble_fraction, split_blocks
 from moe.training import TrainConfig, config_from_args, train
-from tests.test_parallel_train import COMMON, REL_TOL, _torchrun
 
 EC = ["--router", "ec_threshold", "--router-option", "aux_loss_coef=0"]
 
