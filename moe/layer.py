@@ -120,7 +120,7 @@ class MoELayer(nn.Module):
         (``Router.reads_token_ids``, e.g. ``hash``); other routers ignore them."""
         check_input(x_BTD, self.d_model)
         b, t, d = x_BTD.shape
-        if self.router.reads_token_ids:
+        if getattr(self.router, "reads_token_ids", False):  # a router module of the user's may not say
             routing = self.router(x_BTD, decode_state=decode_state, token_ids_BT=token_ids_BT)
         else:
             routing = self.router(x_BTD, decode_state=decode_state)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from moe.checks import nonnegative_int, positive_int
 from moe.routers.token_choice import TokenChoiceBase
-from moe.routing import Claims, DecodeState, Routing, register_router, router_scores
+from moe.routing import Claims, DecodeState, Routing, check_input, register_router, router_scores
 
 SHARED_OPTIONS = ("top_k", "gate", "pre_softmax", "normalize", "route_scale", "router_dtype", "z_loss_coef")
 """The options a hash block takes from the model's ``router_options`` (``ModelConfig.hash_layers``):
@@ -83,6 +83,7 @@ class HashRouter(TokenChoiceBase):
         self, x_BTD: Tensor, decode_state: DecodeState | None = None, token_ids_BT: Tensor | None = None
     ) -> Routing:
         """Route x [B, T, D] whose tokens have ids ``token_ids_BT`` (int [B, T], each below V)."""
+        check_input(x_BTD, self.d_model)  # a malformed input is named before the missing ids
         if token_ids_BT is None:
             raise ValueError(
                 "router 'hash' routes by token id: call it as router(x_BTD, token_ids_BT=ids) "
