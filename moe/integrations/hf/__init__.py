@@ -9,10 +9,14 @@
 interface (training loop, evaluation, audit); ``build_hf_model`` is what
 ``experiments/train.py --hf-model`` builds. ``export_pretrained(model, folder)`` writes a model
 trained here (either kind) as a Hugging Face checkpoint folder. Importing this module imports
-transformers (and registers this package's classes with its auto classes); the core package
-never does.
+transformers where it is installed (and registers this package's classes with its auto classes);
+without it the module still imports (the swap imports transformers when it runs), and the export
+names say which extra they need. The core package never imports it.
 """
 
+from importlib.util import find_spec
+
+from moe.extras import require
 from moe.integrations.hf.blocks import (
     FAMILIES,
     Family,
@@ -31,13 +35,22 @@ from moe.integrations.hf.causal_lm import (
     load_hf_model,
     tiny_config,
 )
-from moe.integrations.hf.export import export_pretrained
-from moe.integrations.hf.pretrained import (
-    MoETransformerConfig,
-    MoETransformerForCausalLM,
-    SwappedMoEConfig,
-    SwappedMoEForCausalLM,
-)
+
+if find_spec("transformers") is not None:  # our auto classes subclass transformers' own
+    from moe.integrations.hf.export import export_pretrained
+    from moe.integrations.hf.pretrained import (
+        MoETransformerConfig,
+        MoETransformerForCausalLM,
+        SwappedMoEConfig,
+        SwappedMoEForCausalLM,
+    )
+else:
+
+    def __getattr__(name: str):
+        if name in __all__:  # the export names: transformers is not installed
+            require("transformers", "hf", f"moe.integrations.hf.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FAMILIES",
