@@ -7,9 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from extras import need
 
-from moe.data.__main__ import main
-from moe.data.tokenizer import load_tokenizer_file
+need("tokenizers", "data")
+
+from moe.data.__main__ import main  # noqa: E402
+from moe.data.tokenizer import load_tokenizer_file  # noqa: E402
 
 TEXT = {"a.txt": b"caf\xc3\xa9 \xff\xfe ok\n\xe9t\xe9\n", "b.txt": b"clean text\n", "c.jsonl": b'{"text": "x\xffy"}\n'}
 """Bytes of three files: a.txt has 4 bytes that are not UTF-8, c.jsonl 1, b.txt none."""
