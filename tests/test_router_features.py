@@ -244,7 +244,7 @@ def test_microbatches_give_the_whole_batch_loss_and_gradients(coef):
                 aux = model(c).aux_loss / 2
                 aux.backward()
                 total += aux.item()
-        assert model.routers()[0].global_load is None  # cleared after the step
+        assert model.routers()[0].context.global_load is None  # cleared after the step
         got = grads(model)
         diff = max((got[n] - want[n]).abs().max().item() for n in want)
         if equal:
