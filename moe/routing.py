@@ -189,9 +189,34 @@ class RouterContext:
 
 
 class Router(nn.Module):
-    """Base class: a bias-free linear gate, input checks, aux losses and stats.
+    """The base of every router: a bias-free linear gate, input checks, aux losses and stats.
 
-    Subclasses implement :meth:`route` on fp32 logits and return a :class:`Routing`.
+    A new router is one file in ``moe/routers/``: a subclass registered by name
+    (``@register_router("name")``, imported and given a row of ``moe.routers.ROUTER_TABLE``)
+    that implements these hooks, the only ones a router has:
+
+    ==============================================================  ==========================
+    hook                                                            implement
+    ==============================================================  ==========================
+    ``claims`` (property): its :class:`Claims`                      always
+    ``route(logits_NE, x_BTD, batch_shape)``: a full forward        always
+    ``route_decode(logits_NE, x_BTD, batch_shape, state)``          if decoding reads the past
+    ``init_decode_state(batch_size)``: a :class:`DecodeState`       if it keeps decode state
+    ``decode_support()``: why it cannot decode here, or None        to override the claims
+    ``replay(logits_NE, x_BTD, batch_shape, expert_NK, decoding)``  to be replayed
+    ``update_after_step()``: state learned from past steps          if it learns such state
+    ``nominal_experts_per_token()``: experts per token it sets      if its options set one
+    ==============================================================  ==========================
+
+    ``route_decode`` defaults to ``route`` (a token routed from itself alone). ``logits_NE`` are
+    the gate's logits in ``router_dtype`` (:meth:`score_logits`). What the code
+    around a router hands it (replay's hook, the statistics group, the global batch's loads)
+    is in :attr:`context` (:class:`RouterContext`), which the router reads and nobody sets on it
+    otherwise. Two families share pieces by subclassing: ``TokenChoiceBase`` (top-k selection,
+    score functions, groups, balance bias; ``moe/routers/token_choice.py``) and
+    :class:`TokenLocalRouter` (a token's routing reads that token alone: it implements
+    ``route``, ``route_decode`` and ``replay`` from one ``_route``).
+
     Aux losses (:meth:`_aux_loss`): the Switch load-balancing loss ``E * sum_e f_e * P_e``
     (f_e: fraction of the assignments counted to e, P_e: mean router probability) at three
     granularities, each with its coefficient, as Megatron-Core's ``TopKRouter`` offers them
@@ -221,9 +246,12 @@ class Router(nn.Module):
     """
 
     name: str = ""
+    context: RouterContext
+    """What the code around the router hands it (set in ``__init__``; see :class:`RouterContext`)."""
     reads_token_ids: bool = False
     """True for a router that routes by token id (``hash``): it is called as
     ``router(x_BTD, token_ids_BT=ids)``, and ``MoELayer`` passes it the ids it is given."""
+
     def __init__(
         self,
         d_model: int,
@@ -366,12 +394,11 @@ class Router(nn.Module):
         self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
     ) -> Routing:
         """Route the next T tokens of each sequence (positions ``state.position ...``); called
-        only when :meth:`decode_support` allows it; ``forward`` advances the state. Every
-        decode-consistent router implements it (a router whose routing of a token depends on
-        that token alone can return :meth:`route`)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} claims to be decode-consistent but implements no route_decode"
-        )
+        only when :meth:`decode_support` allows it; ``forward`` advances the state. Default:
+        :meth:`route`, right for a router whose routing of a token reads that token alone in the
+        modes where it decodes (``topk``, ``hash``, eval-mode ``ec_predictor``); a router whose
+        routing reads earlier positions overrides it with its :class:`DecodeState`."""
+        return self.route(logits_NE, x_BTD, batch_shape)
 
     def update_after_step(self) -> None:
         """Apply state learned from past batches (balancing bias, thresholds). Call after each

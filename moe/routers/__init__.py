@@ -18,6 +18,7 @@ from moe.routers.quantile import QuantileBalancingRouter
 from moe.routers.quantile_global import GlobalQuantileBalancingRouter
 from moe.routers.remoe import ReLURouter
 from moe.routers.seq_topk import SeqTopKRouter
+from moe.routers.sinkhorn import SinkhornRouter
 from moe.routers.token_choice import TokenChoiceBase, TopKRouter
 from moe.routers.token_rounding import TokenRoundingRouter
 from moe.routers.top_p import TopPRouter
@@ -128,6 +129,8 @@ ROUTER_TABLE: dict[str, RouterConfig] = {
     ),
     # Kimi K3's global-step quantile balancing
     "quantile_global": RouterConfig("quantile_global", {"top_k": 2}, ("tests",)),
+    # S-BASE: top-k of a Sinkhorn-balanced assignment in training, of the scores at inference
+    "sinkhorn": RouterConfig("sinkhorn", {"top_k": 2}, ("audit", "tests")),
     # expert choice's selection pool: the batch (B*T tokens) instead of a sequence
     "expert_choice_batch": RouterConfig("expert_choice", {"capacity_factor": 2.0, "group": "batch"}),
     # Expert Threshold's one-factor controls (issue 54): fixed top-2 (loss-free bias balancing, ET's
@@ -204,6 +207,7 @@ __all__ = [
     "QuantileBalancingRouter",
     "ReLURouter",
     "SeqTopKRouter",
+    "SinkhornRouter",
     "TokenChoiceBase",
     "TokenRoundingRouter",
     "TopKRouter",
