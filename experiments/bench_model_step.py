@@ -60,6 +60,7 @@ ROUTERS = {
     "doc_pool": ("doc_pool", {"top_k": 2}),
     "hash": ("hash", {"top_k": 2}),
     "quantile_global": ("quantile_global", {"top_k": 2}),
+    "sinkhorn": ("sinkhorn", {"top_k": 2}),
 }
 """Configuration name -> (router, options): every registered router (``moe.list_routers()``); a
 name the running tree does not register is reported as that configuration's error."""

@@ -73,49 +73,53 @@ from study_report import SMOKE, registration_lines, render  # noqa: E402
 from study_stats import StudyError, registered_verdict, require_scipy  # noqa: E402
 
 from moe.eval import evaluate, format_difference  # noqa: E402
+from moe.routers import ROUTER_TABLE  # noqa: E402
 
 RESULTS = ROOT / "experiments" / "results"
 DATA_DIR = ROOT / "runs" / "router_study" / "data"
 
-# label: (router name, options, TrainConfig overrides of the row; "model": ModelConfig overrides merged
-# into the size's). Two experts' worth of compute per token.
-ROUTERS: dict[str, tuple[str, dict, dict]] = {
-    "topk_aux": ("topk", {"top_k": 2}, {}),
-    "topk_lossfree": ("topk", {"top_k": 2, "aux_loss_coef": 0.0, "balance_rate": 1e-3}, {}),
-    "ec_threshold": ("ec_threshold", {"capacity_factor": 2.0}, {}),
-    "expert_threshold": (
-        "ec_threshold",
-        {"capacity_factor": 2.0, "statistic": "population", "aux_loss_coef": 0.0},
-        {},
-    ),
-    "remoe": ("remoe", {"top_k": 2}, {}),
-    "top_p": ("top_p", {"target_experts": 2.0}, {}),
-    "null_experts": ("topk", {"top_k": 4, "null_experts": 8}, {}),
-    "capacity_prefix": (
-        "capacity",
-        {"top_k": 2, "capacity_factor": 1.25, "priority": "position", "capacity_scope": "prefix"},
-        {},
-    ),
-    "expert_choice": ("expert_choice", {"capacity_factor": 2.0}, {}),
-    "ec_predictor": ("ec_predictor", {"capacity_factor": 2.0}, {}),
-    "quantile": ("quantile", {"top_k": 2}, {}),  # Megatron-Core's quantile balancing (its defaults: no aux loss, ema 0)
-    "seq_topk": ("seq_topk", {"top_k": 2}, {}),  # SeqTopK: a sequence's best T*k scores, decoded online
-    "quantile_global": ("quantile_global", {"top_k": 2}, {}),  # Kimi K3's global-step quantile balancing
-    "hash_first": ("topk", {"top_k": 2}, {"model": {"hash_layers": 1}}),  # topk_aux, block 0 hashed (DeepSeek-V4)
-    # expert choice's selection pool: a sequence (T tokens), the batch (B*T), a 4x larger batch at equal tokens
-    "expert_choice_batch": ("expert_choice", {"capacity_factor": 2.0, "group": "batch"}, {}),
-    "expert_choice_batch_b48": ("expert_choice", {"capacity_factor": 2.0, "group": "batch"}, {"batch_size": 48}),
-    "topk_aux_b48": ("topk", {"top_k": 2}, {"batch_size": 48}),
-    # Expert Threshold's one-factor controls (issue 54): fixed top-2 (loss-free bias balancing, ET's
-    # weights: the softmax over all experts, unrenormalised); ET's weights renormalised over its chosen
-    "topk_lossfree_unnorm": ("topk", {"top_k": 2, "aux_loss_coef": 0.0, "balance_rate": 1e-3, "normalize": False}, {}),
-    "expert_threshold_renorm": (
-        "ec_threshold",
-        {"capacity_factor": 2.0, "statistic": "population", "aux_loss_coef": 0.0, "normalize": True},
-        {},
-    ),
-    "dense": ("", {}, {}),
+# The study's arms, in its order: labels of the router table (moe.routers.ROUTER_TABLE: router name
+# and options). Two experts' worth of compute per token.
+ARMS = (
+    "topk_aux",
+    "topk_lossfree",
+    "ec_threshold",
+    "expert_threshold",
+    "remoe",
+    "top_p",
+    "null_experts",
+    "capacity_prefix",
+    "expert_choice",
+    "ec_predictor",
+    "quantile",
+    "seq_topk",
+    "quantile_global",
+    "hash_first",
+    "expert_choice_batch",
+    "expert_choice_batch_b48",
+    "topk_aux_b48",
+    "topk_lossfree_unnorm",
+    "expert_threshold_renorm",
+)
+# label: (the table's label, TrainConfig overrides of the row; "model": ModelConfig overrides merged
+# into the size's), for the arms that train a table configuration differently
+VARIANTS = {
+    "hash_first": ("topk_aux", {"model": {"hash_layers": 1}}),  # topk_aux, block 0 hashed (DeepSeek-V4)
+    # expert choice's selection pool at equal tokens: a 4x larger batch
+    "expert_choice_batch_b48": ("expert_choice_batch", {"batch_size": 48}),
+    "topk_aux_b48": ("topk_aux", {"batch_size": 48}),
 }
+
+
+def arm(label: str) -> tuple[str, dict, dict]:
+    """(router name, options, TrainConfig overrides) of one arm of :data:`ARMS`."""
+    table_label, overrides = VARIANTS.get(label, (label, {}))
+    config = ROUTER_TABLE[table_label]
+    return config.router, dict(config.options), overrides
+
+
+# label: (router name, options, TrainConfig overrides of the row); "dense" routes nothing
+ROUTERS: dict[str, tuple[str, dict, dict]] = {label: arm(label) for label in ARMS} | {"dense": ("", {}, {})}
 SETS = {
     "causal": [
         "topk_aux",

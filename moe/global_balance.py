@@ -6,7 +6,7 @@ A router's global balance loss (``global_aux_loss_coef``, :meth:`moe.routing.Rou
 Megatron-Core's ``global_aux_loss``, arXiv 2501.11873) counts f, the fraction of the
 assignments each expert got, over the step's whole batch: every microbatch of every
 data-parallel rank. When a step is one forward, that forward's counts summed over the
-router's ``stats_group`` are those counts. When it is M > 1 microbatches, the first
+router's ``context.stats_group`` are those counts. When it is M > 1 microbatches, the first
 microbatch's loss (and its backward, before the second microbatch runs) would need counts
 that do not exist yet. Megatron-Core (``TopKRouter._apply_global_aux_loss``) lets microbatch i
 use the running mean of the counts of microbatches 1..i, so the loss, and the trained model,
@@ -41,7 +41,7 @@ def global_batch_loads(model: nn.Module, forwards: Sequence[Callable[[], object]
     """Inside the block, every router of ``model`` with a global balance loss reads the
     assignment counts of the whole step: ``forwards`` (one callable per microbatch, each
     running ``model`` on it as the step will) are first run without gradients to count them,
-    and the counts are summed over each router's ``stats_group``. With one forward (or no such
+    and the counts are summed over each router's ``context.stats_group``. With one forward (or no such
     router) nothing is run: the step's single forward counts for itself. A collective when the
     routers share statistics: every rank enters with the same number of microbatches."""
     routers = global_balance_routers(model)
@@ -52,8 +52,8 @@ def global_batch_loads(model: nn.Module, forwards: Sequence[Callable[[], object]
     saved = [[b.detach().clone() for b in r.buffers(recurse=False)] for r in every_router]
     try:
         for r in routers:
-            r.global_load = None
-            r.load_counter = torch.zeros((), dtype=torch.float64, device=r.gate.weight.device)  # grows to [X]
+            r.context.global_load = None
+            r.context.load_counter = torch.zeros((), dtype=torch.float64, device=r.gate.weight.device)  # grows to [X]
         with torch.no_grad():
             for forward in forwards:
                 forward()
@@ -62,11 +62,11 @@ def global_batch_loads(model: nn.Module, forwards: Sequence[Callable[[], object]
                 for b, old in zip(r.buffers(recurse=False), buffers):
                     b.copy_(old)
         for r in routers:
-            load = r.load_counter
-            if r.stats_group is not None:
-                torch.distributed.all_reduce(load, group=r.stats_group)
-            r.global_load, r.load_counter = load, None
+            load = r.context.load_counter
+            if r.context.stats_group is not None:
+                torch.distributed.all_reduce(load, group=r.context.stats_group)
+            r.context.global_load, r.context.load_counter = load, None
         yield
     finally:
         for r in routers:
-            r.global_load = r.load_counter = None
+            r.context.global_load = r.context.load_counter = None

@@ -15,7 +15,7 @@ gates now say, with the combine weights that router's formula gives them from th
 scores. With the weights unchanged since recording, a replayed forward equals the recorded one
 bit for bit (outputs, aux losses, gradients).
 
-Both work through ``Router.routing_hook``: each router of ``model`` (in module order: the
+Both work through each router's ``context.routing_hook`` (:class:`moe.routing.RouterContext`): each router of ``model`` (in module order: the
 record's layer index) gets a tap while a context runs. A forward without a decode state is
 positions 0..T-1 of its B sequences; a forward with one (a KV-cache chunk) the next T positions
 from the state's position. Under expert parallelism each rank records and replays its own
@@ -39,7 +39,7 @@ from moe.routing import DecodeState, Router, Routing
 
 
 class RoutingTap:
-    """The ``routing_hook`` of one router while :func:`record_routing` or :func:`replay_routing` run."""
+    """The ``context.routing_hook`` of one router while :func:`record_routing` or :func:`replay_routing` run."""
 
     def __init__(self, router: Router, layer: int) -> None:
         self.router = router
@@ -79,7 +79,7 @@ def model_routers(model: nn.Module, draft: nn.Module | None = None) -> list[Rout
 def _taps(routers: list[Router]) -> list[RoutingTap]:
     taps = []
     for layer, router in enumerate(routers):
-        tap = router.routing_hook
+        tap = router.context.routing_hook
         if tap is None:
             tap = RoutingTap(router, layer)
         elif not isinstance(tap, RoutingTap) or tap.layer != layer:
@@ -89,14 +89,14 @@ def _taps(routers: list[Router]) -> list[RoutingTap]:
             )
         taps.append(tap)
     for router, tap in zip(routers, taps):
-        router.routing_hook = tap
+        router.context.routing_hook = tap
     return taps
 
 
 def _release(taps: list[RoutingTap]) -> None:
     for tap in taps:
         if not tap.records and tap.source is None:
-            tap.router.routing_hook = None
+            tap.router.context.routing_hook = None
 
 
 @contextmanager

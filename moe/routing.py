@@ -164,16 +164,65 @@ class DecodeState:
     """Tokens of each sequence routed so far: the next chunk starts at this absolute position."""
 
 
-class Router(nn.Module):
-    """Base class: a bias-free linear gate, input checks, aux losses and stats.
+@dataclass
+class RouterContext:
+    """What the code around a router hands it while it runs (``router.context``): the one object
+    through which replay, data- or expert-parallel statistics and the global balance loss reach a
+    router, which reads it. Each field's default is the router alone (its own choices, its own
+    batch's counts); the functions named below set a field and put it back."""
 
-    Subclasses implement :meth:`route` on fp32 logits and return a :class:`Routing`.
+    routing_hook: Callable | None = None
+    """None (route as usual), or a callable with :meth:`Router.route_tokens`' signature that routes
+    in its place: ``moe.record_routing`` and ``moe.replay_routing`` set one per router while they run."""
+    stats_group: object | None = None
+    """Process group over which the load-balancing loss counts assignments (set by data- or
+    expert-parallel training, see ``moe.parallel.share_router_statistics``): with equal
+    shards the mean of the ranks' aux losses then equals the single-process one, in value and
+    gradient. None: the local batch only."""
+    global_load: Tensor | None = None
+    """float64 [X]: the assignment counts of the step's whole global batch, which the global
+    balance loss reads while set (by :func:`moe.global_balance.global_batch_loads`, for one
+    step of several microbatches); None: the forward's own counts over ``stats_group``."""
+    load_counter: Tensor | None = None
+    """float64 [X] while :func:`moe.global_balance.global_batch_loads` counts the step's
+    assignments: every forward adds its counts here."""
+
+
+class Router(nn.Module):
+    """The base of every router: a bias-free linear gate, input checks, aux losses and stats.
+
+    A new router is one file in ``moe/routers/``: a subclass registered by name
+    (``@register_router("name")``, imported and given a row of ``moe.routers.ROUTER_TABLE``)
+    that implements these hooks, the only ones a router has:
+
+    ==============================================================  ==========================
+    hook                                                            implement
+    ==============================================================  ==========================
+    ``claims`` (property): its :class:`Claims`                      always
+    ``route(logits_NE, x_BTD, batch_shape)``: a full forward        always
+    ``route_decode(logits_NE, x_BTD, batch_shape, state)``          if decoding reads the past
+    ``init_decode_state(batch_size)``: a :class:`DecodeState`       if it keeps decode state
+    ``decode_support()``: why it cannot decode here, or None        to override the claims
+    ``replay(logits_NE, x_BTD, batch_shape, expert_NK, decoding)``  to be replayed
+    ``update_after_step()``: state learned from past steps          if it learns such state
+    ``nominal_experts_per_token()``: experts per token it sets      if its options set one
+    ==============================================================  ==========================
+
+    ``route_decode`` defaults to ``route`` (a token routed from itself alone). ``logits_NE`` are
+    the gate's logits in ``router_dtype`` (:meth:`score_logits`). What the code
+    around a router hands it (replay's hook, the statistics group, the global batch's loads)
+    is in :attr:`context` (:class:`RouterContext`), which the router reads and nobody sets on it
+    otherwise. Two families share pieces by subclassing: ``TokenChoiceBase`` (top-k selection,
+    score functions, groups, balance bias; ``moe/routers/token_choice.py``) and
+    :class:`TokenLocalRouter` (a token's routing reads that token alone: it implements
+    ``route``, ``route_decode`` and ``replay`` from one ``_route``).
+
     Aux losses (:meth:`_aux_loss`): the Switch load-balancing loss ``E * sum_e f_e * P_e``
     (f_e: fraction of the assignments counted to e, P_e: mean router probability) at three
     granularities, each with its coefficient, as Megatron-Core's ``TopKRouter`` offers them
     (megatron/core/transformer/moe/router.py: ``aux_loss``, ``seq_aux_loss``,
     ``global_aux_loss``; arXiv 2501.11873): ``aux_loss_coef`` counts f over the forward's
-    micro-batch (over ``stats_group`` too), ``seq_aux_loss_coef`` per sequence (the mean of the
+    micro-batch (over the context's ``stats_group`` too), ``seq_aux_loss_coef`` per sequence (the mean of the
     B sequences' losses), ``global_aux_loss_coef`` over the step's global batch (every
     microbatch and data-parallel rank, see :mod:`moe.global_balance`); ``z_loss_coef`` weights
     the router z-loss ``mean(logsumexp(logits)^2)``.
@@ -197,24 +246,11 @@ class Router(nn.Module):
     """
 
     name: str = ""
+    context: RouterContext
+    """What the code around the router hands it (set in ``__init__``; see :class:`RouterContext`)."""
     reads_token_ids: bool = False
     """True for a router that routes by token id (``hash``): it is called as
     ``router(x_BTD, token_ids_BT=ids)``, and ``MoELayer`` passes it the ids it is given."""
-    routing_hook = None
-    """None (route as usual), or a callable with :meth:`route_tokens`' signature that routes in its
-    place: ``moe.record_routing`` and ``moe.replay_routing`` set one per router while they run."""
-    stats_group = None
-    """Process group over which the load-balancing loss counts assignments (set by data- or
-    expert-parallel training, see ``moe.parallel.share_router_statistics``): with equal
-    shards the mean of the ranks' aux losses then equals the single-process one, in value and
-    gradient. None: the local batch only."""
-    global_load: Tensor | None = None
-    """float64 [X]: the assignment counts of the step's whole global batch, which the global
-    balance loss reads while set (by :func:`moe.global_balance.global_batch_loads`, for one
-    step of several microbatches); None: the forward's own counts over ``stats_group``."""
-    load_counter: Tensor | None = None
-    """float64 [X] while :func:`moe.global_balance.global_batch_loads` counts the step's
-    assignments: every forward adds its counts here."""
 
     def __init__(
         self,
@@ -252,6 +288,7 @@ class Router(nn.Module):
         self.check_finite = os.environ.get("MOE_DEBUG") == "1" if check_finite is None else bool(check_finite)
         self.gate = GateLinear(d_model, num_experts)
         nn.init.normal_(self.gate.weight, std=d_model**-0.5)
+        self.context = RouterContext()
 
     # -- claims -------------------------------------------------------------------------
     @property
@@ -312,7 +349,8 @@ class Router(nn.Module):
                 )
         if exact_active() and not (self.causal and self.claims.batch_invariant):
             warn_inexact(f"router {self.name!r}", "its choice of a token reads other tokens (see its claims)")
-        route = self.route_tokens if self.routing_hook is None else self.routing_hook
+        hook = self.context.routing_hook
+        route = self.route_tokens if hook is None else hook
         routing = route(logits_NE, x_BTD, (b, t), decode_state)
         if decode_state is not None:
             decode_state.position += t
@@ -356,12 +394,11 @@ class Router(nn.Module):
         self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
     ) -> Routing:
         """Route the next T tokens of each sequence (positions ``state.position ...``); called
-        only when :meth:`decode_support` allows it; ``forward`` advances the state. Every
-        decode-consistent router implements it (a router whose routing of a token depends on
-        that token alone can return :meth:`route`)."""
-        raise NotImplementedError(
-            f"{type(self).__name__} claims to be decode-consistent but implements no route_decode"
-        )
+        only when :meth:`decode_support` allows it; ``forward`` advances the state. Default:
+        :meth:`route`, right for a router whose routing of a token reads that token alone in the
+        modes where it decodes (``topk``, ``hash``, eval-mode ``ec_predictor``); a router whose
+        routing reads earlier positions overrides it with its :class:`DecodeState`."""
+        return self.route(logits_NE, x_BTD, batch_shape)
 
     def update_after_step(self) -> None:
         """Apply state learned from past batches (balancing bias, thresholds). Call after each
@@ -405,7 +442,7 @@ class Router(nn.Module):
           ``token_A`` and ``batch_shape`` refuses the option when it routes.
         * global batch (``global_aux_loss_coef``): f over the step's whole batch, P over this
           forward (Megatron's ``_apply_global_aux_loss``; arXiv 2501.11873). f is
-          :attr:`global_load` when set (the counts of every microbatch and data-parallel rank,
+          ``context.global_load`` when set (the counts of every microbatch and data-parallel rank,
           gathered before the step's first loss by :mod:`moe.global_balance`), else this
           forward's counts over ``stats_group`` (the global batch when a step is one forward).
           Megatron instead lets microbatch i read the running mean of the counts of
@@ -416,14 +453,15 @@ class Router(nn.Module):
         loss = logits_NE.new_zeros(())
         x = probs_NX.shape[1]
         count_X = count_indices(expert_A, x).to(probs_NX.dtype)
-        if self.load_counter is not None:
-            self.load_counter = self.load_counter + count_X.detach().double()
+        ctx = self.context
+        if ctx.load_counter is not None:
+            ctx.load_counter = ctx.load_counter + count_X.detach().double()
         mean_X = probs_NX.mean(0)
         shared_X = None
-        if self.aux_loss_coef > 0 or (self.global_aux_loss_coef > 0 and self.global_load is None):
+        if self.aux_loss_coef > 0 or (self.global_aux_loss_coef > 0 and ctx.global_load is None):
             shared_X = count_X.clone()
-            if self.stats_group is not None:
-                torch.distributed.all_reduce(shared_X, group=self.stats_group)
+            if ctx.stats_group is not None:
+                torch.distributed.all_reduce(shared_X, group=ctx.stats_group)
         if self.aux_loss_coef > 0:
             loss = loss + self.aux_loss_coef * x * (fractions(shared_X) * mean_X).sum()
         if self.seq_aux_loss_coef > 0:
@@ -434,15 +472,15 @@ class Router(nn.Module):
             mean_BX = probs_NX.view(b, t, x).mean(1)
             loss = loss + self.seq_aux_loss_coef * x * (fractions(count_BX) * mean_BX).sum(-1).mean()
         if self.global_aux_loss_coef > 0:
-            global_X = shared_X if self.global_load is None else self.global_load.to(probs_NX.dtype)
+            global_X = shared_X if ctx.global_load is None else ctx.global_load.to(probs_NX.dtype)
             loss = loss + self.global_aux_loss_coef * x * (fractions(global_X) * mean_X).sum()
         return loss + self._z_loss(logits_NE)
 
     def _assignment_fractions(self, expert_A: Tensor, size: int, dtype: torch.dtype) -> Tensor:
-        """float [size]: the fraction of assignments to each expert, counted over ``stats_group``."""
+        """float [size]: the fraction of assignments to each expert, counted over the context's ``stats_group``."""
         count_E = count_indices(expert_A, size).to(dtype)
-        if self.stats_group is not None:
-            torch.distributed.all_reduce(count_E, group=self.stats_group)
+        if self.context.stats_group is not None:
+            torch.distributed.all_reduce(count_E, group=self.context.stats_group)
         return fractions(count_E)
 
     def _z_loss(self, logits_NE: Tensor) -> Tensor:

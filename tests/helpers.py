@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import moe
+from moe.routers import ROUTER_TABLE, router_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = str(ROOT / "experiments" / "train.py")
@@ -122,39 +123,12 @@ def naive_moe(layer: moe.MoELayer, x_BTD: torch.Tensor, routing: moe.Routing) ->
     return torch.stack(rows).view(b, t, d)
 
 
-DEEPSEEK_V3_STYLE = {
-    "top_k": 2,
-    "gate": "sigmoid",
-    "num_expert_groups": 2,
-    "num_limited_groups": 1,
-    "route_scale": 2.5,
-    "balance_rate": 0.1,
-    "seq_aux_loss_coef": 0.01,
-    "global_aux_loss_coef": 0.01,
-}
+DEEPSEEK_V3_STYLE = dict(ROUTER_TABLE["topk_deepseek_v3"].options)
 """Top-k routed as DeepSeek-V3 routes (sigmoid, balance bias, 2 groups of which a token keeps
 1, a route scale) with its sequence and global balance losses, for E = 4 experts."""
 
-ROUTER_CONFIGS: list[tuple[str, dict]] = [
-    ("topk", {"top_k": 2}),
-    ("topk", {"top_k": 1, "gate": "sigmoid"}),
-    ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "position"}),
-    ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "position", "group": "batch"}),
-    ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "score"}),
-    ("capacity", {"top_k": 2, "capacity_factor": 0.75, "priority": "choice"}),
-    ("expert_choice", {"capacity_factor": 1.0}),
-    ("expert_choice", {"capacity_factor": 1.0, "group": "batch"}),
-    ("ec_threshold", {}),
-    ("ec_threshold", {"statistic": "population", "score": "sigmoid", "aux_loss_coef": 0.0}),
-    ("ec_predictor", {}),
-    ("remoe", {}),
-    ("top_p", {"target_experts": 2}),
-    ("topk", {"top_k": 2, "null_experts": 2}),
-    ("quantile", {"top_k": 2}),
-    ("seq_topk", {"top_k": 2}),
-    ("topk", DEEPSEEK_V3_STYLE),
-    ("quantile_global", {"top_k": 2}),
-]
+ROUTER_CONFIGS: list[tuple[str, dict]] = router_configs("tests")
+"""(router name, options) of every row of ``moe.routers.ROUTER_TABLE`` used by "tests"."""
 
 
 def tiny_run_flags(steps: int = 12) -> list[str]:

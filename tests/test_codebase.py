@@ -6,10 +6,10 @@ import ast
 from pathlib import Path
 
 MOE = Path(__file__).resolve().parents[1] / "moe"
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 120
 
 
-def test_no_function_in_moe_is_longer_than_80_lines():
+def test_no_function_in_moe_is_longer_than_120_lines():
     long = []
     for path in sorted(MOE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -17,7 +17,7 @@ def test_no_function_in_moe_is_longer_than_80_lines():
                 lines = node.end_lineno - node.lineno + 1
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(MOE.parent)}:{node.lineno} {node.name} ({lines} lines)")
-    assert not long, "functions over 80 lines: " + ", ".join(long)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: " + ", ".join(long)
 
 
 def test_the_language_model_loss_is_computed_in_one_place():

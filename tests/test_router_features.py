@@ -20,6 +20,8 @@ from moe.audit import audit
 from moe.global_balance import global_batch_loads
 from moe.layer import active_ffn_width
 from moe.model import MoETransformer, preset
+from moe.parallel.state import share_router_statistics
+from moe.routing import RouterContext
 
 E = 8
 
@@ -224,6 +226,28 @@ def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def test_replay_statistics_and_global_balance_reach_a_router_through_its_context_only():
+    """Recording, replay, shared statistics and the global batch's loads set fields of each
+    router's RouterContext (and put them back), never an attribute of the router itself."""
+    model = tiny_global_model(global_aux_loss_coef=1.0)
+    routers = model.routers()
+    attributes = [set(vars(r)) for r in routers]
+    idx = torch.randint(0, 256, (4, 12))
+    with moe.record_routing(model) as record:
+        assert all(r.context.routing_hook is not None for r in routers)
+        model(idx)
+    with moe.replay_routing(model, record):
+        model(idx)
+    with global_batch_loads(model, [lambda c=c: model(c) for c in idx.chunk(2)]):
+        assert all(r.context.global_load is not None for r in routers)
+    group = object()  # a process group stand-in: nothing runs a collective here
+    share_router_statistics(model, group)
+    assert all(r.context.stats_group is group for r in routers)
+    share_router_statistics(model, None)
+    assert all(r.context == RouterContext() for r in routers)
+    assert [set(vars(r)) for r in routers] == attributes
+
+
 @pytest.mark.parametrize("coef", ["global_aux_loss_coef", "seq_aux_loss_coef"])
 def test_microbatches_give_the_whole_batch_loss_and_gradients(coef):
     """Value and gradient of the global and sequence losses over M = 2 microbatches equal one
@@ -244,7 +268,7 @@ def test_microbatches_give_the_whole_batch_loss_and_gradients(coef):
                 aux = model(c).aux_loss / 2
                 aux.backward()
                 total += aux.item()
-        assert model.routers()[0].global_load is None  # cleared after the step
+        assert model.routers()[0].context.global_load is None  # cleared after the step
         got = grads(model)
         diff = max((got[n] - want[n]).abs().max().item() for n in want)
         if equal:

@@ -22,6 +22,7 @@ def test_registry_lists_builtins():
         "quantile_global",
         "remoe",
         "seq_topk",
+        "sinkhorn",
         "token_rounding",
         "top_p",
         "topk",

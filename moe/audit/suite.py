@@ -11,35 +11,14 @@ from torch import Tensor, nn
 
 from moe.layer import MoELayer
 from moe.model import MoETransformer, preset
-from moe.routers import build_router
+from moe.routers import build_router, router_configs
 
 BATCH, SEQ, D_MODEL, D_FF, EXPERTS = 4, 16, 32, 64, 4
 """Shapes of the router / layer targets; the model targets use the ``tiny`` preset at T = SEQ."""
 
-ROUTER_CONFIGS: list[tuple[str, dict]] = [
-    ("topk", {"top_k": 2}),
-    ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "sequence"}),
-    ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "batch"}),
-    (
-        "capacity",
-        {"top_k": 2, "capacity_factor": 1.0, "priority": "position", "group": "sequence", "capacity_scope": "prefix"},
-    ),
-    ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score", "group": "sequence"}),
-    ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "score", "group": "batch"}),
-    ("capacity", {"top_k": 2, "capacity_factor": 1.0, "priority": "choice", "group": "sequence"}),
-    ("expert_choice", {"capacity_factor": 1.0, "group": "sequence"}),
-    ("expert_choice", {"capacity_factor": 1.0, "group": "batch"}),
-    ("ec_threshold", {"capacity_factor": 1.0}),
-    ("ec_threshold", {"capacity_factor": 1.0, "statistic": "population", "score": "sigmoid", "aux_loss_coef": 0.0}),
-    ("ec_predictor", {"capacity_factor": 1.0}),
-    ("remoe", {"top_k": 2}),
-    ("top_p", {"target_experts": 2}),
-    ("topk", {"top_k": 2, "null_experts": 4}),
-    ("quantile", {"top_k": 2}),
-    ("seq_topk", {"top_k": 2}),
-]
-"""(router name, options): each option set that changes causality or batch invariance.
-Capacity factor 1.0 makes capacity bind at these small shapes."""
+ROUTER_CONFIGS: list[tuple[str, dict]] = router_configs("audit")
+"""(router name, options): each option set that changes causality or batch invariance (the
+rows of ``moe.routers.ROUTER_TABLE`` used by "audit")."""
 
 
 @dataclass

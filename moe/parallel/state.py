@@ -37,14 +37,14 @@ def expert_parallel_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def share_router_statistics(model: nn.Module, group=None) -> None:
     """Make every router of ``model`` count its load-balancing loss's assignment fractions
-    over ``group`` (``Router.stats_group``): each rank's aux loss is then
+    over ``group`` (``Router.context.stats_group``): each rank's aux loss is then
     ``coef * E * sum_e f_e(global) * P_e(local)``, whose mean over equal shards is the
     single-process loss in value and gradient. Routing itself stays on the rank's own tokens."""
     from moe.routing import Router
 
     for module in model.modules():
         if isinstance(module, Router):
-            module.stats_group = group
+            module.context.stats_group = group
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

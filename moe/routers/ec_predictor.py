@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe.routers.expert_choice import ExpertChoiceRouter
-from moe.routing import Claims, DecodeState, Routing, register_router, slots_mask
+from moe.routing import Claims, Routing, register_router, slots_mask
 
 
 @register_router("ec_predictor")
@@ -59,11 +59,6 @@ class ExpertChoicePredictorRouter(ExpertChoiceRouter):
         return Claims(
             causal_train=False, causal_eval=True, batch_invariant=self.group == "sequence", decode_consistent=True
         )
-
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self.route(logits_NE, x_BTD, batch_shape)  # eval mode only: the predictor reads one token
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         return self._route(logits_NE, x_BTD, batch_shape)

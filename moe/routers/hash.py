@@ -100,11 +100,6 @@ class HashRouter(TokenChoiceBase):
         finally:
             self._token_ids_N = None
 
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self.route(logits_NE, x_BTD, batch_shape)
-
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         ids_N = self._token_ids_N
         if self.check_finite and ids_N.numel() and not bool(((ids_N >= 0) & (ids_N < self.vocab_size)).all()):

@@ -10,7 +10,7 @@ r_ij = alpha_i - s_ij``, so the bias that gives expert j its share K/E of the st
 is the K/E quantile of ``r[:, j]``. Every training forward adds its ``r`` to per-expert
 histograms of R uniform bins over ``[min(b) - 1, max(b) + 1]`` (where every ``r`` lies, the
 scores being in (0, 1)); :func:`solve_quantile_biases` sums them over the step's microbatches
-and the data-parallel ranks (``Router.stats_group``), one all-reduce for all L routers, reads
+and the data-parallel ranks (``Router.context.stats_group``), one all-reduce for all L routers, reads
 the K/E quantile of each expert's histogram (linear inside the bin that holds it), centres the
 biases to mean 0 and empties the histograms. :func:`register_quantile_balancing_hook` runs it
 as an optimiser pre-step hook (the trainer registers it); without one, ``update_after_step``
@@ -160,12 +160,13 @@ def solve_quantile_biases(routers: list[GlobalQuantileBalancingRouter]) -> None:
     bias (:meth:`GlobalQuantileBalancingRouter.solve_bias`) and empty the histograms."""
     if not routers:
         return
-    groups = {id(r.stats_group) for r in routers}
+    groups = {id(r.context.stats_group) for r in routers}
     if len(groups) > 1:
         raise ValueError("the quantile-balancing routers of one model must share one stats_group")
     stacked_LER = torch.stack([r.histogram_ER for r in routers])
-    if routers[0].stats_group is not None:
-        dist.all_reduce(stacked_LER, group=routers[0].stats_group)
+    group = routers[0].context.stats_group
+    if group is not None:
+        dist.all_reduce(stacked_LER, group=group)
     for r, histogram_ER in zip(routers, stacked_LER):
         r.solve_bias(histogram_ER)
         r.histogram_ER.zero_()

@@ -14,7 +14,6 @@ from moe.routers.replayed import slot_softmax, weights_given_choices
 from moe.routing import (
     SCORE_FUNCTIONS,
     Claims,
-    DecodeState,
     Router,
     Routing,
     count_indices,
@@ -261,11 +260,6 @@ class TopKRouter(TokenChoiceBase):
 
     def nominal_experts_per_token(self) -> float:
         return self.top_k * self.num_experts / (self.num_experts + self.null_experts)
-
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self.route(logits_NE, x_BTD, batch_shape)  # a token's experts depend on that token alone
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
         n = logits_NE.shape[0]

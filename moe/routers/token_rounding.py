@@ -30,7 +30,7 @@ from torch import Tensor
 
 from moe.checks import positive_int
 from moe.routers.token_choice import TokenChoiceBase
-from moe.routing import Claims, DecodeState, Routing, register_router, served_stats, slots_mask
+from moe.routing import Claims, Routing, register_router, served_stats, slots_mask
 
 ROUNDINGS = ("nearest", "up", "down")
 """``rounding``: how each expert's count is rounded to a tile multiple (sonic-moe's ``nr``, ``up``, ``down``)."""
@@ -81,11 +81,6 @@ class TokenRoundingRouter(TokenChoiceBase):
         if self.training:
             chosen_NE = self.rounded_choice(scores_NE.detach(), expert_NK, weight_NK.detach(), chosen_NE)
         return self._routing(logits_NE, scores_NE, expert_NK, weight_NK, chosen_NE, batch_shape)
-
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self.route(logits_NE, x_BTD, batch_shape)  # eval mode only (decode_support): top-k
 
     def replay(
         self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
