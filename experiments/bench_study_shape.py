@@ -145,7 +145,7 @@ def phased_step(s: Session, step: int) -> dict[str, tuple[float, float]]:
     laps["backward"] = clocks.lap()
     tally.add_output(out)
     laps["StepTally.add_output"] = clocks.lap()
-    place.strategy.update(step)
+    s.strategy.update(step)
     laps["clip + AdamW"] = clocks.lap()
     update_routers(place.model)
     laps["update_routers"] = clocks.lap()

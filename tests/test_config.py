@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moe.model import preset
-from moe.parallel.steps import STRATEGIES, choose_strategy, register_strategy
-from moe.parallel.steps.plain import Plain
 from moe.training import TrainConfig, build_model, config_from_args, model_config, train
+from moe.training.steps import STRATEGIES, choose_strategy, register_strategy
+from moe.training.steps.plain import Plain
 
 TINY_RUN = dict(
     seq_len=16,
@@ -132,7 +132,7 @@ def test_a_strategy_registered_from_outside_the_package_runs(monkeypatch):
             calls.append(step)
             return 0.0, {"frozen": 1.0}
 
-    monkeypatch.setattr("moe.parallel.steps.base.STRATEGIES", dict(STRATEGIES))
+    monkeypatch.setattr("moe.training.steps.base.STRATEGIES", dict(STRATEGIES))
     register_strategy(Frozen)
     cfg = TrainConfig.flat(steps=3, wandb_run_name="frozen", **TINY_RUN)
     res = train(cfg)

@@ -4,6 +4,7 @@
 - ``build``: the model section, the resolved ModelConfig and the model;
 - ``batches``: the data section and each rank's batch of each step;
 - ``optim``: the optimizer section, AdamW and the learning-rate schedule;
+- ``parallel_config``: the parallel and lossy sections (the layout and placement options they give ``moe.parallel``);
 - ``checkpoint_config``: the checkpoint section (where, how often, resume);
 - ``checkpoint_files``: atomic sharded checkpoints and exact resume, the exported model and its loader;
 - ``resume``: what a run does with the checkpoints in its folder (refuse another run's, keep the schedule);
@@ -11,12 +12,13 @@
 - ``metrics``: the logging section, per-step metrics and the wandb run;
 - ``report``: what rank 0 prints and writes each step;
 - ``distributed``: process-group setup from torchrun's environment, router-state sync;
-- ``loop``: :func:`train`: a short core over the step strategy chosen when the model is placed
-  (``moe.parallel.placement``, ``moe.parallel.steps``);
+- ``steps``: the step strategies (plain, pipelined, lossy data parallel), one file each;
+- ``placement``: the run's model placed once, with the step strategy its config selects;
+- ``loop``: :func:`train`: a short core over that step strategy;
 - ``cli``: the command line generated from the config by tyro.
 
-Evaluation lives in :mod:`moe.eval`, importable without the loop; pipeline stages, placement
-and the step strategies in :mod:`moe.parallel`.
+Evaluation lives in :mod:`moe.eval`, importable without the loop; the mesh, pipeline stages
+and the placement's typed parts in :mod:`moe.parallel`.
 """
 
 from moe.extras import require

@@ -6,8 +6,8 @@ run records beside its metrics).
     [data]             moe.training.batches.DataConfig        corpus, seq_len, batch_size
     [optimizer]        moe.training.optim.OptimizerConfig     steps, lr schedule, AdamW, clipping
     [eval]             moe.eval.EvalConfig                    evaluation cadence and windows
-    [parallel]         moe.parallel.placement.ParallelConfig  mesh layout, pipeline, microbatches
-    [lossy]            moe.parallel.steps.lossy.LossyConfig   simulated packet loss
+    [parallel]         moe.training.parallel_config.ParallelConfig  mesh layout, pipeline, microbatches
+    [lossy]            moe.training.parallel_config.LossyConfig     simulated packet loss
     [checkpoint]       moe.training.checkpoint_config.CheckpointConfig
     [logging]          moe.training.metrics.LoggingConfig     log lines, metrics JSONL, wandb
 
@@ -32,13 +32,12 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 from moe.eval import EvalConfig
-from moe.parallel.placement import ParallelConfig
-from moe.parallel.steps.lossy import LossyConfig
 from moe.training.batches import DataConfig
 from moe.training.build import ModelSection
 from moe.training.checkpoint_config import CheckpointConfig
 from moe.training.metrics import LoggingConfig
 from moe.training.optim import OptimizerConfig
+from moe.training.parallel_config import LossyConfig, ParallelConfig
 
 RECORD_KEYS = ("model_config", "invocations")
 """Keys of a run's recorded config (``<metrics>.config.json``, ``moe.training.report``) beside

@@ -23,7 +23,7 @@ split over P expert-parallel ranks and FSDP2-sharded over what remains, gradient
 FSDP2. No rank ever holds the whole model: it is built on the meta device (parameters without
 storage; under expert parallelism each MoE layer already holds only this rank's experts), cut
 to this rank's pipeline stage, compiled and recomputed per block as asked (``--compile``,
-``--activation-checkpointing``), sharded by FSDP2, and only then materialised shard by shard (``moe.parallel.placement``, ``moe.parallel.materialize``):
+``--activation-checkpointing``), sharded by FSDP2, and only then materialised shard by shard (``moe.training.placement``, ``moe.parallel.materialize``):
 each parameter is generated whole at its single-process shape by the model's own initialiser
 for its name, one at a time, and each rank keeps its piece (a transformers model, whose
 initialisation is not a function of the name, is built once on rank 0 and broadcast the same
@@ -33,7 +33,7 @@ Clipping uses the whole model's norm. ``--microbatches M`` alone accumulates the
 M microbatches. On CPU the run first fixes glibc's mmap threshold (``--cpu-mmap-threshold-kib``,
 ``moe.parallel.memory.limit_cpu_malloc``), so the peak_memory_mib it logs follows the tensors.
 
-The loop itself is short: :func:`prepare` places the model once (``moe.parallel.placement``,
+The loop itself is short: :func:`prepare` places the model once (``moe.training.placement``,
 which picks the step strategy: plain, pipelined, lossy data parallel, ...), :func:`train_step`
 asks the strategy for the gradients and their update, and the rest is evaluation, reports and
 checkpoints.
@@ -61,7 +61,7 @@ from moe.model import ModelConfig
 from moe.parallel import share_router_statistics
 from moe.parallel.exchange import EAGER_UNDER_COMPILE
 from moe.parallel.memory import largest_peak_mib, limit_cpu_malloc
-from moe.parallel.placement import Placement, place_model
+from moe.parallel.placement import Placement
 from moe.routers.quantile_global import register_quantile_balancing_hook
 from moe.routing import Router
 from moe.training.batches import check_eval_windows, local_batch
@@ -91,8 +91,10 @@ from moe.training.guards import (
 )
 from moe.training.metrics import RouterEntropy, StepTally
 from moe.training.optim import lr_at, make_optimizer, set_lr
+from moe.training.placement import place_model
 from moe.training.report import RunReport
 from moe.training.resume import refuse_foreign, refuse_foreign_metrics, resume
+from moe.training.steps import StepStrategy
 
 
 @dataclass
@@ -121,6 +123,8 @@ class Session:
     corpus: Corpus
     mcfg: ModelConfig
     place: Placement
+    strategy: StepStrategy
+    """Makes and applies this rank's gradients (chosen when the model was placed)."""
     optimizer: torch.optim.Optimizer
     start: int
     """Steps already taken (a resumed run's checkpoint step, else 0)."""
@@ -192,14 +196,14 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
     def build(expert_parallel) -> nn.Module:
         return build_run_model(cfg.model, mcfg, cfg.seed, info.device, info.world_size, expert_parallel)
 
-    place = place_model(cfg, None if cfg.model.hf_model else mcfg.num_experts, build, info)
+    place, strategy = place_model(cfg, None if cfg.model.hf_model else mcfg.num_experts, build, info)
     check_eval_windows(corpus, cfg.data.seq_len, cfg.eval.eval_windows)  # a layout that does not fit is said first
     num_params = total_parameters(mcfg) if not cfg.model.hf_model else place.model.num_parameters()
     if cfg.checkpoint.directory is not None:  # fp32 weights and AdamW's two moments
         on_rank0_for_all(lambda: check_room(cfg.checkpoint.directory, 12 * num_params))
     optimizer = make_optimizer(place.model, cfg.optimizer)
     register_quantile_balancing_hook(optimizer, place.model)  # one all-reduce of every layer's histograms
-    place.strategy.attach(optimizer)
+    strategy.attach(optimizer)
     start, run_id, resumed, cfg = resume(cfg, place.model, optimizer, mcfg)
     report = RunReport(cfg, mcfg, info, start, run_id)
     report.banner(
@@ -221,6 +225,7 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
         corpus,
         mcfg,
         place,
+        strategy,
         optimizer,
         start,
         report,
@@ -245,9 +250,9 @@ def train_step(s: Session, step: int) -> tuple[dict, float]:
     s.entropy.pop()
     s.optimizer.zero_grad(set_to_none=True)
     tally = StepTally(place.num_moe_layers(), s.num_experts, info.device)
-    place.strategy.gradients(idx_BT, targets_BT, tally)
+    s.strategy.gradients(idx_BT, targets_BT, tally)
     try:
-        grad_norm, extra = place.strategy.update(step)
+        grad_norm, extra = s.strategy.update(step)
     except RuntimeError as e:  # AdamW's step size beyond float32 ("cannot be converted ... without overflow")
         if "overflow" not in str(e):
             raise

@@ -10,7 +10,10 @@ from torch import Tensor
 from moe.eval import autocast
 from moe.parallel.pipeline import Pipeline, StageModel, sync_tied_gradient, tied_groups, virtual_stages
 from moe.parallel.pipelined_lm import PipelinedLM
-from moe.parallel.steps.base import StepStrategy, register_strategy
+from moe.parallel.placement import Placement
+from moe.training.config import TrainConfig
+from moe.training.metrics import StepTally
+from moe.training.steps.base import StepStrategy, register_strategy
 
 
 @register_strategy
@@ -21,10 +24,10 @@ class Pipelined(StepStrategy):
     name = "pipelined"
 
     @staticmethod
-    def selected(cfg) -> bool:
+    def selected(cfg: TrainConfig) -> bool:
         return cfg.parallel.pipeline_parallel > 1
 
-    def __init__(self, place, cfg) -> None:
+    def __init__(self, place: Placement, cfg: TrainConfig) -> None:
         super().__init__(place, cfg)
         layout, pmesh = place.layout, place.mesh
         virtual = virtual_stages(cfg.parallel.pipeline_schedule)
@@ -54,7 +57,7 @@ class Pipelined(StepStrategy):
         )
         place.eval_model = PipelinedLM(place.stage, place.pp_group)
 
-    def gradients(self, idx_BT: Tensor, targets_BT: Tensor, tally) -> None:
+    def gradients(self, idx_BT: Tensor, targets_BT: Tensor, tally: StepTally) -> None:
         place = self.place
         with autocast(place.device):
             for loss_m in place.pipe.step(idx_BT, targets_BT):

@@ -1,6 +1,6 @@
 """The step-strategy interface and its registry.
 
-A strategy is constructed once per run by ``moe.parallel.placement.place_model`` (after the
+A strategy is constructed once per run by ``moe.training.placement.place_model`` (after the
 model is built, before it is sharded: it may cut the model, e.g. into a pipeline stage, and set
 the placement's groups), told when placement is done (:meth:`StepStrategy.placed`), given the
 optimizer (:meth:`StepStrategy.attach`), and then called every step: :meth:`gradients` fills
@@ -15,7 +15,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from moe.parallel.placement import Placement
 from moe.parallel.state import clip_grad_norm_
+from moe.training.config import TrainConfig
+from moe.training.metrics import StepTally
 
 STRATEGIES: dict[str, type[StepStrategy]] = {}
 """Name -> strategy class, in registration order."""
@@ -29,7 +32,7 @@ def register_strategy(cls: type[StepStrategy]) -> type[StepStrategy]:
     return cls
 
 
-def choose_strategy(cfg) -> type[StepStrategy]:
+def choose_strategy(cfg: TrainConfig) -> type[StepStrategy]:
     """The strategy the run's config selects: the one whose :meth:`StepStrategy.selected` is
     true, else the default one. Two selected at once is a configuration error."""
     chosen = [cls for cls in STRATEGIES.values() if cls.selected(cfg)]
@@ -42,7 +45,7 @@ def choose_strategy(cfg) -> type[StepStrategy]:
 
 class StepStrategy(ABC):
     """How one rank makes and applies a step's gradients. ``place`` is the rank's
-    ``Placement`` (model, groups, device), ``cfg`` the run's config (its sections)."""
+    :class:`~moe.parallel.placement.Placement` (model, groups, device), ``cfg`` the run's config."""
 
     name: ClassVar[str] = ""
     default: ClassVar[bool] = False
@@ -51,7 +54,7 @@ class StepStrategy(ABC):
     """Whether the model lives on the DeviceMesh (FSDP2 / expert parallel) on more than one process."""
 
     @staticmethod
-    def selected(cfg) -> bool:
+    def selected(cfg: TrainConfig) -> bool:
         """Whether ``cfg`` asks for this strategy (the default strategy: never asked for by name)."""
         return False
 
@@ -60,7 +63,7 @@ class StepStrategy(ABC):
         """ValueError if the strategy cannot run on ``world_size`` processes (any number by default)."""
         return None
 
-    def __init__(self, place, cfg) -> None:
+    def __init__(self, place: Placement, cfg: TrainConfig) -> None:
         self.place, self.cfg = place, cfg
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -73,9 +76,9 @@ class StepStrategy(ABC):
         self.optimizer = optimizer
 
     @abstractmethod
-    def gradients(self, idx_BT: Tensor, targets_BT: Tensor, tally) -> None:
+    def gradients(self, idx_BT: Tensor, targets_BT: Tensor, tally: StepTally) -> None:
         """Forward and backward of this rank's batch: gradients left in the parameters, every
-        microbatch's loss and routing added to ``tally`` (a ``moe.training.metrics.StepTally``)."""
+        microbatch's loss and routing added to ``tally``."""
 
     def update(self, step: int) -> tuple[float, dict]:
         """Apply the gradients: clip the whole model's norm (over the pipeline stages), step the

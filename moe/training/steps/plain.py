@@ -9,7 +9,8 @@ from torch import Tensor
 
 from moe.eval import autocast
 from moe.global_balance import global_batch_loads
-from moe.parallel.steps.base import StepStrategy, register_strategy
+from moe.training.metrics import StepTally
+from moe.training.steps.base import StepStrategy, register_strategy
 
 
 @register_strategy
@@ -22,7 +23,7 @@ class Plain(StepStrategy):
     name = "plain"
     default = True
 
-    def gradients(self, idx_BT: Tensor, targets_BT: Tensor, tally) -> None:
+    def gradients(self, idx_BT: Tensor, targets_BT: Tensor, tally: StepTally) -> None:
         model, m_total = self.place.model, self.cfg.parallel.microbatches
         chunks = list(zip(idx_BT.chunk(m_total), targets_BT.chunk(m_total)))
         with global_batch_loads(model, [partial(self._forward, idx_bT) for idx_bT, _ in chunks]):
