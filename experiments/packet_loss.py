@@ -122,7 +122,18 @@ def simulate(
     over the workers before their update. ``start``: a state dict every worker starts from (a
     pretrained model) instead of the seed's initialisation. Returns per-step figures, worker 0's
     final teacher-forced validation loss and, every ``eval_every`` steps, a point of its curve
-    (step, validation loss, the largest and the last step's ``max_drift`` since the point before)."""
+    (step, validation loss, the largest and the last step's ``max_drift`` since the point before).
+
+    Why not through ``train()``: the loop trains one model with one optimizer per process (its
+    placement holds one model, its step strategy is given one optimizer; the loop sets that
+    optimizer's learning rate, zeroes its gradients and updates that model's routers), and its
+    lossy strategy is one replica per gloo process, which is what the study runs without
+    ``--simulate``. P replicas in one process, each with its own optimizer and parameters that
+    drift apart, are a step strategy the loop does not have: one that owns the replicas and
+    their optimizers. That belongs in the trainer's step layer (``moe/parallel/steps/``, moving
+    into ``moe/training/`` as this is written), not in a study; until it exists this loop is
+    built from the loop's own pieces, and ``tests/test_lossy_simulated.py`` holds it to the
+    4-process ``train()`` run of the same seed (every step's loss within 1e-6)."""
     device = torch.device("cpu")
     model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, device)
     if start is not None:
