@@ -7,8 +7,9 @@ and parameter + gradient + optimizer bytes per rank against one process.
 
 One step = forward, backward, gradient clipping and AdamW step of ``moe.training``'s model on
 a fixed *global* batch split over the W ranks (strong scaling), with the layout's FSDP2 /
-expert-parallel sharding (``moe.parallel.mesh``). Per layout (``--dp-replicate R
---expert-parallel P``; FSDP2 over the rest) and world size:
+expert-parallel sharding, the model placed as ``train()`` places it (``place_model`` of
+``moe.parallel.placement``). Per layout (``--dp-replicate R --expert-parallel P``; FSDP2 over
+the rest) and world size:
 
 * step ms: median over ``--iters`` steps after ``--warmup`` of the slowest rank;
 * compute ms: the same rank's step on its local batch with the *unsharded* single-process
@@ -36,6 +37,7 @@ the pipeline and counts as busy; with as many free cores as processes the ranks 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -45,10 +47,10 @@ import torch
 import torch.distributed as dist
 
 from experiments.timing import Clocks
-from moe.parallel import clip_grad_norm_, rank_state_bytes, share_router_statistics
+from moe.parallel import clip_grad_norm_, rank_state_bytes
 from moe.parallel.launch import ok_values, run_local
-from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
 from moe.parallel.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages
+from moe.parallel.placement import place_model
 from moe.training import TrainConfig, build_model, model_config
 from moe.training.batches import local_batch
 from moe.training.distributed import DistInfo
@@ -100,12 +102,14 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
     compute = statistics.median(_timed_steps(plain, plain_opt, corpus, cfg, info, n)[opts["warmup"] :])
     rows = {}
     for r, p in layouts_for(world, mcfg.num_experts) if world > 1 else [(1, 1)]:
-        layout = Layout.from_world(world, r, p)
-        pmesh = ParallelMesh(layout, "cpu") if world > 1 else None
-        model = build_model(mcfg, cfg.seed, device, pmesh.expert_parallel() if pmesh is not None else None)
-        if pmesh is not None:
-            shard_model(model, pmesh, list(model.blocks), mixed_precision(device))
-            share_router_statistics(model, dist.group.WORLD)
+        # placed as train() places it: the mesh, expert parallelism, FSDP2 units, sharded initialisation
+        place = place_model(
+            dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=r, expert_parallel=p)),
+            mcfg.num_experts,
+            lambda ep: build_model(mcfg, cfg.seed, device, ep, materialized=False),
+            info,
+        )
+        model, layout = place.model, place.layout
         optimizer = make_optimizer(model, cfg.optimizer)
         step = statistics.median(_timed_steps(model, optimizer, corpus, cfg, info, n)[opts["warmup"] :])
         mine = torch.tensor([step, compute, float(rank_state_bytes(model, optimizer)["total"])], dtype=torch.float64)
