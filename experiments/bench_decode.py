@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from experiments.timing import timed
-from moe.eval import evaluate
-from moe.model import MoETransformer, preset
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import timed  # noqa: E402
+from moe.eval import evaluate  # noqa: E402
+from moe.model import MoETransformer, preset  # noqa: E402
 
 ROUTERS = {
     "topk": ("topk", {"top_k": 2}),

@@ -31,15 +31,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from experiments.timing import Clocks, interleaved
-from moe.layer import MoELayer
-from moe.parallel import ExpertParallel, PhaseTimer, load_full_state_dict
-from moe.parallel.exchange import BACKWARD_PHASES
-from moe.parallel.launch import ok_values, run_local
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import Clocks, interleaved  # noqa: E402
+from moe.layer import MoELayer  # noqa: E402
+from moe.parallel import ExpertParallel, PhaseTimer, load_full_state_dict  # noqa: E402
+from moe.parallel.exchange import BACKWARD_PHASES  # noqa: E402
+from moe.parallel.launch import ok_values, run_local  # noqa: E402
 
 PHASES = ("routing", "exchange", "experts", "combine")
 

@@ -36,9 +36,11 @@ from pathlib import Path
 
 import torch
 
-from experiments.timing import Clocks, Samples, interleaved, ratio
-from moe.layer import MoELayer
-from moe.model import MoETransformer, SwiGLU, preset
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import Clocks, Samples, interleaved, ratio  # noqa: E402
+from moe.layer import MoELayer  # noqa: E402
+from moe.model import MoETransformer, SwiGLU, preset  # noqa: E402
 
 SHAPES = {
     "layer": {"batch": 8, "seq": 512, "d_model": 256, "d_ff": 512, "experts": 8, "top_k": 2},

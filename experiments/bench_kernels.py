@@ -53,12 +53,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from causal_moe_kernels.dispatch_combine import combine, dispatch
-from causal_moe_kernels.metadata import routing_metadata
-from causal_moe_kernels.moe_ffn import moe_ffn_triton
-from causal_moe_kernels.reference import moe_ffn_reference
-from causal_moe_kernels.torch_grouped import moe_ffn_grouped_mm
-from experiments.timing import cuda_ms, interleaved
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from causal_moe_kernels.dispatch_combine import combine, dispatch  # noqa: E402
+from causal_moe_kernels.metadata import routing_metadata  # noqa: E402
+from causal_moe_kernels.moe_ffn import moe_ffn_triton  # noqa: E402
+from causal_moe_kernels.reference import moe_ffn_reference  # noqa: E402
+from causal_moe_kernels.torch_grouped import moe_ffn_grouped_mm  # noqa: E402
+from experiments.timing import cuda_ms, interleaved  # noqa: E402
 
 
 @dataclass(frozen=True)

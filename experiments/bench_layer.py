@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import moe
-from causal_moe_kernels.reference import grouped_swiglu, sort_by_expert
-from experiments.timing import interleaved
-from moe.model import SwiGLU
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+import moe  # noqa: E402
+from causal_moe_kernels.reference import grouped_swiglu, sort_by_expert  # noqa: E402
+from experiments.timing import interleaved  # noqa: E402
+from moe.model import SwiGLU  # noqa: E402
 
 
 def naive_mask_loop(layer: moe.MoELayer, x_BTD: torch.Tensor) -> torch.Tensor:

@@ -41,20 +41,23 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from experiments.timing import Clocks
-from moe.parallel import clip_grad_norm_, rank_state_bytes
-from moe.parallel.launch import ok_values, run_local
-from moe.parallel.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages
-from moe.parallel.placement import place_model
-from moe.training import TrainConfig, build_model, model_config
-from moe.training.batches import local_batch
-from moe.training.distributed import DistInfo
-from moe.training.optim import make_optimizer
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import Clocks  # noqa: E402
+from moe.parallel import clip_grad_norm_, rank_state_bytes  # noqa: E402
+from moe.parallel.launch import ok_values, run_local  # noqa: E402
+from moe.parallel.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages  # noqa: E402
+from moe.parallel.placement import place_model  # noqa: E402
+from moe.training import TrainConfig, build_model, model_config  # noqa: E402
+from moe.training.batches import local_batch  # noqa: E402
+from moe.training.distributed import DistInfo  # noqa: E402
+from moe.training.optim import make_optimizer  # noqa: E402
 
 
 def layouts_for(world: int, num_experts: int) -> list[tuple[int, int]]:

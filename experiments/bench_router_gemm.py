@@ -19,13 +19,16 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from experiments.timing import interleaved
-from moe.agreement import cast_parameters
-from moe.model import ModelConfig, MoETransformer
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import interleaved  # noqa: E402
+from moe.agreement import cast_parameters  # noqa: E402
+from moe.model import ModelConfig, MoETransformer  # noqa: E402
 
 SHAPE = dict(d_model=128, n_layers=4, n_heads=4, num_experts=8, moe_d_ff=256, max_seq_len=64, vocab_size=256)
 FORMS = ("input", "fp32", "bf16_fp32")

@@ -1,10 +1,16 @@
 """experiments/timing.py, the benchmarks' one harness, on fake clocks: every round runs every
 variant (shuffled, seeded), warm-up rounds are dropped, a burst's time is per call, and the
-medians, spread and per-round ratios are those of the samples worked out by hand."""
+medians, spread and per-round ratios are those of the samples worked out by hand; and every
+script that imports it (or the row runner) runs from the repository root as documented."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+from helpers import ROOT
 
 from experiments import timing
 
@@ -91,3 +97,38 @@ def test_interleaved_refuses_empty_rounds_and_bursts():
         timing.interleaved({"a": lambda: None}, 0)
     with pytest.raises(ValueError, match="burst >= 1"):
         timing.interleaved({"a": lambda: None}, 1, burst=0)
+
+
+SCRIPTS = sorted(str(p) for p in (ROOT / "experiments").glob("*.py") if "from experiments" in p.read_text())
+RUN_AS_SCRIPTS = """
+import runpy, sys
+base = [p for p in sys.path if p not in ("", ".")]
+for script in sys.argv[1:]:
+    sys.path[:] = [script.rsplit("/", 1)[0], *base]  # what python puts first for a script: its folder
+    for name in [m for m in sys.modules if m == "experiments" or m.startswith("experiments.")]:
+        del sys.modules[name]
+    sys.argv = [script, "--help"]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None), script
+    print("ran", script, file=sys.stderr)
+"""
+
+
+def test_the_scripts_that_import_their_siblings_run_as_their_docstrings_say():
+    """``python experiments/X.py`` with no PYTHONPATH (the commands in the scripts' docstrings and
+    in docs/) finds ``experiments.timing`` and ``experiments.rows``: each script, run as a script
+    would be (its folder first on the path, no repository root, no PYTHONPATH), gets to --help."""
+    assert len(SCRIPTS) >= 10
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", RUN_AS_SCRIPTS, *SCRIPTS],
+        cwd="/",
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("ran ") == len(SCRIPTS), done.stderr[-3000:]
