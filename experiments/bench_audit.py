@@ -12,7 +12,7 @@ One forward-equivalent is the median time of one eval-mode forward of the target
 under ``torch.no_grad()`` (30 runs after 5 warm-up runs, measured before and after the audit and
 the smaller median kept): the audit's time per probe (its forwards, backwards, comparisons and
 input building; calibration is its own row) divided by it. Times are this process's CPU time
-(``time.process_time``, one torch thread), not wall time: on a machine shared with other jobs
+(process CPU time from ``experiments/timing.py``, one torch thread), not wall time: on a machine shared with other jobs
 the wall clock also counts the time the process waits for a core, which varies by several times
 from one run to the next. The ratio is measured within one process; the before/after comparison
 sets two such ratios side by side. ``wall_s`` is kept for reference.
@@ -39,15 +39,19 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-import moe.audit.engine as engine
-import moe.audit.runner as runner_module
-from moe.audit import audit
-from moe.layer import MoELayer
-from moe.model import MoETransformer, preset
+# this tree's timing harness, appended so that PYTHONPATH still chooses which moe is measured
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+import moe.audit.engine as engine  # noqa: E402
+import moe.audit.runner as runner_module  # noqa: E402
+from experiments.timing import Clocks, interleaved, timed  # noqa: E402
+from moe.audit import audit  # noqa: E402
+from moe.layer import MoELayer  # noqa: E402
+from moe.model import MoETransformer, preset  # noqa: E402
 
 B, T, D, E = 4, 32, 32, 4
 
@@ -141,14 +145,9 @@ tensor), and the tiny model on token ids."""
 
 def one_forward_s(target: nn.Module, x: Tensor, reps: int = 30, warmup: int = 5) -> float:
     target.eval()
-    times = []
     with torch.no_grad():
-        for i in range(warmup + reps):
-            t0 = time.process_time()
-            target(x.clone())
-            if i >= warmup:
-                times.append(time.process_time() - t0)
-    return statistics.median(times)
+        samples = interleaved({"forward": lambda: target(x.clone())}, reps, warmup=warmup)
+    return samples["forward"].median("cpu")
 
 
 class Meter:
@@ -167,19 +166,19 @@ class Meter:
         meter = self
 
         def timed_probe(probe, comparator, ctx, session):  # noqa: ANN001, ANN202
-            meter._current, t0 = probe.name, time.process_time()
+            meter._current, clocks = probe.name, Clocks()
             try:
                 return run_probe(probe, comparator, ctx, session)
             finally:
-                meter.seconds[probe.name] += time.process_time() - t0
+                meter.seconds[probe.name] += clocks.lap()[1]
                 meter._current = "other"
 
         def timed_calibration(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            meter._current, t0 = "calibration", time.process_time()
+            meter._current, clocks = "calibration", Clocks()
             try:
                 return calibrate(*args, **kwargs)
             finally:
-                meter.seconds["calibration"] += time.process_time() - t0
+                meter.seconds["calibration"] += clocks.lap()[1]
                 meter._current = "other"
 
         def counted(self_runner, x, seed, call):  # noqa: ANN001, ANN202
@@ -200,9 +199,7 @@ def bench(name: str, trials: int, seed: int, quick: bool) -> dict:
     before_s = one_forward_s(target, x)
     options = {"quick": True} if quick else {"trials": trials}  # the older audit has no quick
     with Meter() as meter:
-        t0, w0 = time.process_time(), time.perf_counter()
-        report = audit(target, x, seed=seed, name=name, **options)
-        cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+        report, wall, cpu = timed(lambda: audit(target, x, seed=seed, name=name, **options))
     unit = min(before_s, one_forward_s(target, x))
     accounted = sum(meter.seconds.values())
     meter.seconds["other"] += max(0.0, cpu - accounted)
@@ -270,11 +267,7 @@ def user_path(repeats: int) -> dict:
     exec(USER_BLOCK, namespace)
     block, x = namespace["build_block"](), torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(0))
     unit = one_forward_s(block, x)
-    calls = []
-    for _ in range(repeats + 1):
-        t0 = time.process_time()
-        assert_causal(block, x, batch_invariant=True)
-        calls.append(time.process_time() - t0)
+    calls = [timed(lambda: assert_causal(block, x, batch_invariant=True))[2] for _ in range(repeats + 1)]
     unit = min(unit, one_forward_s(block, x))
     command_s = statistics.median(c for c, _ in runs)
     return {

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from moe.eval import evaluate
-from moe.model import MoETransformer, preset
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import timed  # noqa: E402
+from moe.eval import evaluate  # noqa: E402
+from moe.model import MoETransformer, preset  # noqa: E402
 
 ROUTERS = {
     "topk": ("topk", {"top_k": 2}),
@@ -38,20 +42,14 @@ EVALS = {
 PROMPT = 8
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
 def bench_generate(preset_name: str, seq_len: int, router: str, batch: int) -> dict:
     name, options = ROUTERS[router]
     torch.manual_seed(0)
     model = MoETransformer(preset(preset_name, router=name, router_options=options, max_seq_len=seq_len)).eval()
     prompt_BT = torch.randint(0, 256, (batch, PROMPT))
     new = seq_len - PROMPT
-    cached, cache_s = timed(lambda: model.generate(prompt_BT, new, temperature=0))
-    recomputed, recompute_s = timed(lambda: model.generate(prompt_BT, new, temperature=0, recompute=True))
+    cached, cache_s, _ = timed(lambda: model.generate(prompt_BT, new, temperature=0))
+    recomputed, recompute_s, _ = timed(lambda: model.generate(prompt_BT, new, temperature=0, recompute=True))
     return {
         "preset": preset_name,
         "T": seq_len,
@@ -74,8 +72,8 @@ def bench_causal_loss(corpus: str, router: str) -> dict:
     )
     val = torch.randint(0, e["vocab"], (200_000,))
     kw = {k: e[k] for k in ("seq_len", "num_windows", "causal_stride", "batch_size")}
-    cached, cache_s = timed(lambda: evaluate(model, val, causal_method="cache", **kw))
-    recomputed, recompute_s = timed(lambda: evaluate(model, val, causal_method="recompute", **kw))
+    cached, cache_s, _ = timed(lambda: evaluate(model, val, causal_method="cache", **kw))
+    recomputed, recompute_s, _ = timed(lambda: evaluate(model, val, causal_method="recompute", **kw))
     return {
         "corpus": corpus,
         "router": router,

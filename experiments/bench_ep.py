@@ -31,15 +31,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moe.layer import MoELayer
-from moe.parallel import ExpertParallel, PhaseTimer, load_full_state_dict
-from moe.parallel.exchange import BACKWARD_PHASES
-from moe.parallel.launch import ok_values, run_local
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import Clocks, interleaved  # noqa: E402
+from moe.layer import MoELayer  # noqa: E402
+from moe.parallel import ExpertParallel, PhaseTimer, load_full_state_dict  # noqa: E402
+from moe.parallel.exchange import BACKWARD_PHASES  # noqa: E402
+from moe.parallel.launch import ok_values, run_local  # noqa: E402
 
 PHASES = ("routing", "exchange", "experts", "combine")
 
@@ -87,14 +91,14 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict[str, float]:
     samples = [step_phases(ep, x_local, timer) for _ in range(opts["warmup"] + opts["iters"])][opts["warmup"] :]
     out = {k: statistics.median(s[k] for s in samples) for k in (*PHASES, "total")}
     if rank == 0 and opts["baseline"]:
-        times = []
-        for _ in range(opts["warmup"] + opts["iters"]):
-            x = x_ND.detach().requires_grad_()
-            t0 = timer.now()
-            y, routing = full(x.unsqueeze(0), return_routing=True)
+
+        def single() -> None:
+            y, routing = full(x_ND.detach().requires_grad_().unsqueeze(0), return_routing=True)
             (y.float().square().mean() + routing.aux_loss).backward()
-            times.append(timer.now() - t0)
-        out["single"] = statistics.median(times[opts["warmup"] :])
+
+        sync = torch.cuda.synchronize if device.type == "cuda" else None
+        samples = interleaved({"single": single}, opts["iters"], warmup=opts["warmup"], sync=sync)
+        out["single"] = samples["single"].median("wall")
     keys = (*PHASES, "total")
     mine = torch.tensor([out[k] for k in keys], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -155,7 +159,7 @@ def main() -> None:
     rows, baseline = [], None
     for world in args.world_sizes:
         threads = args.threads or max(1, cores // world)
-        t0 = time.perf_counter()
+        clocks = Clocks()
         res = ok_values(
             run_local(
                 bench_rank,
@@ -168,7 +172,7 @@ def main() -> None:
         )[0]
         baseline = res.get("single", baseline)
         rows.append((f"cpu x{threads} thr", world, res))
-        print(f"P={world}: {res['total'] * 1e3:.1f} ms/step ({time.perf_counter() - t0:.0f}s)", flush=True)
+        print(f"P={world}: {res['total'] * 1e3:.1f} ms/step ({clocks.lap()[0]:.0f}s)", flush=True)
     print(
         f"\nMoE layer fwd+bwd, {args.tokens} global tokens, D={args.d_model}, F={args.d_ff}, E={args.experts}, "
         f"top-{args.top_k}, backend {args.backend}, {cores} CPU cores\n"

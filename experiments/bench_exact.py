@@ -20,16 +20,17 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import random
-import statistics
-import time
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-import moe
-from moe.model import ModelConfig, MoETransformer
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+import moe  # noqa: E402
+from experiments.timing import interleaved  # noqa: E402
+from moe.model import ModelConfig, MoETransformer  # noqa: E402
 
 SHAPE = dict(d_model=128, n_layers=4, n_heads=4, num_experts=8, moe_d_ff=256, max_seq_len=64, vocab_size=256)
 BATCH, T = 12, 64
@@ -78,26 +79,26 @@ def main() -> None:
         name: MoETransformer(ModelConfig(**SHAPE, router_options={"top_k": 2}), init_seed=0).to(dtype)
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
-    jobs = [
-        (work, dtype, path, fn)
+
+    def job(fn, path: str):
+        def run() -> None:
+            with moe.exact_mode() if path == "exact" else nullcontext():
+                fn()
+
+        return run
+
+    jobs = {
+        (work, dtype, path): job(fn, path)
         for dtype, model in models.items()
         for work, fn in workloads(model, idx_BT).items()
         for path in ("normal", "exact")
-    ]
-    times: dict[tuple, list[float]] = {job[:3]: [] for job in jobs}
-    rng = random.Random(0)
-    for _ in range(rounds):
-        rng.shuffle(jobs)
-        for work, dtype, path, fn in jobs:
-            with moe.exact_mode() if path == "exact" else nullcontext():
-                start = time.process_time()
-                fn()
-                times[(work, dtype, path)].append(time.process_time() - start)
+    }
+    samples = interleaved(jobs, rounds)
     rows = []
     for work in ("forward", "train_step", "decode"):
         for dtype in models:
-            normal = statistics.median(times[(work, dtype, "normal")])
-            exact = statistics.median(times[(work, dtype, "exact")])
+            normal = samples[(work, dtype, "normal")].median("cpu")
+            exact = samples[(work, dtype, "exact")].median("cpu")
             rows.append(dict(workload=work, dtype=dtype, normal_s=normal, exact_s=exact, ratio=exact / normal))
     checks = {dtype: exact_check(model, idx_BT) for dtype, model in models.items()}
     write(args.out, rows, checks, rounds)

@@ -15,8 +15,8 @@ Two shapes (top-2 over 8 experts in both):
 
 Per shape: the MoE layer with each backend (same weights, same routing) and the dense SwiGLU of
 width k*F over all N tokens (the same multiply-adds). One torch thread. Each round runs every
-configuration's burst of calls in an order shuffled per round; the figures are medians over
-rounds of per-round medians, wall clock and process CPU time (on a shared machine the CPU time
+configuration's burst of calls in an order shuffled per round (``experiments/timing.py``); the
+figures are medians over rounds of the burst's time per call, wall clock and process CPU time (on a shared machine the CPU time
 is the steadier: it is what this process got), and per-round ratios give the spread.
 
 Writes ``experiments/results/bench_grouped-<date>-cpu1[-<label>].{json,md}`` with the load
@@ -30,18 +30,17 @@ import copy
 import datetime as dt
 import json
 import os
-import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from experiments.bench_study_shape import Clocks
-from moe.layer import MoELayer
-from moe.model import MoETransformer, SwiGLU, preset
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import Clocks, Samples, interleaved, ratio  # noqa: E402
+from moe.layer import MoELayer  # noqa: E402
+from moe.model import MoETransformer, SwiGLU, preset  # noqa: E402
 
 SHAPES = {
     "layer": {"batch": 8, "seq": 512, "d_model": 256, "d_ff": 512, "experts": 8, "top_k": 2},
@@ -103,41 +102,21 @@ def _fwd_bwd(module: torch.nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def interleaved(fns: dict[str, Callable[[], None]], rounds: int, burst: int, warmup: int) -> dict[str, list]:
-    """name -> per-round (wall, cpu) medians of ``burst`` calls; every round runs every name, in
-    an order shuffled per round."""
-    samples: dict[str, list] = {k: [] for k in fns}
-    names = list(fns)
-    for r in range(warmup + rounds):
-        random.shuffle(names)
-        for name in names:
-            laps = []
-            for _ in range(burst):
-                clocks = Clocks()
-                fns[name]()
-                laps.append(clocks.lap())
-            if r >= warmup:
-                samples[name].append(tuple(statistics.median(x) for x in zip(*laps)))
-    return samples
-
-
-def summarise(samples: dict[str, list], base: str, pairs: list[tuple[str, str]]) -> dict:
+def summarise(samples: dict[str, Samples], base: str, pairs: list[tuple[str, str]]) -> dict:
     """Medians per configuration, and for each (num, den) pair the ratio of medians with the
     per-round ratios' min / median / max (time ratios: below 1 is faster)."""
     out: dict = {"ms": {}, "ratios": {}}
     for name, v in samples.items():
-        out["ms"][name] = {c: statistics.median(x[i] for x in v) * 1e3 for i, c in enumerate(("wall", "cpu"))}
+        out["ms"][name] = {c: v.median(c) * 1e3 for c in ("wall", "cpu")}
     for num, den in [*pairs, *((n, base) for n in samples if n != base)]:
         key = f"{num} / {den}"
         if key in out["ratios"]:
             continue
-        per_round = sorted(a[1] / b[1] for a, b in zip(samples[num], samples[den], strict=True))
+        cpu = ratio(samples[num], samples[den], "cpu")
         out["ratios"][key] = {
-            "cpu": out["ms"][num]["cpu"] / out["ms"][den]["cpu"],
-            "wall": out["ms"][num]["wall"] / out["ms"][den]["wall"],
-            "cpu_per_round_min": per_round[0],
-            "cpu_per_round_median": statistics.median(per_round),
-            "cpu_per_round_max": per_round[-1],
+            "cpu": cpu["ratio"],
+            "wall": ratio(samples[num], samples[den], "wall")["ratio"],
+            **{f"cpu_{k}": v for k, v in cpu.items() if k != "ratio"},
         }
     return out
 
@@ -160,11 +139,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     rounds, warmup = (2, 1) if args.quick else (args.rounds, 2)
-    load_before, t0 = os.getloadavg(), time.time()
+    load_before, clocks = os.getloadavg(), Clocks()
     fns = {f"layer {k}": v for k, v in layer_fns(shapes["layer"]).items()}
     fns |= {f"baby {k}": v for k, v in layer_fns(shapes["baby"]).items()}
     fns |= {f"baby {k}": v for k, v in model_fns(shapes["baby"]).items()}
-    samples = interleaved(fns, rounds, args.burst, warmup)
+    samples = interleaved(fns, rounds, warmup=warmup, burst=args.burst)
     results = {}
     for shape, names, base in (
         ("layer", ["dense", *BACKENDS], "dense"),
@@ -187,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": rounds,
         "burst": args.burst,
         "results": results,
-        "seconds": time.time() - t0,
+        "seconds": clocks.lap()[0],
     }
     write(result, Path(args.out_dir), args.label)
     return result

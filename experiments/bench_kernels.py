@@ -24,8 +24,9 @@ What it does, in order:
    and a dense SwiGLU of the same FLOPs; the GEMM floor = useful FLOPs / measured matmul rate;
    each path's TFLOP/s and its fraction of the GPU's nominal bf16 peak.
 
-GPU timings use ``triton.testing.do_bench`` (CUDA events, L2 flushed before every run, mean).
-The dry run times one call with ``time.perf_counter``: it only shows that every path runs.
+Timings come from ``experiments/timing.py``: on a GPU ``cuda_ms`` (``triton.testing.do_bench``:
+CUDA events, L2 flushed before every run, mean); the dry run times one call after one warm-up
+call, wall clock: it only shows that every path runs.
 
 Output: a table on stdout and ``<out-dir>/bench_kernels-<date>-<gpu>.json`` with ``gpu``,
 ``dispatch_combine_fraction_of_bandwidth``, ``layer_fwd_bwd_over_gemm_floor``,
@@ -44,7 +45,6 @@ import datetime as dt
 import json
 import re
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,11 +53,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from causal_moe_kernels.dispatch_combine import combine, dispatch
-from causal_moe_kernels.metadata import routing_metadata
-from causal_moe_kernels.moe_ffn import moe_ffn_triton
-from causal_moe_kernels.reference import moe_ffn_reference
-from causal_moe_kernels.torch_grouped import moe_ffn_grouped_mm
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from causal_moe_kernels.dispatch_combine import combine, dispatch  # noqa: E402
+from causal_moe_kernels.metadata import routing_metadata  # noqa: E402
+from causal_moe_kernels.moe_ffn import moe_ffn_triton  # noqa: E402
+from causal_moe_kernels.reference import moe_ffn_reference  # noqa: E402
+from causal_moe_kernels.torch_grouped import moe_ffn_grouped_mm  # noqa: E402
+from experiments.timing import cuda_ms, interleaved  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -176,19 +179,10 @@ def cycling(fns: list[Callable]) -> Callable:
 
 
 def timer(device: torch.device) -> Callable[[Callable], float]:
-    """Milliseconds per call: do_bench on CUDA (L2 flushed, mean); one warm call then one timed on CPU."""
+    """Milliseconds per call: ``cuda_ms`` (do_bench: L2 flushed, mean) on CUDA; one warm call then one timed on CPU."""
     if device.type == "cuda":
-        import triton.testing
-
-        return lambda fn: float(triton.testing.do_bench(fn, warmup=25, rep=100))
-
-    def cpu_time(fn: Callable) -> float:
-        fn()  # warm-up (the interpreter rewrites each kernel once)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return cpu_time
+        return cuda_ms
+    return lambda fn: interleaved({"call": fn}, 1, warmup=1)["call"].median("wall") * 1e3
 
 
 def measure_floors(device: torch.device, bench: Callable, dry_run: bool) -> dict:

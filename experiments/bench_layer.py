@@ -1,5 +1,6 @@
 """MoELayer forward+backward against a dense SwiGLU of the same active FLOPs and a naive
-mask-per-expert loop, all measured in this run; prints times and ratios.
+mask-per-expert loop, all measured in this run, interleaved round by round
+(``experiments/timing.py``); prints wall-time medians and ratios.
 
     python experiments/bench_layer.py                       # N=4096, D=256, F=512, E=8, k=2
     python experiments/bench_layer.py --tokens 8192 --router capacity --threads 2
@@ -15,16 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import moe
-from causal_moe_kernels.reference import grouped_swiglu, sort_by_expert
-from moe.model import SwiGLU
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+import moe  # noqa: E402
+from causal_moe_kernels.reference import grouped_swiglu, sort_by_expert  # noqa: E402
+from experiments.timing import interleaved  # noqa: E402
+from moe.model import SwiGLU  # noqa: E402
 
 
 def naive_mask_loop(layer: moe.MoELayer, x_BTD: torch.Tensor) -> torch.Tensor:
@@ -41,15 +45,9 @@ def naive_mask_loop(layer: moe.MoELayer, x_BTD: torch.Tensor) -> torch.Tensor:
     return y_ND.view(b, t, d)
 
 
-def time_fwd_bwd(fn, x: torch.Tensor, reps: int, warmup: int = 2) -> float:
-    times = []
-    for i in range(warmup + reps):
-        xi = x.detach().requires_grad_(True)
-        t0 = time.perf_counter()
-        fn(xi).square().mean().backward()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def fwd_bwd(fn, x: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of ``fn`` on a fresh leaf copy of ``x``."""
+    return lambda: fn(x.detach().requires_grad_(True)).square().mean().backward()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     paths = compared_paths(*build(args))
     results = {"config": vars(args)}
-    results.update({f"{name}_s": time_fwd_bwd(fn, inp, args.reps) for name, (fn, inp) in paths.items()})
+    samples = interleaved({name: fwd_bwd(fn, inp) for name, (fn, inp) in paths.items()}, args.reps, warmup=2)
+    results.update({f"{name}_s": samples[name].median("wall") for name in paths})
     results["moe_over_dense"] = results["moe_layer_s"] / results["dense_s"]
     results["expert_matmuls_over_dense"] = results["expert_matmuls_only_s"] / results["dense_s"]
     results["naive_over_dense"] = results["naive_mask_loop_s"] / results["dense_s"]
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     print(
         f"N={args.tokens} D={args.d_model} F={args.d_ff} E={args.experts} k={args.top_k} "
-        f"router={args.router} threads={args.threads}, forward+backward, median of {args.reps}"
+        f"router={args.router} threads={args.threads}, forward+backward, wall-time median of {args.reps} interleaved rounds"
     )
     print(f"{'path':<28}{'seconds':>10}{'x dense':>10}")
     rows = (

@@ -54,7 +54,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from datetime import date
 from pathlib import Path
@@ -63,6 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.timing import Clocks  # noqa: E402
 from moe.model import MoETransformer, preset  # noqa: E402
 from moe.parallel import rank_state_bytes  # noqa: E402
 from moe.parallel.compile import compile_blocks  # noqa: E402
@@ -114,14 +114,14 @@ def train_steps(rank: int, world: int, spec: dict) -> dict:
             start = current_bytes(device)
         gen = torch.Generator().manual_seed(step * 1000 + rank)
         idx = torch.randint(0, 256, (local, spec["seq"] + 1), generator=gen).to(device)
-        t0 = time.perf_counter()
+        clocks = Clocks()
         out = model(idx[:, :-1], idx[:, 1:])
         (out.loss + out.aux_loss).backward()
         opt.step()
         if last:
             state = rank_state_bytes(model, opt)
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+        times.append(clocks.lap()[0])
     step_peak = peak_bytes(device)
     return {
         "peak": max(peak, step_peak),

@@ -7,8 +7,9 @@ and parameter + gradient + optimizer bytes per rank against one process.
 
 One step = forward, backward, gradient clipping and AdamW step of ``moe.training``'s model on
 a fixed *global* batch split over the W ranks (strong scaling), with the layout's FSDP2 /
-expert-parallel sharding (``moe.parallel.mesh``). Per layout (``--dp-replicate R
---expert-parallel P``; FSDP2 over the rest) and world size:
+expert-parallel sharding, the model placed as ``train()`` places it (``place_model`` of
+``moe.parallel.placement``). Per layout (``--dp-replicate R --expert-parallel P``; FSDP2 over
+the rest) and world size:
 
 * step ms: median over ``--iters`` steps after ``--warmup`` of the slowest rank;
 * compute ms: the same rank's step on its local batch with the *unsharded* single-process
@@ -36,23 +37,27 @@ the pipeline and counts as busy; with as many free cores as processes the ranks 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moe.parallel import clip_grad_norm_, rank_state_bytes, share_router_statistics
-from moe.parallel.launch import ok_values, run_local
-from moe.parallel.mesh import Layout, ParallelMesh, mixed_precision, shard_model
-from moe.parallel.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages
-from moe.training import TrainConfig, build_model, model_config
-from moe.training.batches import local_batch
-from moe.training.distributed import DistInfo
-from moe.training.optim import make_optimizer
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import Clocks  # noqa: E402
+from moe.parallel import clip_grad_norm_, rank_state_bytes  # noqa: E402
+from moe.parallel.launch import ok_values, run_local  # noqa: E402
+from moe.parallel.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages  # noqa: E402
+from moe.parallel.placement import place_model  # noqa: E402
+from moe.training import TrainConfig, build_model, model_config  # noqa: E402
+from moe.training.batches import local_batch  # noqa: E402
+from moe.training.distributed import DistInfo  # noqa: E402
+from moe.training.optim import make_optimizer  # noqa: E402
 
 
 def layouts_for(world: int, num_experts: int) -> list[tuple[int, int]]:
@@ -71,13 +76,13 @@ def _timed_steps(model, optimizer, corpus, cfg: TrainConfig, info: DistInfo, n: 
         idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, info.device, (info.rank, info.world_size))
         if dist.is_initialized():
             dist.barrier()
-        t0 = time.perf_counter()
+        clocks = Clocks()
         out = model(idx_BT, targets_BT)
         (out.loss + out.aux_loss).backward()
         clip_grad_norm_(model, cfg.optimizer.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        times.append(time.perf_counter() - t0)
+        times.append(clocks.lap()[0])
     return times
 
 
@@ -100,12 +105,14 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
     compute = statistics.median(_timed_steps(plain, plain_opt, corpus, cfg, info, n)[opts["warmup"] :])
     rows = {}
     for r, p in layouts_for(world, mcfg.num_experts) if world > 1 else [(1, 1)]:
-        layout = Layout.from_world(world, r, p)
-        pmesh = ParallelMesh(layout, "cpu") if world > 1 else None
-        model = build_model(mcfg, cfg.seed, device, pmesh.expert_parallel() if pmesh is not None else None)
-        if pmesh is not None:
-            shard_model(model, pmesh, list(model.blocks), mixed_precision(device))
-            share_router_statistics(model, dist.group.WORLD)
+        # placed as train() places it: the mesh, expert parallelism, FSDP2 units, sharded initialisation
+        place = place_model(
+            dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=r, expert_parallel=p)),
+            mcfg.num_experts,
+            lambda ep: build_model(mcfg, cfg.seed, device, ep, materialized=False),
+            info,
+        )
+        model, layout = place.model, place.layout
         optimizer = make_optimizer(model, cfg.optimizer)
         step = statistics.median(_timed_steps(model, optimizer, corpus, cfg, info, n)[opts["warmup"] :])
         mine = torch.tensor([step, compute, float(rank_state_bytes(model, optimizer)["total"])], dtype=torch.float64)
@@ -130,11 +137,11 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
 
 def _timed(fn, total: list[float]):
     def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
+        clocks = Clocks()
         try:
             return fn(*args, **kwargs)
         finally:
-            total[0] += time.perf_counter() - t0
+            total[0] += clocks.lap()[0]
 
     return wrapper
 
@@ -172,17 +179,17 @@ def bench_pipeline_rank(rank: int, world: int, opts: dict) -> list[dict]:
                 idx_BT, targets_BT = local_batch(corpus, cfg.data, cfg.seed, step, info.device)
                 dist.barrier()
                 busy[0] = 0.0
-                t0 = time.perf_counter()
+                clocks = Clocks()
                 pipe.step(idx_BT, targets_BT)
                 stage.pop_records()
                 sync_tied_gradient(stage.tied_weight(), tied)
-                t_opt = time.perf_counter()
+                pipelined = clocks.lap()[0]
                 clip_grad_norm_(stage, cfg.optimizer.grad_clip, dist.group.WORLD, stage.uncounted())
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                end = time.perf_counter()
-                steps.append(end - t0)
-                busies.append(busy[0] + end - t_opt)
+                optimizer_s = clocks.lap()[0]
+                steps.append(pipelined + optimizer_s)
+                busies.append(busy[0] + optimizer_s)
             keep = slice(opts["warmup"], None)
             mine = torch.tensor([statistics.median(steps[keep]), statistics.median(busies[keep])], dtype=torch.float64)
             every = [torch.empty_like(mine) for _ in range(world)]
@@ -270,10 +277,10 @@ def main() -> None:
     for world in args.world_sizes:
         if args.batch_size % world:
             raise SystemExit(f"--batch-size {args.batch_size} must be divisible by every world size ({world})")
-        t0 = time.perf_counter()
+        clocks = Clocks()
         res = ok_values(run_local(bench_rank, world, opts, timeout_s=1800.0, pg_timeout_s=600.0))[0]
         rows.extend(res.values())
-        print(f"W={world}: {len(res)} layouts ({time.perf_counter() - t0:.0f}s)", flush=True)
+        print(f"W={world}: {len(res)} layouts ({clocks.lap()[0]:.0f}s)", flush=True)
     single = next(r for r in rows if r["world"] == 1) if 1 in args.world_sizes else rows[0]
     header = (
         f"preset {args.preset}, global batch {args.batch_size} x {args.seq_len} tokens, "
@@ -282,11 +289,11 @@ def main() -> None:
     table = format_table(rows, single["bytes_per_rank"])
     pipeline_rows, pipeline_table = [], ""
     if args.pipeline_world:
-        t0 = time.perf_counter()
+        clocks = Clocks()
         pipeline_rows = ok_values(
             run_local(bench_pipeline_rank, args.pipeline_world, opts, timeout_s=1800.0, pg_timeout_s=600.0)
         )[0]
-        print(f"pipeline, S={args.pipeline_world}: {len(pipeline_rows)} layouts ({time.perf_counter() - t0:.0f}s)")
+        print(f"pipeline, S={args.pipeline_world}: {len(pipeline_rows)} layouts ({clocks.lap()[0]:.0f}s)")
         pipeline_table = (
             f"\n\nPipeline, {args.pipeline_layers} blocks, global batch {args.batch_size}:\n\n"
             + format_pipeline_table(pipeline_rows)

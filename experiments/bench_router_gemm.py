@@ -19,15 +19,16 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import random
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-from moe.agreement import cast_parameters
-from moe.model import ModelConfig, MoETransformer
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import interleaved  # noqa: E402
+from moe.agreement import cast_parameters  # noqa: E402
+from moe.model import ModelConfig, MoETransformer  # noqa: E402
 
 SHAPE = dict(d_model=128, n_layers=4, n_heads=4, num_experts=8, moe_d_ff=256, max_seq_len=64, vocab_size=256)
 FORMS = ("input", "fp32", "bf16_fp32")
@@ -68,18 +69,17 @@ def agreement(model: MoETransformer, inputs: list[torch.Tensor]) -> dict:
 
 def speed(model: MoETransformer, x_ND: torch.Tensor, rounds: int) -> dict:
     router = model.routers()[0]
-    times: dict[str, list[float]] = {f: [] for f in FORMS}
-    order = list(FORMS)
-    for _ in range(rounds):
-        random.Random(len(times[FORMS[0]])).shuffle(order)
-        for form in order:
+
+    def score(form: str):
+        def run() -> None:
             router.router_dtype = form
             with torch.no_grad():
-                start = time.process_time()
-                for _ in range(200):
-                    router.score_logits(x_ND)
-                times[form].append((time.process_time() - start) / 200)
-    return {f: statistics.median(t) for f, t in times.items()}
+                router.score_logits(x_ND)
+
+        return run
+
+    samples = interleaved({f: score(f) for f in FORMS}, rounds, burst=200)
+    return {f: samples[f].median("cpu") for f in FORMS}
 
 
 def main() -> None:

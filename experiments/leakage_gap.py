@@ -25,7 +25,8 @@ Writes ``--json`` (``{"routers": [{"router", "corpus", "teacher_forced_loss", "c
 "leakage_gap", ..., "sample"}]}``, the sample: text greedily decoded after the start of the
 validation split, through the data's tokenizer, also printed for the text corpus), a markdown
 table and a figure (loss curves and gap bars) next to it.
-Jobs run in ``--workers`` processes with one thread each (tiny models run fastest that way).
+Rows run through ``experiments/rows.py`` in ``--workers`` processes with one thread each (tiny models
+run fastest that way); each records its commit, machine, command and date.
 """
 
 from __future__ import annotations
@@ -34,21 +35,22 @@ import argparse
 import dataclasses
 import json
 import math
-import multiprocessing
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from moe.agreement import train_serve_agreement
-from moe.eval import eval_offsets, evaluate, format_difference, windows
-from moe.extras import pyplot
-from moe.routers import build_router
-from moe.training import TrainConfig, train
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments import rows as runner  # noqa: E402
+from experiments.timing import Clocks  # noqa: E402
+from moe.agreement import train_serve_agreement  # noqa: E402
+from moe.eval import eval_offsets, evaluate, format_difference, windows  # noqa: E402
+from moe.extras import pyplot  # noqa: E402
+from moe.routers import build_router  # noqa: E402
+from moe.training import TrainConfig, train  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SAMPLE_PROMPT, SAMPLE_NEW = 32, 48
@@ -127,11 +129,17 @@ def corpus_config(corpus: str, budget: Budget, args: argparse.Namespace) -> dict
     )
 
 
-def run_job(label: str, corpus: str, fields: dict) -> dict:
-    """Train one (router, corpus) pair and evaluate it; runs in a worker process."""
+def row_key(row: dict) -> tuple[str, str]:
+    """A row's identity in a results JSON: its corpus and router label (a rerun replaces it)."""
+    return row["corpus"], row["router"]
+
+
+def run_row(spec: dict) -> dict:
+    """Train one (router, corpus) pair of ``spec`` and evaluate it; runs in a worker process."""
     torch.set_num_threads(1)
+    label, corpus = spec["router"], spec["corpus"]
     name, options = ROUTERS[label]
-    cfg = TrainConfig.flat(router=name, router_options=options, **fields)
+    cfg = TrainConfig.flat(router=name, router_options=options, **spec["fields"])
     res = train(cfg)
     data = cfg.data.load()
     val = data.val
@@ -183,6 +191,8 @@ def run_job(label: str, corpus: str, fields: dict) -> dict:
         "loss_curve": [r["loss"] for r in res.history],
         "sample": data.decode(sample),
         "config": dataclasses.asdict(cfg),
+        **{k: spec[k] for k in ("commit", "command", "date")},
+        "machine": runner.machine(),
     }
 
 
@@ -281,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--text-steps", type=int, help="override the text corpus's training steps")
     p.add_argument("--canary-lr", type=float, default=3e-3, help="peak learning rate on the canary")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=2, help="training processes (one thread each)")
+    p.add_argument("--workers", type=int, default=2, help="training processes (one thread each; 0: in this process)")
     p.add_argument(
         "--json",
         type=Path,
@@ -318,29 +328,29 @@ def main(argv: list[str] | None = None) -> dict:
     for label in args.routers:  # fail fast on a bad router before any process starts
         build_router(ROUTERS[label][0], d_model=8, num_experts=4, **ROUTERS[label][1])
 
-    jobs = [
-        (label, corpus, corpus_config(corpus, budgets[corpus], args))
+    ran = runner.provenance(runner.command("experiments/leakage_gap.py", sys.argv[1:] if argv is None else argv))
+    specs = [
+        {"router": label, "corpus": corpus, "fields": corpus_config(corpus, budgets[corpus], args)}
+        | {k: ran[k] for k in ("commit", "command", "date")}
         for corpus in args.corpora
         for label in args.routers
     ]
-    t0 = time.perf_counter()
+    clocks = Clocks()
     rows: list[dict] = []
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=args.workers, mp_context=ctx) as pool:
-        futures = [pool.submit(run_job, *job) for job in jobs]
-        for fut in tqdm(as_completed(futures), total=len(futures), desc="routers x corpora", file=sys.stderr):
-            r = fut.result()
-            rows.append(r)
-            tqdm.write(
-                f"{r['corpus']:>6} {r['router']:<18} tf {r['teacher_forced_loss']:.4f}  "
-                f"causal {r['causal_loss']:.4f}  gap {format_difference(r['leakage_gap'])}  ({r['train_time_s']:.0f} s)"
-            )
-            if r["corpus"] == "text":
-                tqdm.write(f"{'':>6} {r['router']} sample: {r['sample']!r}")
-    wall = time.perf_counter() - t0
+
+    def store(r: dict) -> None:
+        rows.append(r)
+        tqdm.write(
+            f"{r['corpus']:>6} {r['router']:<18} tf {r['teacher_forced_loss']:.4f}  "
+            f"causal {r['causal_loss']:.4f}  gap {format_difference(r['leakage_gap'])}  ({r['train_time_s']:.0f} s)"
+        )
+        if r["corpus"] == "text":
+            tqdm.write(f"{'':>6} {r['router']} sample: {r['sample']!r}")
+
+    runner.run_rows(run_row, specs, args.workers, store, desc="routers x corpora")
+    wall = clocks.lap()[0]
     if previous is not None:
-        fresh = {(r["corpus"], r["router"]) for r in rows}
-        rows += [r for r in previous["routers"] if (r["corpus"], r["router"]) not in fresh]
+        rows = runner.merge(previous["routers"], rows, key=row_key)
         wall += previous["wall_time_s"]
     order = {key: i for i, key in enumerate((c, r) for c in budgets for r in ROUTERS)}
     rows.sort(key=lambda r: order[(r["corpus"], r["router"])])

@@ -57,9 +57,7 @@ import argparse
 import hashlib
 import json
 import math
-import shlex
 import sys
-import time
 from dataclasses import asdict
 from datetime import date
 from pathlib import Path
@@ -67,6 +65,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments import rows as runner  # noqa: E402
+from experiments.timing import Clocks  # noqa: E402
 from moe.data import Corpus, load_corpus
 from moe.eval import evaluate
 from moe.extras import pyplot
@@ -120,7 +122,18 @@ def simulate(
     over the workers before their update. ``start``: a state dict every worker starts from (a
     pretrained model) instead of the seed's initialisation. Returns per-step figures, worker 0's
     final teacher-forced validation loss and, every ``eval_every`` steps, a point of its curve
-    (step, validation loss, the largest and the last step's ``max_drift`` since the point before)."""
+    (step, validation loss, the largest and the last step's ``max_drift`` since the point before).
+
+    Why not through ``train()``: the loop trains one model with one optimizer per process (its
+    placement holds one model, its step strategy is given one optimizer; the loop sets that
+    optimizer's learning rate, zeroes its gradients and updates that model's routers), and its
+    lossy strategy is one replica per gloo process, which is what the study runs without
+    ``--simulate``. P replicas in one process, each with its own optimizer and parameters that
+    drift apart, are a step strategy the loop does not have: one that owns the replicas and
+    their optimizers. That belongs in the trainer's step layer (``moe/parallel/steps/``, moving
+    into ``moe/training/`` as this is written), not in a study; until it exists this loop is
+    built from the loop's own pieces, and ``tests/test_lossy_simulated.py`` holds it to the
+    4-process ``train()`` run of the same seed (every step's loss within 1e-6)."""
     device = torch.device("cpu")
     model = build_model(model_config(cfg.model, corpus.vocab_size), cfg.seed, device)
     if start is not None:
@@ -225,17 +238,20 @@ def _process_worker(rank: int, world: int, jobs: list[dict], common: dict) -> li
     corpus = load_corpus("stdlib", max_bytes=common["max_bytes"])
     out = []
     for job in jobs:
-        t0 = time.perf_counter()
+        clocks = Clocks()
         cfg = run_config(common, job)
         res = train(cfg, corpus)
         ev = evaluate(
             res.model, corpus.val, cfg.data.seq_len, cfg.eval.eval_windows, device=torch.device("cpu"), causal=False
         )
         history = {k: [r[k] for r in res.history] for k in HISTORY}
-        out.append(
-            {**job, "val_loss": ev["teacher_forced_loss"], "history": history, "wall_s": time.perf_counter() - t0}
-        )
+        out.append({**job, "val_loss": ev["teacher_forced_loss"], "history": history, "wall_s": clocks.lap()[0]})
     return out
+
+
+def run_key(run: dict) -> tuple:
+    """A run's identity in a study's .raw.json: its batch, workers, loss rate, policy and seed."""
+    return run["batch_size"], run["workers"], run["loss_rate"], run["policy"], run["seed"]
 
 
 def _compact(res: dict) -> dict:
@@ -664,14 +680,9 @@ def main(argv: list[str] | None = None) -> dict:
         if any(part["config"] != parts[0]["config"] for part in parts):
             p.error("--merge: the parts ran with different settings")
         # a run stored twice (a part rerun with more figures): the later part's record
-        keyed = {
-            (r["batch_size"], r["workers"], r["loss_rate"], r["policy"], r["seed"]): r
-            for part in parts
-            for r in part["runs"]
-        }
-        raw = list(keyed.values())
+        raw = runner.merge(*(part["runs"] for part in parts), key=run_key)
         commands = [c for part in parts for c in part["commands"]] + [
-            shlex.join(["python", "experiments/packet_loss.py", *argv])
+            runner.command("experiments/packet_loss.py", argv)
         ]
         wall = sum(part["wall_s"] for part in parts)
         runs = write(args.json, parts[0]["config"], commands, raw, wall, True, parts[0].get("pretrained_curves"))
@@ -722,8 +733,9 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     jobs = list({tuple(j.items()): j for j in jobs}.values())
     json_path = args.json or RESULTS / ("packet_loss_quick.json" if args.quick else "packet_loss.json")
-    command = shlex.join(["python", "experiments/packet_loss.py", *argv])
-    raw, wall, commands, pretrained = [], 0.0, [command], {}
+    ran = runner.provenance(runner.command("experiments/packet_loss.py", argv))
+    raw, wall, commands, pretrained = [], 0.0, [ran["command"]], {}
+    stamp = {k: ran[k] for k in ("commit", "machine", "command", "date")}  # each run's provenance
     if args.add_to:
         raw_path = json_path.with_suffix(".raw.json")
         if not raw_path.exists():
@@ -731,10 +743,9 @@ def main(argv: list[str] | None = None) -> dict:
         stored = json.loads(raw_path.read_text())
         if stored["config"] != common:
             p.error(f"--add-to: the stored study ran with {stored['config']}, this one would run with {common}")
-        raw, wall, commands = stored["runs"], stored["wall_s"], [*stored["commands"], command]
+        raw, wall, commands = stored["runs"], stored["wall_s"], [*stored["commands"], ran["command"]]
         pretrained = stored.get("pretrained_curves", {})
-        done = {(r["batch_size"], r["workers"], r["loss_rate"], r["policy"], r["seed"]) for r in raw}
-        jobs = [j for j in jobs if (j["batch_size"], j["workers"], j["loss_rate"], j["policy"], j["seed"]) not in done]
+        jobs = runner.pending(jobs, raw, key=run_key)
     print(
         f"{len(jobs)} runs of {args.steps} steps ({'logical workers in one process' if args.simulate else 'gloo processes'})",
         flush=True,
@@ -742,37 +753,44 @@ def main(argv: list[str] | None = None) -> dict:
     if args.simulate:
         starts = {}
         for b in dict.fromkeys(j["batch_size"] for j in jobs) if args.pretrain else ():
-            t0 = time.perf_counter()
+            clocks = Clocks()
             starts[b], pretrained[str(b)] = pretrain(common, b)
             print(
                 f"  pretrained start, batch {b}: val loss {pretrained[str(b)][-1]['val_loss']:.4f} "
-                f"after {args.pretrain} steps ({time.perf_counter() - t0:.0f}s)",
+                f"after {args.pretrain} steps ({clocks.lap()[0]:.0f}s)",
                 flush=True,
             )
-        for job in jobs:
-            t0 = time.perf_counter()
+
+        def run_job(job: dict) -> dict:
+            clocks = Clocks()
             res = simulate(
                 run_config(common, job), job["workers"], corpus, starts.get(job["batch_size"]), args.eval_every
             )
-            raw.append({**job, **_compact(res), "wall_s": time.perf_counter() - t0})
-            wall += raw[-1]["wall_s"]
+            return {**job, **_compact(res), "wall_s": clocks.lap()[0], **stamp}
+
+        def store(run: dict) -> None:
+            nonlocal wall
+            raw.append(run)
+            wall += run["wall_s"]
             print(
-                f"  {job['tokens_per_step']:>6} tok/step P={job['workers']:<3} {job['policy']:>9} p={job['loss_rate']:.2f} "
-                f"seed {job['seed']}: val loss {res['val_loss']:.4f}, grad rel err "
-                f"{np.mean(res['history']['grad_rel_error']):.4f} ({raw[-1]['wall_s']:.0f}s)",
+                f"  {run['tokens_per_step']:>6} tok/step P={run['workers']:<3} {run['policy']:>9} p={run['loss_rate']:.2f} "
+                f"seed {run['seed']}: val loss {run['val_loss']:.4f}, grad rel err "
+                f"{np.mean(run['history']['grad_rel_error']):.4f} ({run['wall_s']:.0f}s)",
                 flush=True,
             )
             write(json_path, common, commands, raw, wall, False, pretrained)
+
+        runner.run_rows(run_job, jobs, 0, store)
     for workers in dict.fromkeys(j["workers"] for j in jobs if not args.simulate):
-        t0 = time.perf_counter()
+        clocks = Clocks()
         mine = [j for j in jobs if j["workers"] == workers]
         raw += [
-            _compact(r)
+            {**_compact(r), **stamp}
             for r in ok_values(
                 run_local(_process_worker, workers, mine, common, timeout_s=24 * 3600.0, pg_timeout_s=600.0)
             )[0]
         ]
-        wall += time.perf_counter() - t0
+        wall += clocks.lap()[0]
         write(json_path, common, commands, raw, wall, False, pretrained)
     runs = write(json_path, common, commands, raw, wall, True, pretrained)
     print(table(runs))

@@ -23,9 +23,9 @@ A study is a list of rows (corpus x size x router x seed); each row is one ``Tra
 keyed by a hash of what determines it (its config, with the corpus by name rather than by the
 path it lies at on this machine), so a row already in the results JSON is never rerun. The
 same command run again resumes its own rows after a crash or Ctrl-C; ``--update`` adds rows
-of another command to an existing results JSON. The JSON (default
-``experiments/results/router_study.json``) holds every row's config, seed, command, commit,
-measurements and the SHA-256 of the tokens it trained on (``data_sha256``: rows of one corpus
+of another command to an existing results JSON (the studies' one row runner,
+``experiments/rows.py``). The JSON (default ``experiments/results/router_study.json``) holds
+every row's config, seed, command, commit, date, machine, measurements and the SHA-256 of the tokens it trained on (``data_sha256``: rows of one corpus
 name must share it, or the study stops). ``causal_eval_batch`` is the number of sequences
 routed together when a row's causal loss was measured: 1 (each sequence decoded alone) for
 every router whose claims say it is not batch-invariant, whose batched figure is kept beside
@@ -52,14 +52,11 @@ import dataclasses
 import hashlib
 import json
 import math
-import multiprocessing
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from datetime import date
 from pathlib import Path
 
@@ -72,6 +69,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
 from study_report import SMOKE, registration_lines, render  # noqa: E402
 from study_stats import StudyError, registered_verdict, require_scipy  # noqa: E402
 
+from experiments import rows as runner  # noqa: E402
 from moe.eval import evaluate, format_difference  # noqa: E402
 from moe.routers import ROUTER_TABLE  # noqa: E402
 
@@ -273,8 +271,7 @@ def row_key(spec: dict) -> str:
     """What determines a row: its corpus (by name: ``data_sha256`` guards what the name holds),
     size, router, seed and config, but not where the corpus lies on this machine."""
     fields = {**spec["fields"], "data": spec["corpus"]}
-    keyed = {k: spec[k] for k in ("corpus", "size", "router", "seed")} | {"fields": fields}
-    return hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
+    return runner.config_key({k: spec[k] for k in ("corpus", "size", "router", "seed")} | {"fields": fields})
 
 
 def check_compute(labels: list[str], sizes: list[str], allow_unequal: bool) -> None:
@@ -348,20 +345,6 @@ def check_data(spec: dict, rows: list[dict]) -> None:
             )
 
 
-def machine() -> dict:
-    """What a row ran on: its training is bit-exact across commits on one CPU type, not across CPU
-    types (another instruction set rounds differently, and the run lands like another seed)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return {
-        "cpu": names[0] if names else platform.processor(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-
-
 def run_row(spec: dict) -> dict:
     """Train and evaluate one row (in a worker process)."""
     torch.set_num_threads(1)
@@ -381,8 +364,8 @@ def run_row(spec: dict) -> dict:
         )
         batched = {"causal_loss_batched": again["causal_loss"], "causal_batched_eval_batch": e.eval_batch_size}
     return {
-        **{k: spec[k] for k in ("key", "corpus", "size", "router", "seed", "commit", "data_sha256")},
-        "machine": machine(),
+        **{k: spec[k] for k in ("key", "corpus", "size", "router", "seed", "commit", "date", "data_sha256")},
+        "machine": runner.machine(),
         "causal_eval_batch": decoded_together,
         **batched,
         "router_name": spec["fields"]["router"] if spec["router"] != "dense" else "dense",
@@ -649,9 +632,7 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
         sizes, seeds = (["quick"] if args.quick else args.sizes), args.seeds
     check_compute(labels, sizes, args.allow_unequal_compute)
     json_path = args.json or RESULTS / ("router_study_quick.json" if args.quick else "router_study.json")
-    command = "python experiments/router_study.py " + " ".join(sys.argv[1:])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    commit = commit.stdout.strip()
+    ran = runner.provenance(runner.command("experiments/router_study.py", sys.argv[1:]))
     specs, checked = [], {}
     for seed in seeds:  # seed-major: a study stopped early has every router at its first seeds
         for corpus, path in corpora.items():
@@ -665,7 +646,6 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
                     spec["data_sha256"] = check_row(fields, checked)
                     specs.append(spec)
     result = stored_result(json_path, {s["key"] for s in specs}, args.update or args.registered is not None)
-    done = {r["key"] for r in result["rows"]}
     if args.registered is not None:  # arm by arm in the registration's order: stopped early, the first arms are whole
         check_fresh(args.registered, reg, [r for r in result["rows"] if r["key"] in {s["key"] for s in specs}])
         specs.sort(key=lambda s: labels.index(s["router"]))
@@ -677,7 +657,10 @@ def plan(args: argparse.Namespace) -> tuple[Path, dict, list[dict]]:
             f"router_study: stored rows of {', '.join(unhashed)} recorded no data_sha256: their data is not checked",
             file=sys.stderr,
         )
-    todo = [{**spec, "command": command, "commit": commit} for spec in specs if spec["key"] not in done]
+    todo = [
+        {**spec, **{k: ran[k] for k in ("command", "commit", "date")}}
+        for spec in runner.pending(specs, result["rows"], key=lambda r: r["key"])
+    ]
     return json_path, result, todo
 
 
@@ -745,27 +728,26 @@ def main(argv: list[str] | None = None) -> dict:
 def run_rows(todo: list[dict], result: dict, json_path: Path, workers: int, registered: bool = False) -> None:
     """Train the rows in ``workers`` processes, storing each (and redrawing) as it finishes. A
     registered row's losses are not printed (held until its test's verdict)."""
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx) as pool:
-        futures = [pool.submit(run_row, spec) for spec in todo]
-        for fut in tqdm(as_completed(futures), total=len(futures), desc="router study", file=sys.stderr):
-            try:
-                r = fut.result()
-            except ValueError as e:  # a setup error of the row (e.g. a corpus too small for seq_len)
-                print(f"router_study: {e}", file=sys.stderr)
-                raise SystemExit(2) from None
-            result["rows"].append(r)
-            result["wall_time_s"] += r["train_time_s"]
-            head = f"{r['corpus']} {r['size']} {r['router']:<24} seed {r['seed']}  "
-            losses = (
-                "stored; its losses are held until the registered verdict"
-                if registered
-                else f"tf {r['teacher_forced_loss']:.4f}  causal {r['causal_loss']:.4f}  gap "
-                f"{format_difference(r['leakage_gap'])}  experts {r['active_experts_mean']:.2f}"
-            )
-            tqdm.write(f"{head}{losses}  {r['tokens_per_s']:,.0f} tok/s", file=sys.stderr)
-            result["rows"].sort(key=lambda r: (r["corpus"], r["size"], list(ROUTERS).index(r["router"]), r["seed"]))
-            render(result, json_path, registrations_of(json_path))
+
+    def store(r: dict) -> None:
+        result["rows"].append(r)
+        result["wall_time_s"] += r["train_time_s"]
+        head = f"{r['corpus']} {r['size']} {r['router']:<24} seed {r['seed']}  "
+        losses = (
+            "stored; its losses are held until the registered verdict"
+            if registered
+            else f"tf {r['teacher_forced_loss']:.4f}  causal {r['causal_loss']:.4f}  gap "
+            f"{format_difference(r['leakage_gap'])}  experts {r['active_experts_mean']:.2f}"
+        )
+        tqdm.write(f"{head}{losses}  {r['tokens_per_s']:,.0f} tok/s", file=sys.stderr)
+        result["rows"].sort(key=lambda r: (r["corpus"], r["size"], list(ROUTERS).index(r["router"]), r["seed"]))
+        render(result, json_path, registrations_of(json_path))
+
+    try:
+        runner.run_rows(run_row, todo, max(1, workers), store, desc="router study")
+    except ValueError as e:  # a setup error of the row (e.g. a corpus too small for seq_len)
+        print(f"router_study: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -19,12 +19,16 @@ import dataclasses
 import json
 import math
 import statistics
-import time
+import sys
 from datetime import date
 from pathlib import Path
 
-from moe.data import load_corpus
-from moe.training import TrainConfig, train
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments import rows as runner  # noqa: E402
+from experiments.timing import Clocks  # noqa: E402
+from moe.data import load_corpus  # noqa: E402
+from moe.training import TrainConfig, train  # noqa: E402
 
 
 def table(rows: list[dict]) -> str:
@@ -38,13 +42,14 @@ def table(rows: list[dict]) -> str:
     )
 
 
-def write(rows: list[dict], args: argparse.Namespace) -> dict:
+def write(rows: list[dict], args: argparse.Namespace, provenance: dict) -> dict:
     result = {
         "date": date.today().isoformat(),
         "preset": args.preset,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
         "rows": rows,
+        **provenance,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -66,24 +71,29 @@ def main(argv: list[str] | None = None) -> dict:
     if len(args.seeds) < 2 or min(args.steps) <= 0:
         p.error("need at least two seeds and positive step counts")
     corpus = load_corpus("stdlib", max_bytes=4_000_000)  # packet_loss.py's corpus
+    ran = runner.provenance(runner.command("experiments/seed_spread.py", sys.argv[1:] if argv is None else argv))
+
+    def run_seed(spec: dict) -> dict:
+        cfg = TrainConfig.flat(
+            preset=args.preset,
+            steps=spec["steps"],
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            seed=spec["seed"],
+            warmup_steps=min(30, spec["steps"] // 10),
+            eval_windows=args.eval_windows,
+            log_every=0,
+            progress=False,
+            wandb_mode="disabled",
+        )
+        return {"loss": train(cfg, corpus).final_eval["teacher_forced_loss"], "config": cfg}
+
     rows = []
     for steps in args.steps:
-        t0 = time.perf_counter()
-        losses = []
-        for seed in args.seeds:
-            cfg = TrainConfig.flat(
-                preset=args.preset,
-                steps=steps,
-                batch_size=args.batch_size,
-                seq_len=args.seq_len,
-                seed=seed,
-                warmup_steps=min(30, steps // 10),
-                eval_windows=args.eval_windows,
-                log_every=0,
-                progress=False,
-                wandb_mode="disabled",
-            )
-            losses.append(train(cfg, corpus).final_eval["teacher_forced_loss"])
+        clocks = Clocks()
+        runs: list[dict] = []
+        runner.run_rows(run_seed, [{"steps": steps, "seed": seed} for seed in args.seeds], 0, runs.append)
+        losses, cfg = [r["loss"] for r in runs], runs[-1]["config"]
         ppl = [math.exp(v) for v in losses]
         row = {
             "steps": steps,
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
             "val_ppl": ppl,
             "spread_pct": 100 * (max(ppl) / min(ppl) - 1),
             "sd_pct": 100 * statistics.stdev(ppl) / statistics.mean(ppl),
-            "wall_s": time.perf_counter() - t0,
+            "wall_s": clocks.lap()[0],
             "config": dataclasses.asdict(cfg),
         }  # the last seed's; the others differ only in seed
         rows.append(row)
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"sd {row['sd_pct']:.2f}% ({row['wall_s']:.0f}s)",
             flush=True,
         )
-        result = write(rows, args)  # after every length: a long run keeps what it measured
+        result = write(rows, args, ran)  # after every length: a long run keeps what it measured
     print(table(rows))
     return result
 
