@@ -8,7 +8,7 @@ and parameter + gradient + optimizer bytes per rank against one process.
 One step = forward, backward, gradient clipping and AdamW step of ``moe.training``'s model on
 a fixed *global* batch split over the W ranks (strong scaling), with the layout's FSDP2 /
 expert-parallel sharding, the model placed as ``train()`` places it (``place_model`` of
-``moe.parallel.placement``). Per layout (``--dp-replicate R --expert-parallel P``; FSDP2 over
+``moe.training.placement``). Per layout (``--dp-replicate R --expert-parallel P``; FSDP2 over
 the rest) and world size:
 
 * step ms: median over ``--iters`` steps after ``--warmup`` of the slowest rank;
@@ -53,11 +53,11 @@ from experiments.timing import Clocks  # noqa: E402
 from moe.parallel import clip_grad_norm_, rank_state_bytes  # noqa: E402
 from moe.parallel.launch import ok_values, run_local  # noqa: E402
 from moe.parallel.pipeline import SCHEDULES, Pipeline, StageModel, bubble_fraction, sync_tied_gradient, virtual_stages  # noqa: E402
-from moe.parallel.placement import place_model  # noqa: E402
 from moe.training import TrainConfig, build_model, model_config  # noqa: E402
 from moe.training.batches import local_batch  # noqa: E402
 from moe.training.distributed import DistInfo  # noqa: E402
 from moe.training.optim import make_optimizer  # noqa: E402
+from moe.training.placement import place_model  # noqa: E402
 
 
 def layouts_for(world: int, num_experts: int) -> list[tuple[int, int]]:
@@ -106,7 +106,7 @@ def bench_rank(rank: int, world: int, opts: dict) -> dict:
     rows = {}
     for r, p in layouts_for(world, mcfg.num_experts) if world > 1 else [(1, 1)]:
         # placed as train() places it: the mesh, expert parallelism, FSDP2 units, sharded initialisation
-        place = place_model(
+        place, _ = place_model(
             dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=r, expert_parallel=p)),
             mcfg.num_experts,
             lambda ep: build_model(mcfg, cfg.seed, device, ep, materialized=False),
