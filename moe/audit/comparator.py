@@ -13,8 +13,10 @@ whole pack (:func:`~moe.audit.calibration.compare`).
 Distribution regime, and comparisons across shapes (a prefix, a sample alone) of a target whose
 output depends on its seed: every variant first runs once under the audit seed (the screen);
 the MAX_DISTRIBUTION_COMPARISONS variants that moved the outputs most there are then judged by
-the permutation test of :mod:`moe.audit.distribution` on fresh draws under other seeds (the
-screen only chooses; the test never sees its forwards, so its level holds), with more draws for
+the permutation test of :mod:`moe.audit.distribution` on fresh draws under other seeds, draw i
+of the example and of the variant under the same seed (a pair: the noise both draw in the same
+shapes is the same noise); the screen only chooses, the test never sees its forwards, so its
+level holds; with more draws for
 a comparison the first draws leave suggestive; a change the last stage can neither call
 significant nor dismiss is INCONCLUSIVE. The per-comparison level is derived from the probes
 that compare forwards (:func:`per_comparison_alpha`).
@@ -440,11 +442,12 @@ class Comparator:
         suggestive; each stage at the comparison's level over the number of stages."""
         rows = slice(None) if v.rows is None else list(v.rows)
         level = self.alpha / len(stages)
+        paired = self._shares_noise(v)
+        first = self.runner.seed + 1 + (0 if paired else DRAWS[-1])  # the reference's seeds, or disjoint ones
         var: list[Tensor] = []
         outcome: Outcome | None = None
         for k in stages:
             ref_KBSF = self._reference_draws(k)[:, rows, : v.upto]
-            first = self.runner.seed + 1 + DRAWS[-1]  # seeds disjoint from the reference's
             var += [
                 self._value(self.runner.forward(v.x, seed=first + i).out)[rows, : v.upto] for i in range(len(var), k)
             ]
@@ -453,11 +456,28 @@ class Comparator:
                 width = self._width()
                 ref_KBSF, var_KBSF = ref_KBSF[..., :width], var_KBSF[..., :width]
             res_F, ranges = self._resolutions(ref_KBSF.shape[-1])
-            outcome = distribution_change(ref_KBSF, var_KBSF, res_F, level, gen=self._gen, rows_of=ranges)
+            outcome = distribution_change(
+                ref_KBSF, var_KBSF, res_F, level, gen=self._gen, rows_of=ranges, paired=paired
+            )
             if outcome.p <= level or outcome.p > ESCALATE_P:
                 break
         assert outcome is not None
         return outcome
+
+    def _shares_noise(self, v: Variant) -> bool:
+        """Whether the variant, under the audit seed, makes its first random draw with the op and
+        shape of the example's: then under one seed both start from the same noise (a noisy gate's
+        Gaussian drawn before any draw whose shape follows the routing), and the test pairs draw i
+        of both under seed i. Otherwise (the first draw already follows the data, another batch
+        size or length, draws the runner cannot record) nothing is shared: the variant's draws
+        run under seeds disjoint from the example's and the test relabels them freely."""
+        if not self.base.draws:
+            return False
+        try:
+            draws = self.runner.forward(v.x, record=True).draws
+        except TargetFailure:
+            return False
+        return bool(draws) and draws[0] == self.base.draws[0]
 
     def _reference_draws(self, k: int) -> Tensor:
         """The example's outputs under seeds seed + 1 ... seed + k (kept and extended)."""

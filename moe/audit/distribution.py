@@ -9,13 +9,26 @@ after a random projection), P permutations.
 A routing change moves a whole position's output, not one number, and noise from dropout or a
 sampled expert is heavy-tailed (a kept value or a zero): a test on the largest single |z| over
 thousands of elements has a null as wide as its observed value and no power at a handful of
-draws. The statistic here is per position: the squared distance between the two groups' mean
-output vectors, each element scaled by its pooled standard deviation over all 2K draws (at least
-its resolution, so rounding noise never counts), largest over positions. Its null is the same
-statistic under random relabellings of the 2K draws into two groups of K, which under "no
-change" are exchangeable (independent seeds); the p-value (1 + #{null >= observed}) / (1 + P) is
-exact for any output distribution (Good 2005, "Permutation, Parametric and Bootstrap Tests of
-Hypotheses", ch. 3; the largest-over-positions form is Westfall and Young's max-T adjustment).
+draws. The statistic here is per position: the squared norm of the mean difference between the
+variant's and the example's output vectors, each element scaled by its pooled standard deviation
+over all 2K draws (at least its resolution, so rounding noise never counts), largest over
+positions. Its null is the same statistic under relabellings of the draws that are exchangeable
+when nothing changed; the p-value (1 + #{null >= observed}) / (1 + P) is then exact for any
+output distribution (Good 2005, "Permutation, Parametric and Bootstrap Tests of Hypotheses",
+ch. 3; the largest-over-positions form is Westfall and Young's max-T adjustment). Two designs:
+
+* **independent draws** (seeds disjoint between the two inputs): any split of the 2K draws into
+  two groups of K;
+* **paired draws** (``paired``): draw i of both inputs under the same seed, the runner's rule
+  for any two forwards it compares, used where both start from the same random op of the same
+  shape, so the noise drawn before anything that follows the data (a noisy gate's Gaussian) is
+  the same noise and cancels in their difference (with independent seeds, a noisy gate routes
+  each token differently in every draw, and a capacity leak that moves a few tokens in most
+  draws is lost in that noise). The relabellings swap the two draws within pairs (signs of the
+  differences; all 2^K of them where that is at most P): under "no change" the two draws of a
+  pair are exchangeable, being the same noise, or noise of one law drawn at other places of the
+  stream (dropout masks whose rows follow the routing).
+
 Relabelling stops early, with a sequential p-value, once the observed statistic is clearly
 ordinary (:data:`STOP_EXCEEDANCES`).
 """
@@ -89,21 +102,27 @@ def _indicators(values_KBSF: Tensor) -> Tensor:
 def _relabel(
     statistic_PL: Callable[[Tensor], Tensor],
     observed: float,
-    k: int,
+    relabellings: Callable[[int], Tensor],
+    every: Tensor | None,
     alpha: float,
     permutations: int,
     budget: int,
-    gen: torch.Generator,
 ) -> tuple[float, float]:
-    """(p, critical value of the max statistic at ``alpha``) from random relabellings of the 2k
-    draws, in doubling chunks of at most ``budget``; stopped early, once the observed value is
-    clearly ordinary, with the sequential p of Besag and Clifford (1991) (h exceedances in L
-    relabellings: p = h / L) and an infinite critical value (no position significant)."""
+    """(p, critical value of the max statistic at ``alpha``) from the relabellings of the draws:
+    ``every`` one of them where they are at most ``permutations`` (the exact p-value), else
+    ``relabellings(n)`` random ones, in doubling chunks of at most ``budget``, stopped early, once
+    the observed value is clearly ordinary, with the sequential p of Besag and Clifford (1991) (h
+    exceedances in L relabellings: p = h / L) and an infinite critical value (no position
+    significant)."""
+    if every is not None:
+        null = torch.cat([statistic_PL(chunk).amax(1) for chunk in every.split(budget)]).sort().values
+        n = null.numel()
+        return int((null >= observed).sum()) / n, float(null[min(n - 1, math.ceil((1 - alpha) * n))])
     null_P: list[Tensor] = []
     done = exceed = 0
     while done < permutations:
         n = min(budget, max(FIRST_PERMUTATIONS, done), permutations - done)  # doubling chunks
-        null_P.append(statistic_PL((torch.rand(n, 2 * k, generator=gen).argsort(1) < k).float()).amax(1))
+        null_P.append(statistic_PL(relabellings(n)).amax(1))
         done += n
         exceed += int((null_P[-1] >= observed).sum())
         if exceed >= STOP_EXCEEDANCES:  # clearly not significant: no more relabelling
@@ -122,6 +141,7 @@ def distribution_change(
     permutations: int = PERMUTATIONS,
     gen: torch.Generator | None = None,
     rows_of: list[tuple[int, int, bool]] | None = None,
+    paired: bool = False,
 ) -> Outcome:
     """The permutation test of the module docstring on K draws of each input.
 
@@ -129,7 +149,8 @@ def distribution_change(
     relative change of a finite mean that counts (0 for exact decisions); a scalar applies to
     all. ``alpha``: the level at which positions are called changed. ``rows_of``: the column
     ranges of the separate outputs, and whether each is a router's weights (each entry's scale
-    takes its own output's row, :func:`~moe.audit.calibration.entry_scale`; None: one output)."""
+    takes its own output's row, :func:`~moe.audit.calibration.entry_scale`; None: one output).
+    ``paired``: draw i of both under one seed (the module docstring's two designs)."""
     k, b, s, f = ref_KBSF.shape
     gen = gen if gen is not None else torch.Generator().manual_seed(0)
     ref, var = ref_KBSF.double(), var_KBSF.double()
@@ -149,22 +170,37 @@ def distribution_change(
     if g > PROJECTED:  # a fixed random projection per position: the squared norm is kept on average
         proj_GR = torch.randn(g, PROJECTED, generator=gen, dtype=torch.float64) / math.sqrt(PROJECTED)
         z_NBSG = z_NBSG @ proj_GR
-    z_NLR = z_NBSG.reshape(2 * k, b * s, -1).float()
     positions = b * s
-    z_NM = z_NLR.reshape(2 * k, -1)
-    total_M = z_NM.sum(0)
+    z_NM = z_NBSG.reshape(2 * k, -1).float()
+    if paired:
+        d_KM = z_NM[k:] - z_NM[:k]  # pair i: the variant's draw minus the example's
 
-    def statistic_PL(group_PN: Tensor) -> Tensor:
-        """Per labelling and position: the squared distance between the groups' mean vectors."""
-        diff_PM = (group_PN @ z_NM) * (2.0 / k) - total_M / k  # one group's mean minus the other's
-        return (diff_PM.reshape(group_PN.shape[0], positions, -1) ** 2).sum(-1)
+        def statistic_PL(signs_PK: Tensor) -> Tensor:
+            """Per sign pattern and position: the squared norm of the mean signed difference."""
+            mean_PM = (signs_PK @ d_KM) / k
+            return (mean_PM.reshape(signs_PK.shape[0], positions, -1) ** 2).sum(-1)
+
+        observed_w = torch.ones(1, k)
+        relabellings = lambda n: torch.randint(0, 2, (n, k), generator=gen).float() * 2 - 1  # noqa: E731
+        every = ((torch.arange(2**k)[:, None] >> torch.arange(k)) & 1).float() * 2 - 1 if 2**k <= permutations else None
+    else:
+        total_M = z_NM.sum(0)
+
+        def statistic_PL(group_PN: Tensor) -> Tensor:
+            """Per labelling and position: the squared distance between the groups' mean vectors."""
+            diff_PM = (group_PN @ z_NM) * (2.0 / k) - total_M / k  # one group's mean minus the other's
+            return (diff_PM.reshape(group_PN.shape[0], positions, -1) ** 2).sum(-1)
+
+        observed_w = (torch.arange(2 * k) >= k).float()[None]
+        relabellings = lambda n: (torch.rand(n, 2 * k, generator=gen).argsort(1) < k).float()  # noqa: E731
+        every = None
 
     # The observed labelling through the same arithmetic as the null's, so that ties (discrete
     # outputs tie often) compare equal rather than by rounding.
-    observed_L = statistic_PL((torch.arange(2 * k) >= k).float()[None])[0]
+    observed_L = statistic_PL(observed_w)[0]
     observed = float(observed_L.max()) * (1 - TIE)
     budget = max(1, NULL_BUDGET // max(1, z_NM.shape[1]))
-    p, critical = _relabel(statistic_PL, observed, k, alpha, permutations, budget, gen)
+    p, critical = _relabel(statistic_PL, observed, relabellings, every, alpha, permutations, budget)
     significant_BS = (observed_L > critical).reshape(b, s)
     mean_change_BSF = (mean_var_BSF - mean_ref_BSF).abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     excess_BSF = mean_change_BSF / resolution_BSF
