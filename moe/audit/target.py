@@ -19,9 +19,7 @@ from torch import Tensor, nn
 
 from moe.audit.outputs import OutputError, Skipped, read_outputs
 from moe.audit.state import TargetState
-from moe.layer import MoELayer
-from moe.model import MoETransformer
-from moe.routing import Claims, Router, Routing
+from moe.routing import Claims, Router, Routing, held_claims
 
 
 class AuditUsageError(ValueError):
@@ -78,16 +76,6 @@ class Outputs:
 def coarsest(dtypes: list[torch.dtype]) -> torch.dtype | None:
     """The float dtype of largest eps among ``dtypes`` (None for none)."""
     return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
-
-
-def combine_claims(claims: list[Claims]) -> Claims:
-    """A stack of routers is causal / batch-invariant only where every one of them is."""
-    return Claims(
-        causal_train=all(c.causal_train for c in claims),
-        causal_eval=all(c.causal_eval for c in claims),
-        batch_invariant=all(c.batch_invariant for c in claims),
-        decode_consistent=all(c.decode_consistent for c in claims),
-    )
 
 
 def _requiring_grad(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -149,17 +137,14 @@ class AuditTarget:
 
     @property
     def claims(self) -> Claims | None:
-        """The target's own ``claims``, else the AND of its routers' claims; None for an opaque target.
-
-        An MoE layer or model without routers (dense) claims causal and batch-invariant.
-        """
+        """The target's own ``claims`` (a :class:`~moe.routing.Claims`, as a router, ``MoELayer``
+        and ``MoETransformer`` declare them, and any user's module may), else, for a module
+        holding routers, each claim where every one of them makes it; None for an opaque target."""
         own = getattr(self.module, "claims", None)
         if isinstance(own, Claims):
             return own
         if self.routers:
-            return combine_claims([r.claims for r in self.routers])
-        if isinstance(self.module, (MoELayer, MoETransformer)):
-            return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+            return held_claims(self.module)
         return None
 
     def gate_vectors(self, d: int) -> list[Tensor]:
