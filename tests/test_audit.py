@@ -408,7 +408,7 @@ def _reversed_future(ctx):
 
 def test_a_probe_registered_from_outside_runs_and_is_counted():
     from moe.audit.comparator import ALPHA, MAX_DISTRIBUTION_COMPARISONS
-    from moe.audit.registry import Probe, register_probe, registered_probes, unregister_probe
+    from moe.audit.probes import Probe, register_probe, registered_probes, unregister_probe
 
     before = audit(SinglePositionLeak(seed=0), example(0), modes=("eval",))
     builtin = sum(p.compares_forwards for p in registered_probes())
@@ -438,7 +438,7 @@ def test_a_probe_registered_from_outside_runs_and_is_counted():
     ],
 )
 def test_bad_probe_declarations(kwargs, match):
-    from moe.audit.registry import Probe
+    from moe.audit.probes import Probe
 
     with pytest.raises(ValueError, match=match):
         Probe(**kwargs)
