@@ -22,7 +22,7 @@ from moe.exact import warn_inexact
 from moe.experts import SwiGLUExperts, check_backend
 from moe.latent import LatentProjections, latent_ffn_width
 from moe.routers import build_router
-from moe.routing import DecodeState, Router, Routing, check_input
+from moe.routing import Claims, DecodeState, Router, Routing, check_input, held_claims
 from moe.shared import SharedExperts
 
 
@@ -106,6 +106,12 @@ class MoELayer(nn.Module):
         self.shared = SharedExperts(d_model, d_ff, shared_experts, shared_expert_gate) if shared_experts else None
         self.d_model, self.d_ff, self.num_experts = d_model, d_ff, num_experts
         self.backend = backend
+
+    @property
+    def claims(self) -> Claims:
+        """What the layer promises (``moe.audit`` checks it, as any module's ``claims``): its
+        router's claims (:func:`~moe.routing.held_claims`)."""
+        return held_claims(self)
 
     def forward(
         self,

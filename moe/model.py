@@ -28,7 +28,7 @@ from moe.generation import generate
 from moe.layer import MoELayer
 from moe.lm import KVCache, ModelOutput, check_token_ids, empty_cache, lm_loss
 from moe.routers.hash import block_router
-from moe.routing import DecodeState, Router, Routing
+from moe.routing import Claims, DecodeState, Router, Routing, held_claims
 from moe.shared import SwiGLU
 
 
@@ -352,6 +352,13 @@ class MoETransformer(nn.Module):
     def output_logits(self, x_BTD: Tensor) -> Tensor:
         """Final norm and output projection: [B, T, D] -> logits [B, T, V]."""
         return self.head(self.norm(x_BTD))
+
+    @property
+    def claims(self) -> Claims:
+        """What the model promises (``moe.audit`` checks it, as any module's ``claims``): each
+        claim where every router of its blocks makes it; a model of dense blocks makes them all
+        (:func:`~moe.routing.held_claims`)."""
+        return held_claims(self)
 
     def routers(self) -> list[Router]:
         """The router of every MoE block, in block order."""

@@ -505,6 +505,20 @@ class Router(nn.Module):
         )
 
 
+def held_claims(module: nn.Module) -> Claims:
+    """What a module routing through the routers it holds promises: each claim where every
+    :class:`Router` inside it makes it (one holding none, as a dense block, promises them all).
+    ``MoELayer`` and ``MoETransformer`` declare their ``claims`` with it; ``moe.audit`` reads a
+    module's ``claims``, and this for a module that holds routers but declares nothing."""
+    claims = [m.claims for m in module.modules() if isinstance(m, Router)]
+    return Claims(
+        causal_train=all(c.causal_train for c in claims),
+        causal_eval=all(c.causal_eval for c in claims),
+        batch_invariant=all(c.batch_invariant for c in claims),
+        decode_consistent=all(c.decode_consistent for c in claims),
+    )
+
+
 class GateLinear(nn.Linear):
     """A router's bias-free gate: ``gate(x_ND, dtype=d)`` is ``x W^T`` computed in ``d``, input
     and weight cast to it and autocast off, as Megatron-Core's ``router_gating_linear`` computes

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,6 +267,26 @@ def test_model_claims_combine_its_routers():
     assert audit(dense, token_model("topk", 0)[1], modes=("eval",), trials=1).claims.causal_train
 
 
+class DeclaredPrefixMean(PrefixMean):
+    """A user's module declaring its claims as MoELayer and MoETransformer do."""
+
+    claims = Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+
+
+def test_our_layer_and_model_declare_claims_as_any_module_can():
+    """The audit reads a module's ``claims``: a user's, ours (moe.audit.target imports neither
+    MoELayer nor MoETransformer); a user's module that declares none but holds our layer gets
+    each claim where every router inside makes it, as the layer itself declares."""
+    report = audit(DeclaredPrefixMean(), example(0), modes=("eval",))
+    assert report.claims == DeclaredPrefixMean.claims and report.claims_hold, report.table()
+    layer = MoELayer(16, 32, 4, router="ec_predictor")
+    assert layer.claims == Claims(causal_train=False, causal_eval=True, batch_invariant=True, decode_consistent=True)
+    held = nn.Sequential(nn.Identity(), layer)
+    assert audit(held, example(0), modes=("eval",), trials=1).claims == layer.claims
+    source = (Path(__file__).parents[1] / "moe" / "audit" / "target.py").read_text()
+    assert "moe.layer" not in source and "moe.model" not in source
+
+
 def test_opaque_target_has_no_claims():
     report = audit(PrefixMean(), example(0), modes=("eval",))
     assert report.claims is None and report.claimed_causal is None and not report.violations
@@ -387,7 +408,7 @@ def _reversed_future(ctx):
 
 def test_a_probe_registered_from_outside_runs_and_is_counted():
     from moe.audit.comparator import ALPHA, MAX_DISTRIBUTION_COMPARISONS
-    from moe.audit.registry import Probe, register_probe, registered_probes, unregister_probe
+    from moe.audit.probes import Probe, register_probe, registered_probes, unregister_probe
 
     before = audit(SinglePositionLeak(seed=0), example(0), modes=("eval",))
     builtin = sum(p.compares_forwards for p in registered_probes())
@@ -417,7 +438,7 @@ def test_a_probe_registered_from_outside_runs_and_is_counted():
     ],
 )
 def test_bad_probe_declarations(kwargs, match):
-    from moe.audit.registry import Probe
+    from moe.audit.probes import Probe
 
     with pytest.raises(ValueError, match=match):
         Probe(**kwargs)

@@ -120,6 +120,16 @@ TARGETS = textwrap.dedent(
         return TokenModel()
 
 
+    class DeclaredBlock(Positionwise):
+        """Declares its claims and width as our routers and MoELayer do."""
+
+        claims = Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+        d_model = 8
+
+
+    declared = DeclaredBlock()
+
+
     def needs_args(x):
         return x
 
@@ -171,6 +181,13 @@ def test_causal_target_exits_0(target_file, capsys):
     )
     verbose = capsys.readouterr().out
     assert "random_future" in verbose and "max |delta|" in verbose, verbose
+
+
+def test_declared_width_gives_the_default_input(target_file, capsys):
+    """--input left out: features of the declared width for any module declaring claims and
+    d_model, the way the built-in routers and MoELayer get theirs (float:4,16,8)."""
+    assert run("--target", f"{target_file}:declared", "--modes", "eval", "--trials", "1") == 0
+    assert "declared: no leak found (claims hold) in output [4, 16, 8]" in capsys.readouterr().out
 
 
 def test_factory_and_token_input(target_file, capsys):

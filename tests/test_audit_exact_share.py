@@ -14,7 +14,7 @@ from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for
 from torch import Tensor, nn
 
 from moe.audit import audit
-from moe.audit.registry import Probe
+from moe.audit.probes import Probe
 
 B, T, D, E = 4, 16, 8, 4
 

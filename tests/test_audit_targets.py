@@ -17,8 +17,7 @@ from extras import need
 from torch import Tensor, nn
 
 from moe.audit import audit
-from moe.audit.calibration import resolution_of
-from moe.audit.distribution import DRAWS, distribution_change
+from moe.audit.comparator import DRAWS, distribution_change, resolution_of
 from moe.audit.report import DECODE_PROBE
 from moe.routers import build_router
 from moe.routing import Claims
@@ -226,10 +225,12 @@ def test_dropout_inside_expert_batches_is_audited_by_distribution_and_clean():
         assert report.probe("random_future", "train").p_value is not None
 
 
-def test_permutation_test_false_positive_rate_on_a_clean_stochastic_target():
+@pytest.mark.parametrize("paired", [False, True])
+def test_permutation_test_false_positive_rate_on_a_clean_stochastic_target(paired):
     """Null comparisons: the clean per-expert-dropout block on an input and on the same input
     with its future resampled, 8 seeds each (fresh seeds per trial, so the 200 trials are
-    independent); at alpha = 0.05 the exact test rejects at most 5% of them in expectation (here:
+    independent; ``paired``: draw i of both under the same seed, whose dropout masks then fall
+    on rows that follow the routing, tested by swaps within pairs); at alpha = 0.05 the exact test rejects at most 5% of them in expectation (here:
     within 3 binomial standard deviations of 200 trials). The same test rejects a real 5%
     change of every output. The resolution is the audit's own for float32 outputs."""
     target = PerExpertDropout(0).train()
@@ -252,11 +253,14 @@ def test_permutation_test_false_positive_rate_on_a_clean_stochastic_target():
         x = torch.randn(2, T, D, generator=gen)
         y = x.clone()
         y[:, cut + 1 :] = torch.randn(2, T - cut - 1, D, generator=gen)
-        ref, var = draws(x, range(2 * K * i, 2 * K * i + K)), draws(y, range(2 * K * i + K, 2 * K * (i + 1)))
-        p = distribution_change(ref, var, resolution, alpha=alpha, permutations=499, gen=gen).p
+        other = range(2 * K * i, 2 * K * i + K) if paired else range(2 * K * i + K, 2 * K * (i + 1))
+        ref, var = draws(x, range(2 * K * i, 2 * K * i + K)), draws(y, other)
+        p = distribution_change(ref, var, resolution, alpha=alpha, permutations=499, gen=gen, paired=paired).p
         rejected += p <= alpha
         if i < 20:
-            shifted = distribution_change(ref, var * 1.05, resolution, alpha=alpha, permutations=499, gen=gen)
+            shifted = distribution_change(
+                ref, var * 1.05, resolution, alpha=alpha, permutations=499, gen=gen, paired=paired
+            )
             assert shifted.p <= alpha and bool(shifted.changed_S.any()), shifted.p
     bound = trials * alpha + 3 * (trials * alpha * (1 - alpha)) ** 0.5
     assert rejected <= bound, f"{rejected} of {trials} null comparisons rejected at alpha={alpha}"

@@ -6,15 +6,13 @@
     assert_causal(model, idx_BT)            # in a project's tests: raises CausalityError with the report
 
 ``moe-audit`` (or ``python -m moe.audit``) runs it over every built-in router, or over
-``--target``; see :mod:`moe.audit.cli`. The probes are registered in :mod:`moe.audit.registry`
-(``register_probe`` adds one); :mod:`moe.audit.calibration` decides how a mode is judged.
+``--target``; see :mod:`moe.audit.cli`. The probes are registered in :mod:`moe.audit.probes`
+(``register_probe`` adds one); :mod:`moe.audit.comparator` decides how a mode is judged.
 """
 
-from moe.audit.assertion import CausalityError, assert_causal
-from moe.audit.engine import audit
-from moe.audit.report import AuditReport, ProbeResult, reports_to_json
+from moe.audit.engine import CausalityError, assert_causal, audit
+from moe.audit.report import AuditReport, ProbeResult, reports_to_json, summary_table
 from moe.audit.suite import BuiltinTarget, builtin_targets
-from moe.audit.suite_table import summary_table
 from moe.audit.target import AuditUsageError
 
 __all__ = [

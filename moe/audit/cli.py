@@ -35,13 +35,11 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from moe.audit.engine import FORWARD_TIMEOUT_S, MODES, QUICK_MODES, TRIALS, audit
-from moe.audit.report import AuditReport, reports_to_json
+from moe.audit.report import SUMMARY_LEGEND, AuditReport, reports_to_json, summary_table
 from moe.audit.runner import exit_text
 from moe.audit.suite import builtin_targets
-from moe.audit.suite_table import SUMMARY_LEGEND, summary_table
 from moe.audit.target import AuditUsageError
-from moe.layer import MoELayer
-from moe.routing import Router
+from moe.routing import Claims
 
 DEFAULT_BATCH, DEFAULT_SEQ = 4, 16
 """B and T of the input when --input is left out and the target says its width / vocabulary."""
@@ -447,7 +445,10 @@ def parse_input(spec: str, seed: int = 0) -> tuple[Tensor, int | None]:
 
 
 def _default_input(module: nn.Module, seed: int, spec: str) -> tuple[Tensor, int | None]:
-    if isinstance(module, (Router, MoELayer)):
+    """Features of width ``d_model`` for a module that declares its claims and that width (a router,
+    an ``MoELayer``, any user's module doing the same), else token ids below the size of its first
+    ``nn.Embedding``."""
+    if isinstance(getattr(module, "claims", None), Claims) and isinstance(getattr(module, "d_model", None), int):
         return parse_input(f"float:{DEFAULT_BATCH},{DEFAULT_SEQ},{module.d_model}", seed)
     emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
     if emb is not None:

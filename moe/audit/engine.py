@@ -1,19 +1,36 @@
-"""``audit()``: one target, each mode in turn, every registered probe judged by one comparator.
+"""``audit()`` and ``assert_causal()``: one target, each mode in turn, every registered probe
+judged by one comparator; the assertion a project's tests call.
 
-Within a mode: :func:`~moe.audit.calibration.calibrate` measures the example's noise and picks
+The routing agreement figures of a model target (:mod:`moe.agreement`), as the report keeps them.
+
+``audit()``: one target, each mode in turn, every registered probe judged by one comparator.
+
+Within a mode: :func:`~moe.audit.comparator.calibrate` measures the example's noise and picks
 the regime (deterministic, seeded or distribution); in the first mode the order of any
-[B * T, ...] output is told (:func:`~moe.audit.flat_order.check_flat_order`); the probes of kind "batch" run
+[B * T, ...] output is told (:func:`~moe.audit.probes.check_flat_order`); the probes of kind "batch" run
 (separate forwards); then, if none of them found interference and the target claims (or is
 opaque about) batch invariance and repeats itself exactly in a doubled batch, perturbed copies
-share forwards, in packs sized by :mod:`moe.audit.packing`; then the other probes in
-registration order (:mod:`moe.audit.registry`). A target judged by a fixed seed found to draw
+share forwards, in packs sized by :mod:`moe.audit.comparator`; then the other probes in
+registration order (:mod:`moe.audit.probes`). A target judged by a fixed seed found to draw
 data-dependent noise midway is audited again from the start of the mode by distribution.
 
 Before every forward the runner resets the target's buffers and seeds its generators; a forward
 of the example's shape (or a shorter one) that runs past ``forward_timeout`` stops the audit of
 the target (NOT AUDITED, with that reason; a pack of copies that does is re-run copy by copy),
 and so does a target whose identical calls differ because its forward changes attributes outside
-its buffers (:attr:`~moe.audit.calibration.Calibration.stateful`).
+its buffers (:attr:`~moe.audit.comparator.Calibration.stateful`).
+
+``assert_causal``: the audit as one assertion in a project's own tests.
+
+    from moe.audit import assert_causal
+
+    def test_my_block_is_causal():
+        assert_causal(MyBlock(), torch.randn(4, 32, 64))   # raises CausalityError with the report
+
+It raises :class:`CausalityError`, an ``AssertionError`` (pytest shows it as a failed assertion,
+with the report's summary and per-probe table as the message), when the audit finds a leak, is
+INCONCLUSIVE in a mode, cannot run the target, finds a claim of the target false, or (when asked)
+finds batch interference or a prefix that decodes differently. Otherwise it returns the report.
 """
 
 from __future__ import annotations
@@ -28,20 +45,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-import moe.audit.probes  # noqa: F401  (registers the built-in probes)
-from moe.audit.advice import router_mechanism
-from moe.audit.agreement import target_agreement
-from moe.audit.calibration import calibrate, resolution_of
-from moe.audit.comparator import Comparator, Misaligned, Tally, per_comparison_alpha
-from moe.audit.context import ProbeContext, Sampler, calibration_inputs
-from moe.audit.distribution import DRAWS
-from moe.audit.flat_order import check_flat_order
-from moe.audit.registry import Probe, registered_probes
-from moe.audit.report import AuditReport, ProbeResult
+from moe.agreement import agreement_figures
+from moe.audit.comparator import DRAWS, Comparator, Misaligned, Tally, calibrate, per_comparison_alpha, resolution_of
+from moe.audit.probes import Probe, ProbeContext, Sampler, calibration_inputs, check_flat_order, registered_probes
+from moe.audit.report import AuditReport, ProbeResult, router_mechanism
 from moe.audit.runner import Runner, TargetExit, TargetFailure, TargetTimeout, cost_clock
 from moe.audit.target import AuditTarget, AuditUsageError
+
+
+def target_agreement(at: AuditTarget, example: Tensor) -> dict[str, dict] | None:
+    """Per figure of :func:`moe.agreement.agreement_figures` on the example's token ids: its
+    ``Agreement.to_dict()``, or ``{"skipped": why}``; ``{"error": ...}`` if the figures could not
+    be measured. None for a target that is not a model (float input, no router of this package)."""
+    if at.module is None or example.is_floating_point() or not at.routers:
+        return None
+
+    def forward(model: nn.Module, idx_BT: Tensor) -> object:
+        return model(input_ids=idx_BT) if at.ids_by_keyword else model(idx_BT)
+
+    try:
+        figures = agreement_figures(at.module, example, forward=forward)
+    except Exception as e:  # the target's own failure: reported, never raised
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {name: {"skipped": f} if isinstance(f, str) else f.to_dict() for name, f in figures.items()}
+
 
 MODES = ("train", "eval")
 QUICK_MODES = ("eval",)
@@ -77,7 +106,7 @@ def audit(
     ids; a forward with an ``input_ids`` parameter gets them by that keyword) to [B, T, ...]: a
     tensor, a :class:`~moe.routing.Routing` (compared through ``dense()`` and exactly through
     ``mask()``), or a tuple / dict / dataclass (``ModelOutput``) holding one: the field
-    every [B, T, ...] tensor (and [B * T, ...] one) it holds, each by name (:mod:`moe.audit.outputs`;
+    every [B, T, ...] tensor (and [B * T, ...] one) it holds, each by name (:mod:`moe.audit.target`;
     ``output``: comma-separated names to audit instead).
     ``example``: the input the probes perturb (B >= 1, T >= 2), on the target's device and in
     its dtype. ``trials``: random perturbations per cut position. ``vocab_size``: the id range
@@ -85,7 +114,7 @@ def audit(
     ``example.max() + 1``). ``special_ids``: token ids the target treats specially (an
     end-of-document id, padding), put in futures besides the smallest and largest ids and the
     example's own. ``probes``: the probes to run (default: every registered one,
-    :func:`~moe.audit.registry.registered_probes`); the distribution regime's per-comparison
+    :func:`~moe.audit.probes.registered_probes`); the distribution regime's per-comparison
     level is derived from those that compare forwards. ``forward_timeout``: seconds one forward
     may take (None: no limit; enforced in the main thread on POSIX, see :mod:`moe.audit.runner`);
     past it the target is not audited. ``quick``: a pre-commit check: half the adversarial cut
@@ -178,9 +207,7 @@ def _check_arguments(modes: tuple[str, ...], trials: int, example: object, probe
         raise AuditUsageError(f"the example input must be a torch.Tensor, got {type(example).__name__}")
     suite = registered_probes() if probes is None else tuple(probes)
     if not all(isinstance(p, Probe) for p in suite):
-        raise AuditUsageError(
-            f"probes must be moe.audit.registry.Probe objects, got {[type(p).__name__ for p in suite]}"
-        )
+        raise AuditUsageError(f"probes must be moe.audit.probes.Probe objects, got {[type(p).__name__ for p in suite]}")
     names = [p.name for p in suite]
     if len(set(names)) != len(names):
         raise AuditUsageError(f"probe names must be unique, got {names}")
@@ -416,3 +443,46 @@ def _vocab_size(at: AuditTarget, example: Tensor) -> int | None:
 
 def _name_of(target: Any) -> str:
     return getattr(target, "__name__", None) or type(target).__name__
+
+
+class CausalityError(AssertionError):
+    """The audit found what :func:`assert_causal` asserts against; ``report`` has it all."""
+
+    def __init__(self, message: str, report: AuditReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def assert_causal(
+    target: Callable[[Tensor], Any],
+    example: Tensor,
+    *,
+    batch_invariant: bool = False,
+    decode_consistent: bool = False,
+    **audit_options: Any,
+) -> AuditReport:
+    """Audit ``target`` on ``example`` (:func:`moe.audit.audit`; ``audit_options`` are its
+    keyword arguments: ``modes``, ``seed``, ``quick``, ``output``, ``special_ids``, ...) and
+    raise :class:`CausalityError` unless it is causal in every audited mode: no leak, no
+    INCONCLUSIVE mode, audited at all, and no false claim. ``batch_invariant`` /
+    ``decode_consistent``: also require that no sample's output depends on the other samples /
+    that prefix-only forwards reproduce the full-sequence outputs. Returns the report."""
+    __tracebackhide__ = True  # pytest shows the report, not this frame
+    report = audit(target, example, **audit_options)
+    problems = []
+    if report.error:
+        problems.append(f"NOT AUDITED: {report.error}")
+    else:
+        if report.leaks:
+            problems.append(f"leaks in {', '.join(report.leaks_in)} mode")
+        if report.inconclusive_in:
+            problems.append(f"INCONCLUSIVE in {', '.join(report.inconclusive_in)} mode")
+        if batch_invariant and not report.batch_invariant:
+            problems.append("not batch-invariant")
+        if decode_consistent and not report.decode_consistent:
+            problems.append(f"prefix-only forwards differ in {', '.join(report.decode_differs_in)} mode")
+        problems += [f"false claim: {c}" for c in report.false_claims]
+    if problems:
+        body = report.summary() if report.error else f"{report.summary()}\n\n{report.table()}"
+        raise CausalityError(f"{report.name}: {'; '.join(problems)}\n\n{body}", report)
+    return report

@@ -1,14 +1,120 @@
-"""Audit results: one ProbeResult per probe and mode, an AuditReport per target, the table, JSON."""
+"""The report in one place: per probe and per target what was found (``ProbeResult``,
+``AuditReport``), its text and JSON, the advice for a leak's mechanism, and the built-in
+suite's summary table.
+
+Plain-text helpers the audit's reports share: a yes / no word, an aligned table.
+
+What to do after an audit, by the mechanism its evidence shows (never one text for every leak).
+
+* a nonzero Jacobian d output[t] / d input[> t]: the output reads later inputs through a
+  differentiable path (a mean over the sequence, a roll or shift in time, unmasked attention): not
+  a routing decision, so a causal router would not remove it;
+* a router of the target that claims the leak says its own mechanism: expert choice over
+  positions (each expert takes its top tokens of the sequence or batch) -> ``ec_threshold`` /
+  ``ec_predictor``; capacity kept by score (or GShard's choice order) -> ``priority="position"``
+  with ``capacity_scope="prefix"``;
+* a discrete change with neither (an opaque target): which tokens are served depends on later
+  tokens, and the audit cannot tell which of the two; both remedies, each with its condition;
+* buffers the forward updates (state carried from one call to the next, e.g. loss-free balancing
+  biases): the audit restores them before every forward, so they are no leak; nothing to change.
+
+Audit results: one ProbeResult per probe and mode, an AuditReport per target, the table, JSON.
+
+The built-in suite's summary: one row per target, what it claims against what the audit found.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from moe.audit.advice import advice
-from moe.audit.text import format_table, yes_no
 from moe.routing import Claims
+
+
+def yes_no(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(head, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+class Findings(Protocol):
+    """What the advice reads of a report (``moe.audit.report.AuditReport``, which imports this
+    module: named here by what it has, not imported back)."""
+
+    leaks: bool
+    probes: list
+    mechanisms: list[str]
+    updated_buffers: list[str]
+
+
+EXPERT_CHOICE, CAPACITY_BY_SCORE = "expert choice", "capacity by score"
+"""The routing mechanisms the audit can name (from a router's own declaration)."""
+_FIX = {
+    EXPERT_CHOICE: "expert choice over positions (each expert takes its top tokens of the group): use ec_threshold "
+    "or ec_predictor (thresholds or a predictor learned from expert choice, causal at inference), or dropless topk",
+    CAPACITY_BY_SCORE: "capacity kept by score (a later, higher-scoring token takes an earlier token's slot): use "
+    'capacity with priority="position" and capacity_scope="prefix" (slots counted over the prefix), or dropless topk',
+}
+_LAYER = {
+    EXPERT_CHOICE: 'router="ec_threshold"',
+    CAPACITY_BY_SCORE: 'router="capacity", priority="position", capacity_scope="prefix"',
+}
+"""The MoELayer arguments that put each mechanism's causal replacement into a user's block."""
+
+
+def router_mechanism(router: object) -> str | None:
+    """The mechanism of one of our routers, read from its registered name and options."""
+    name = getattr(router, "name", None)
+    if name in ("expert_choice", "ec_predictor", "ec_threshold"):
+        return EXPERT_CHOICE
+    if name == "capacity" and getattr(router, "priority", None) in ("score", "choice"):
+        return CAPACITY_BY_SCORE
+    return None
+
+
+def advice(report: Findings) -> list[str]:
+    """Lines for the summary: what the evidence says the leak is and what to use instead (none
+    without a leak), and a note on buffers the forward updates."""
+    out = []
+    if report.leaks:
+        continuous = [p for p in report.probes if p.name == "jacobian" and p.leaks]
+        discrete = [p for p in report.probes if p.kind == "future" and p.compares_forwards and p.leaks]
+        if continuous:
+            out.append(
+                "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
+                "d input[> t] is nonzero: a mean over the sequence, a shift or roll in time, unmasked attention); "
+                "not a routing decision: make that computation causal (a mask or a shift); a causal router would "
+                "not remove it"
+            )
+        routed = bool(discrete and (report.mechanisms or not continuous))
+        if discrete and report.mechanisms:
+            out += [f"mechanism: {_FIX[m]}" for m in report.mechanisms]
+        elif routed:
+            out.append(
+                "mechanism: which tokens are served depends on later tokens (a discrete change, no gradient path; "
+                "the audit cannot tell how it is routed). If experts or a block pick their top positions: "
+                f"{_FIX[EXPERT_CHOICE]}. If tokens pick experts under a capacity kept by score: {_FIX[CAPACITY_BY_SCORE]}"
+            )
+        if routed:
+            layers = " or ".join(
+                f"moe.MoELayer(d_model, d_ff, num_experts, {_LAYER[m]})" for m in report.mechanisms or _LAYER
+            )
+            out.append(f"in your own block: {layers} (docs/routers.md)")
+    if report.updated_buffers:
+        out.append(
+            f"state: its forward updates {', '.join(report.updated_buffers)}; the audit restores every buffer "
+            "before every forward, so what one call leaves for the next is not counted as a leak (nothing to change)"
+        )
+    return out
+
 
 KINDS = ("future", "batch", "decode")
 """What a probe's ``leaks`` means. future: an output at position <= t moved when only positions
@@ -25,7 +131,7 @@ class ProbeResult:
     """One probe in one mode."""
 
     name: str
-    """The probe's name in the registry (:mod:`moe.audit.registry`)."""
+    """The probe's name in the registry (:mod:`moe.audit.probes`)."""
     mode: str
     """"train" or "eval" (the module's training flag while probing)."""
     leaks: bool
@@ -77,7 +183,7 @@ class ProbeResult:
     skipped: str | None = None
     """Why the probe did not run at all on this target (e.g. an integer output has no gradient)."""
     leaking_outputs: list[str] = field(default_factory=list)
-    """The outputs that moved (:mod:`moe.audit.outputs` names; "routing of NAME" for a router's
+    """The outputs that moved (:mod:`moe.audit.target` names; "routing of NAME" for a router's
     hooked decisions)."""
     draws: int = 0
     """The most seeds per input a distribution comparison of this probe drew (0: none)."""
@@ -148,7 +254,7 @@ class AuditReport:
     regimes: dict[str, str] = field(default_factory=dict)
     """Per audited mode: "deterministic", "seeded" (random draws, the same for one seed and input
     shape: comparisons across shapes by distribution) or "distribution"
-    (:mod:`moe.audit.calibration`)."""
+    (:mod:`moe.audit.comparator`)."""
     nonfinite: dict[str, int] = field(default_factory=dict)
     """Per mode: NaN / inf entries in the example's output (compared as values, never ignored)."""
     noise_floors: dict[str, float] = field(default_factory=dict)
@@ -159,19 +265,19 @@ class AuditReport:
     forwards, :func:`moe.audit.comparator.per_comparison_alpha`)."""
     test_level: float | None = None
     """The level of each test a distribution comparison makes (its stages of more draws share
-    ``per_comparison_alpha``, :data:`moe.audit.distribution.DRAWS`): a p-value at or below it counts."""
+    ``per_comparison_alpha``, :data:`moe.audit.comparator.DRAWS`): a p-value at or below it counts."""
     error: str | None = None
     """Why the target could not be audited (it failed on the example, a forward ran past the time
     limit, two identical calls differ because it is stateful, or no future-perturbation probe
     ran); None when it was. With an error, ``leaks`` means nothing."""
     mechanisms: list[str] = field(default_factory=list)
     """Routing mechanisms the target's routers declare for the leaks they claim
-    (:func:`moe.audit.advice.router_mechanism`); empty for an opaque target."""
+    (:func:`moe.audit.report.router_mechanism`); empty for an opaque target."""
     updated_buffers: list[str] = field(default_factory=list)
     """Buffers the target's forwards change (the audit restores them before every forward: state
     carried from one call to the next, not a leak within a call)."""
     outputs: list[str] = field(default_factory=list)
-    """The outputs audited, each with its shape (:mod:`moe.audit.outputs`)."""
+    """The outputs audited, each with its shape (:mod:`moe.audit.target`)."""
     outputs_not_audited: list[str] = field(default_factory=list)
     """The outputs returned but not compared, each with why (a scalar loss, not per position)."""
     ids_tried: dict[str, list[int]] = field(default_factory=dict)
@@ -683,3 +789,55 @@ def _ranges(positions: list[int]) -> str:
 
 def _finite(v: float) -> float | None:
     return v if math.isfinite(v) else None
+
+
+SUMMARY_LEGEND = (
+    "causal claim: what the target claims (train only / eval only: causal in that mode); ? = it claims "
+    "nothing (an opaque module: only leaks count). batch-inv, decode: claimed/found; decode in the modes the "
+    "claim covers, i.e. those claimed causal ((eval): the claim and the finding are eval mode's). verdict: "
+    "claims hold, FALSE CLAIM (either way), INCONCLUSIVE, NOT AUDITED; for opaque targets LEAKS or clean."
+)
+"""Printed under :func:`summary_table`: what its columns and marks mean."""
+
+
+def summary_table(reports: list[AuditReport]) -> str:
+    """One row per target: what it claims, what the audit found, and the verdict (at most
+    about 100 columns for the built-in suite's names)."""
+    head = ("target", "causal claim", "leaks in", "batch-inv", "decode", "verdict")
+    rows = []
+    for r in reports:
+        claims = r.claims
+        rows.append(
+            (
+                r.name,
+                _claimed(r.claimed_causal),
+                ",".join(r.leaks_in) or "-",
+                f"{'?' if claims is None else yes_no(claims.batch_invariant)}/{yes_no(r.batch_invariant)}",
+                _decode_cell(r),
+                r.verdict,
+            )
+        )
+    return format_table(head, rows)
+
+
+def _decode_cell(r: AuditReport) -> str:
+    """claimed/found, in the modes the decode claim covers: a router causal only in eval claims
+    decode consistency in eval, so "yes/same (eval)" where its training mode differs."""
+    claimed = r.claimed_causal
+    if r.claims is None or claimed is None:
+        return f"?/{'same' if r.decode_consistent else 'differs'}"
+    covered = [m for m, c in claimed.items() if c] if r.claims.decode_consistent else list(r.modes)
+    covered = covered or list(r.modes)
+    found = "differs" if any(m in r.decode_differs_in for m in covered) else "same"
+    only = f" ({','.join(covered)})" if len(covered) < len(r.modes) else ""
+    return f"{yes_no(r.claims.decode_consistent)}/{found}{only}"
+
+
+def _claimed(claimed: dict[str, bool] | None) -> str:
+    if claimed is None:
+        return "?"
+    if all(claimed.values()):
+        return "yes"
+    if not any(claimed.values()):
+        return "no"
+    return " ".join(f"{m} only" for m, c in claimed.items() if c)

@@ -1,4 +1,39 @@
-"""An audit target behind one calling convention: call it, read its outputs, its claims, its state.
+"""An audit target behind one calling convention: call it, read its outputs (what a forward
+returned, by name), its claims and its state (buffers reset before each forward, everything
+restored after).
+
+What a target returns, read as the audit compares it: every per-position tensor, by name.
+
+Shape legend: B batch, T sequence, N = B * T flattened tokens, F features per position.
+
+A target may return a tensor, a :class:`~moe.routing.Routing`, or a tuple / list / dict /
+dataclass (transformers' ``ModelOutput`` is both of the last two) of them, nested. Every
+tensor is named by its path (``logits``, ``router_logits.1``, ``0``; a bare tensor is
+``output``) and read by its shape:
+
+* [B, T, ...]: audited as it is;
+* [N, ...] (``N = B * T``, the leading axis of ``x.view(-1, D)``, as Hugging Face MoE blocks
+  return their router logits): audited as [B, T, ...], row n being token (n // T, n % T). A
+  time-major flattening (row t * B + b, Megatron's [T, B] order) has the same shape; the
+  engine tells the order with forwards that change one position alone
+  (:mod:`moe.audit.probes`), and audits such a field in that order;
+* [T, B, ...] with T != B: a time-major output the audit will not guess at: a usage error that
+  names ``output=`` / ``--output`` (a time-major tensor is not told apart from [B, T, ...] when B == T);
+* anything else (a scalar loss, a [B, D] pooled vector, per-expert counts): not per position,
+  so no causality question: listed as not audited, with why;
+* a field that is None (an output a block fills in only when asked) or not a tensor: listed as
+  not audited, with why; the fields after it are read as any others;
+* the key/value cache and attention weights of a ``ModelOutput`` (fields named in
+  :data:`NOT_PER_POSITION`) are head-major: listed as not audited.
+
+``select``: comma-separated names; a name keeps the field of that path and every field under it
+(``router_logits`` keeps ``router_logits.0``, ``router_logits.1``, ...).
+
+A target module's state as the audit handles it: saved at the start, buffers reset before
+every forward, everything restored at the end, and the attributes a forward changes outside its
+parameters and buffers (state the audit cannot reset) found by comparing snapshots.
+
+An audit target behind one calling convention: call it, read its outputs, its claims, its state.
 
 Shape legend: B batch, T sequence, D input features per position (flattened), F output
 features per position (flattened), X exact decisions per position (routing masks of every
@@ -8,20 +43,287 @@ router call, or integer outputs), E experts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from moe.audit.outputs import OutputError, Skipped, read_outputs
-from moe.audit.state import TargetState
-from moe.layer import MoELayer
-from moe.model import MoETransformer
-from moe.routing import Claims, Router, Routing
+from moe.routing import Claims, Router, Routing, held_claims
+
+BARE = "output"
+"""The name of a tensor or Routing returned on its own."""
+NOT_PER_POSITION = frozenset(
+    {"past_key_values", "attentions", "cross_attentions", "encoder_attentions", "decoder_attentions"}
+)
+"""``ModelOutput`` fields that are head-major ([B, H, T, ...]): never read as [B, T, ...]."""
+
+
+class OutputError(ValueError):
+    """The target's output cannot be read as the audit needs it (the message says what to pass)."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One audited output of the target."""
+
+    name: str
+    value: Tensor | Routing
+    flat: bool
+    """Returned as [N, ...] and read as [B, T, ...]."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape; for a Routing, its dense weights' [B, T, E]."""
+        if isinstance(self.value, Routing):
+            return (*self.value.batch_shape, self.value.num_experts)
+        return tuple(self.value.shape)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An output the audit does not compare, and why."""
+
+    name: str
+    shape: tuple[int, ...] | None
+    why: str
+
+    def text(self) -> str:
+        shape = "" if self.shape is None else f" {list(self.shape)}"
+        return f"{self.name}{shape} ({self.why})"
+
+
+def _children(out: Any) -> list[tuple[str, Any]] | None:
+    """(name, value) of a dict, a dataclass or a tuple / list; None for anything else."""
+    if isinstance(out, Mapping):
+        return [(str(k), v) for k, v in out.items()]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return [(f.name, getattr(out, f.name)) for f in dataclasses.fields(out)]
+    if isinstance(out, (tuple, list)):
+        return [(str(i), v) for i, v in enumerate(out)]
+    return None
+
+
+def _leaves(out: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Every tensor, Routing or other non-container leaf (None included), depth first, with its dotted path."""
+    children = None if isinstance(out, (Tensor, Routing)) or out is None else _children(out)
+    if children is None:
+        yield path or BARE, out
+        return
+    for name, value in children:
+        yield from _leaves(value, f"{path}.{name}" if path else name)
+
+
+def _selected(name: str, select: list[str] | None) -> bool:
+    return select is None or any(name == s or name.startswith(s + ".") for s in select)
+
+
+def read_outputs(out: Any, b: int, t: int, select: str | None = None) -> tuple[list[Field], list[Skipped]]:
+    """The fields of ``out`` the audit compares and those it does not, for an input [B=b, T=t].
+
+    Raises :class:`OutputError` for an output with nothing to audit, a time-major field, a
+    Routing of another shape, or a ``select`` name the output does not have."""
+    wanted = None if select is None else [s.strip() for s in select.split(",") if s.strip()]
+    leaves = list(_leaves(out, ""))
+    if wanted is not None:
+        names = [n for n, _ in leaves]
+        missing = [s for s in wanted if not any(_selected(n, [s]) for n in names)]
+        if missing:
+            raise OutputError(
+                f"the target's output ({type(out).__name__}) has no field {missing[0]!r}; it has: "
+                f"{', '.join(names) or 'nothing'}"
+            )
+    fields: list[Field] = []
+    skipped: list[Skipped] = []
+    for name, value in leaves:
+        if not _selected(name, wanted):
+            skipped.append(Skipped(name, _shape(value), "not selected by --output (output=)"))
+            continue
+        top = name.split(".")[0]
+        if top in NOT_PER_POSITION:
+            skipped.append(Skipped(name, _shape(value), "a cache or attention weights: head-major, not per position"))
+        elif isinstance(value, Routing):
+            if tuple(value.batch_shape) != (b, t):
+                raise OutputError(
+                    f"the target's Routing {name!r} covers {tuple(value.batch_shape)}, the input is [B={b}, T={t}]"
+                )
+            fields.append(Field(name, value, flat=False))
+        elif isinstance(value, Tensor):
+            field, why = _read_tensor(name, value, b, t)
+            if field is not None:
+                fields.append(field)
+            else:
+                skipped.append(Skipped(name, tuple(value.shape), why))
+        elif value is None:
+            skipped.append(Skipped(name, None, "None: nothing returned in it"))
+        else:
+            skipped.append(Skipped(name, None, f"{type(value).__name__}, not a tensor"))
+    if not fields:
+        raise OutputError(_nothing_to_audit(out, skipped, b, t))
+    return fields, skipped
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, Tensor):
+        return tuple(value.shape)
+    if isinstance(value, Routing):
+        return tuple(value.batch_shape)
+    return None
+
+
+def _read_tensor(name: str, x: Tensor, b: int, t: int) -> tuple[Field | None, str]:
+    shape = tuple(x.shape)
+    if x.dim() >= 2 and shape[:2] == (b, t):
+        return Field(name, x, flat=False), ""
+    if x.dim() >= 1 and shape[0] == b * t:
+        return Field(name, x, flat=True), ""
+    if x.dim() >= 2 and shape[:2] == (t, b):
+        raise OutputError(
+            f"the target's output {name!r} has shape {shape}: time-major [T={t}, B={b}, ...]? The audit reads "
+            "[B, T, ...] or [B * T, ...] outputs; transpose it in a wrapper, or leave it out with --output "
+            "(output=) naming the fields to audit"
+        )
+    if x.dim() == 0:
+        return None, "a scalar: a loss or a statistic of the whole batch"
+    return None, f"not per position: no [B={b}, T={t}, ...] or [B*T={b * t}, ...] axes"
+
+
+def _nothing_to_audit(out: Any, skipped: list[Skipped], b: int, t: int) -> str:
+    if isinstance(out, Tensor):
+        return (
+            f"the target returned a tensor of shape {tuple(out.shape)} for an input of [B={b}, T={t}, ...]; the audit "
+            "needs an output of shape [B, T, ...] (position t of the output belonging to input position t)"
+        )
+    if not skipped:
+        return (
+            f"the target returned {type(out).__name__}; it must return a tensor of shape [B, T, ...], a Routing, "
+            "or a tuple / dict / dataclass holding one"
+        )
+    return (
+        f"the target returned {type(out).__name__} with no [B={b}, T={t}, ...] output to audit; it has: "
+        + "; ".join(s.text() for s in skipped)
+    )
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""Attributes every ``nn.Module`` has (parameters, buffers, hooks, the training flag): not the
+target's own state."""
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of plain state (tensors, numbers, strings and containers of them) to compare later;
+    anything else (functions, generators, submodules) as None."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, (bool, int, float, complex, str, bytes)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _snapshot(v) for k, v in value.items()}
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        both = isinstance(a, Tensor) and isinstance(b, Tensor)
+        return both and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN equals NaN here
+
+
+class TargetState:
+    """The state of ``module`` (None: a plain callable, which has none the audit can see)."""
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self.module = module
+        self.generators: list[torch.Generator] = (
+            [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Generator)]
+            if module is not None
+            else []
+        )
+        """torch generators the target keeps as attributes: seeded before every forward like torch's own."""
+        self._buffers: list[tuple[nn.Module, dict[str, Tensor], dict[int, Tensor]]] = []
+
+    def reset_buffers(self) -> None:
+        """Every buffer back to its value (and tensor object) from the start of the audit: run
+        before every forward, so state a forward leaves behind never reaches the next one."""
+        with torch.no_grad():
+            for m, buffers, values in self._buffers:
+                for name, t in buffers.items():
+                    m._buffers[name] = t
+                    if t is not None:
+                        t.copy_(values[id(t)])
+
+    def changed_buffers(self) -> list[str]:
+        """Names of the buffers whose value differs from the start of the audit."""
+        names = {id(m): n for n, m in self.module.named_modules()} if self.module is not None else {}
+        out = []
+        for m, buffers, values in self._buffers:
+            for name, t in buffers.items():
+                now = m._buffers.get(name)
+                if t is not None and (now is not t or not torch.equal(t, values[id(t)])):
+                    out.append(f"{names[id(m)]}.{name}".lstrip("."))
+        return out
+
+    def hidden_state(self) -> dict[str, Any]:
+        """The target's own attributes outside parameters, buffers and submodules (tensors,
+        numbers, containers of them), by name: state a forward may change that no buffer holds."""
+        if self.module is None:
+            return {}
+        return {
+            f"{path}.{k}".lstrip("."): _snapshot(v)
+            for path, m in self.module.named_modules()
+            for k, v in vars(m).items()
+            if k not in _MODULE_INTERNALS and not isinstance(v, (nn.Module, torch.Generator))
+        }
+
+    @staticmethod
+    def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+        """The names whose value differs between two :meth:`hidden_state` snapshots."""
+        return [k for k in sorted(before.keys() | after.keys()) if not _same(before.get(k), after.get(k))]
+
+    @contextlib.contextmanager
+    def preserved(self) -> Iterator[None]:
+        """Restore on exit, whatever the forwards did: every parameter and every buffer
+        (persistent or not; the same tensor objects, with their values), buffers added or
+        removed, the target's own generators and every training flag. Inside, the buffers'
+        saved values are what :meth:`reset_buffers` restores before every forward."""
+        if self.module is None:
+            yield
+            return
+        saved = []
+        for m in self.module.modules():
+            params, buffers = dict(m._parameters), dict(m._buffers)
+            values = {id(t): t.detach().clone() for t in (*params.values(), *buffers.values()) if t is not None}
+            saved.append((m, m.training, params, buffers, set(m._non_persistent_buffers_set), values))
+        self._buffers = [(m, buffers, values) for m, _, _, buffers, _, values in saved]
+        generator_states = [g.get_state() for g in self.generators]
+        try:
+            yield
+        finally:
+            self._buffers = []
+            for g, state in zip(self.generators, generator_states):
+                g.set_state(state)
+            with torch.no_grad():
+                for m, training, params, buffers, non_persistent, values in saved:
+                    m.training = training
+                    m._parameters.clear()
+                    m._parameters.update(params)
+                    m._buffers.clear()
+                    m._buffers.update(buffers)
+                    m._non_persistent_buffers_set.clear()
+                    m._non_persistent_buffers_set.update(non_persistent)
+                    for t in (*params.values(), *buffers.values()):
+                        if t is not None:
+                            t.copy_(values[id(t)])
 
 
 class AuditUsageError(ValueError):
@@ -33,7 +335,7 @@ class Part:
     """The columns one output (or one router's decisions) occupies in :class:`Outputs`."""
 
     name: str
-    """The output's name (:mod:`moe.audit.outputs`), or "routing of NAME" for a router's hooked
+    """The output's name (:mod:`moe.audit.target`), or "routing of NAME" for a router's hooked
     decisions."""
     exact: bool
     """Compared exactly (in ``exact_BTX``): routing masks and integer / bool outputs."""
@@ -43,7 +345,7 @@ class Part:
     """The dtype the target computed a float output in (its resolution sets the tolerance)."""
     weights: bool = False
     """A Routing's dense weights: each entry judged at its token's largest weight, not at the
-    median of a row that is mostly zeros (:func:`~moe.audit.calibration.entry_scale`)."""
+    median of a row that is mostly zeros (:func:`~moe.audit.comparator.entry_scale`)."""
 
 
 @dataclass
@@ -78,16 +380,6 @@ class Outputs:
 def coarsest(dtypes: list[torch.dtype]) -> torch.dtype | None:
     """The float dtype of largest eps among ``dtypes`` (None for none)."""
     return max(dtypes, key=lambda d: torch.finfo(d).eps, default=None)
-
-
-def combine_claims(claims: list[Claims]) -> Claims:
-    """A stack of routers is causal / batch-invariant only where every one of them is."""
-    return Claims(
-        causal_train=all(c.causal_train for c in claims),
-        causal_eval=all(c.causal_eval for c in claims),
-        batch_invariant=all(c.batch_invariant for c in claims),
-        decode_consistent=all(c.decode_consistent for c in claims),
-    )
 
 
 def _requiring_grad(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -125,7 +417,7 @@ class AuditTarget:
             raise AuditUsageError(f"the audit target must be an nn.Module or a callable, got {type(target).__name__}")
         self.fn = target
         self.output = output
-        """Comma-separated output names to audit (None: every per-position output, :mod:`moe.audit.outputs`)."""
+        """Comma-separated output names to audit (None: every per-position output, :mod:`moe.audit.target`)."""
         self.module = target if isinstance(target, nn.Module) else None
         named = [(n, m) for n, m in self.module.named_modules() if isinstance(m, Router)] if self.module else []
         self.routers: list[Router] = [m for _, m in named]
@@ -145,21 +437,18 @@ class AuditTarget:
         self.autograd = False
         """Forwards run with gradients enabled and a float input that requires them (train mode)."""
         self.state = TargetState(self.module)
-        """Its buffers reset before every forward, everything restored after (:mod:`moe.audit.state`)."""
+        """Its buffers reset before every forward, everything restored after (:mod:`moe.audit.target`)."""
 
     @property
     def claims(self) -> Claims | None:
-        """The target's own ``claims``, else the AND of its routers' claims; None for an opaque target.
-
-        An MoE layer or model without routers (dense) claims causal and batch-invariant.
-        """
+        """The target's own ``claims`` (a :class:`~moe.routing.Claims`, as a router, ``MoELayer``
+        and ``MoETransformer`` declare them, and any user's module may), else, for a module
+        holding routers, each claim where every one of them makes it; None for an opaque target."""
         own = getattr(self.module, "claims", None)
         if isinstance(own, Claims):
             return own
         if self.routers:
-            return combine_claims([r.claims for r in self.routers])
-        if isinstance(self.module, (MoELayer, MoETransformer)):
-            return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+            return held_claims(self.module)
         return None
 
     def gate_vectors(self, d: int) -> list[Tensor]:
