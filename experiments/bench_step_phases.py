@@ -21,6 +21,9 @@ what this process got, the steadier figure):
 ``--torch-adamw`` adds each row with torch's own AdamW (the loop's optimizer before issue 57)
 beside the loop's ``BlockedAdamW``: the optimizer's effect as a ratio in the same run.
 
+3. ``optimizer``: the AdamW step alone on copies of each eager row's parameters and gradients,
+   ``BlockedAdamW`` against torch's for-loop AdamW (``--optimizer-rounds``).
+
 Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``.
 """
 
@@ -39,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import router_study  # noqa: E402  (the study's sizes, recipe, corpus and row config)
-from bench_study_shape import Clocks, medians  # noqa: E402
+from bench_study_shape import Clocks, medians, optimizer_variants  # noqa: E402
 
 from moe.global_balance import global_batch_loads  # noqa: E402
 from moe.layer import update_routers  # noqa: E402
@@ -143,7 +146,16 @@ def add_ratios(steps: dict, tokens: int) -> dict:
     return steps
 
 
-def bench(size: str, labels: list[str], compiled: bool, torch_adamw: bool, rounds: int, burst: int, info) -> dict:
+def bench(
+    size: str,
+    labels: list[str],
+    compiled: bool,
+    torch_adamw: bool,
+    rounds: int,
+    burst: int,
+    optimizer_rounds: int,
+    info,
+) -> dict:
     modes = [False, True] if compiled else [False]
     sessions = {f"{label}{' compiled' if c else ''}": session(size, label, c, info) for c in modes for label in labels}
     if torch_adamw:
@@ -158,7 +170,34 @@ def bench(size: str, labels: list[str], compiled: bool, torch_adamw: bool, round
     steps = add_ratios({k: medians(v) for k, v in interleaved(sessions, rounds, burst, 2, timed_step).items()}, tokens)
     raw = interleaved(sessions, rounds, 1, 1, phased_step)
     phases = {k: {p: medians([laps[p] for laps in v]) for p in v[0]} for k, v in raw.items()}
-    return {"tokens_per_step": tokens, "steps": steps, "phases": phases}
+    eager = {k: s for k, s in sessions.items() if k in labels}
+    return {
+        "tokens_per_step": tokens,
+        "steps": steps,
+        "phases": phases,
+        "optimizer": bench_optimizer(eager, optimizer_rounds) if optimizer_rounds else {},
+    }
+
+
+def bench_optimizer(sessions: dict[str, Session], rounds: int) -> dict:
+    """The AdamW step alone, the loop's ``BlockedAdamW`` against torch's for-loop AdamW, on
+    copies of each session's parameters and last gradients, interleaved; medians."""
+    kept = ("BlockedAdamW (the loop's)", "AdamW for-loop (torch's CPU default)")
+    fns = {(k, v): fn for k, s in sessions.items() for v, fn in optimizer_variants(s).items() if v in kept}
+    samples: dict[tuple, list] = {key: [] for key in fns}
+    keys = list(fns)
+    for _ in range(rounds):
+        random.shuffle(keys)
+        for key in keys:
+            clocks = Clocks()
+            fns[key]()
+            samples[key].append(clocks.lap())
+    out: dict[str, dict] = {}
+    for (k, v), laps in samples.items():
+        out.setdefault(k, {})[v] = medians(laps)
+    for per in out.values():
+        per["speedup_cpu"] = per[kept[1]]["cpu_s"] / per[kept[0]]["cpu_s"]
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -166,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", nargs="+", default=["baby", "large"], choices=["baby", "large"])
     p.add_argument("--labels", nargs="+", default=LABELS, help="study rows (the first must be dense)")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds of each measurement")
+    p.add_argument("--optimizer-rounds", type=int, default=20, help="interleaved rounds of the AdamW-alone timing")
     p.add_argument("--burst", type=int, default=2, help="consecutive steps of one session per round")
     p.add_argument("--compile", action="store_true", help="also time compiled sessions")
     p.add_argument("--torch-adamw", action="store_true", help="also time each row with torch's AdamW (the baseline)")
@@ -190,7 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
         "burst": args.burst,
         "sizes": {
-            size: bench(size, args.labels, args.compile, args.torch_adamw, args.rounds, args.burst, info)
+            size: bench(
+                size, args.labels, args.compile, args.torch_adamw, args.rounds, args.burst, args.optimizer_rounds, info
+            )
             for size in args.sizes
         },
     }
@@ -229,6 +271,13 @@ def markdown(r: dict) -> str:
             )
         totals = [sum(v["cpu_s"] for v in b["phases"][n].values()) * 1e3 for n in names]
         lines.append("| sum | " + " | ".join(f"{t:.2f}" for t in totals) + " |")
+        if not b["optimizer"]:
+            continue
+        lines += ["", "AdamW alone, CPU ms (medians): the loop's BlockedAdamW against torch's for-loop AdamW:", ""]
+        lines += ["| run | BlockedAdamW | torch for-loop | speedup |", "|---|---:|---:|---:|"]
+        for k, per in b["optimizer"].items():
+            blocked, loop = (per[v]["cpu_s"] * 1e3 for v in per if v != "speedup_cpu")
+            lines.append(f"| {k} | {blocked:.2f} | {loop:.2f} | {per['speedup_cpu']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -101,7 +101,7 @@ class BlockedAdamW(torch.optim.AdamW):
     each makes a temporary of the tensor's size; the MoE experts' stacked [E, D, F] weights are
     megabytes, out of cache and above the loop's malloc mmap threshold (``cpu_mmap_threshold_kib``),
     so every pass streams memory and every temporary is fresh, page-faulted memory. Blocked, a
-    parameter's operations run on a cached block (docs/benchmarks.md: about 2.9x faster for the
+    parameter's operations run on a cached block (docs/benchmarks.md: about 2.5x faster for the
     study's large MoE model)."""
 
     BLOCK = 1 << 17
@@ -137,11 +137,14 @@ class BlockedAdamW(torch.optim.AdamW):
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
         blocks: list[list[torch.Tensor]] = [[], [], [], [], []]
-        counters = []
-        for tensors in zip(params, grads, exp_avgs, exp_avg_sqs):
-            pieces = [t.detach().view(-1).split(self.BLOCK) for t in tensors]
-            step_copies = [steps[len(counters)].clone() for _ in pieces[0]]  # each block counts once
-            counters.append(step_copies[0])
+        counted = []  # (a cut parameter's step, the copy that its first block counted on)
+        for *tensors, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+            if tensors[0].numel() <= self.BLOCK:
+                pieces, step_copies = [[t.detach()] for t in tensors], [step]
+            else:
+                pieces = [t.detach().view(-1).split(self.BLOCK) for t in tensors]
+                step_copies = [step.clone() for _ in pieces[0]]  # each block counts the step once
+                counted.append((step, step_copies[0]))
             for i, piece in enumerate(pieces):
                 blocks[i] += piece
             blocks[4] += step_copies
@@ -160,8 +163,8 @@ class BlockedAdamW(torch.optim.AdamW):
             eps=group["eps"],
             maximize=group["maximize"],
         )
-        for step, counted in zip(steps, counters):
-            step.copy_(counted)
+        for step, copy in counted:
+            step.copy_(copy)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
