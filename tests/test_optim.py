@@ -85,3 +85,18 @@ def test_make_optimizer_groups():
     assert isinstance(opt, BlockedAdamW)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
     assert [len(g["params"]) for g in opt.param_groups] == [1, 3]
+
+
+def test_non_contiguous_state_takes_torchs_path():
+    """States loaded from elsewhere may be strided: then torch's own step, the same numbers."""
+    a, b = params_and_grads(0)[-1:], params_and_grads(0)[-1:]
+    oa, ob = BlockedAdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2)
+    for p, o in ((a[0], oa), (b[0], ob)):
+        p.grad = torch.ones_like(p)
+
+        def strided() -> torch.Tensor:
+            return torch.zeros(p.shape[::-1]).transpose(0, -1)  # p's shape, not contiguous
+
+        o.state[p] = {"step": torch.tensor(0.0), "exp_avg": strided(), "exp_avg_sq": strided()}
+        o.step()
+    assert torch.equal(a[0], b[0])
