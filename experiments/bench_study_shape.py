@@ -21,8 +21,9 @@ of steps or every phase once, in an order shuffled per round; medians over round
    machine is shared, so CPU time (what this process got) is the steadier figure; wall time is
    what a run sees.
 2. ``step_phases``: the same step cut into its parts (forward, backward, StepTally, clip +
-   AdamW, router updates, metrics), and the optimizer step alone as torch's for-loop AdamW (the
-   loop's, on CPU), ``foreach`` and ``fused`` AdamW, on copies of the model's gradients.
+   AdamW, router updates, metrics), and the optimizer step alone as the loop's ``BlockedAdamW``,
+   torch's for-loop AdamW (its CPU default), ``foreach`` and ``fused`` AdamW, on copies of the
+   model's gradients.
 3. ``layer_phases``: one MoE layer's forward+backward at N=768 by phase, each phase its own
    forward+backward on the inputs the layer would give it: the router (gate, top-k, weights,
    aux losses, statistics) and, of it, the aux losses and the statistics; the RouterEntropy hook;
@@ -55,7 +56,7 @@ from moe.training.config import TrainConfig
 from moe.training.distributed import setup_distributed
 from moe.training.loop import Session, prepare, train_step
 from moe.training.metrics import RouterEntropy, StepTally
-from moe.training.optim import lr_at, set_lr
+from moe.training.optim import BlockedAdamW, lr_at, set_lr
 
 SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
 SEQ_LEN, BATCH = 64, 12
@@ -156,7 +157,7 @@ def phased_step(s: Session, step: int) -> dict[str, tuple[float, float]]:
 
 def optimizer_variants(s: Session) -> dict[str, Callable[[], None]]:
     """AdamW steps on copies of the session's parameters and gradients: the loop's own
-    (torch's for-loop implementation on CPU), foreach and fused."""
+    (``BlockedAdamW``), torch's for-loop implementation (its CPU default), foreach and fused."""
     groups = []
     for group in s.optimizer.param_groups:
         params = []
@@ -167,7 +168,8 @@ def optimizer_variants(s: Session) -> dict[str, Callable[[], None]]:
         groups.append({"params": params, "weight_decay": group["weight_decay"]})
     kw = {"lr": 1e-3, "betas": (0.9, 0.99)}
     variants = {
-        "AdamW for-loop (the loop's)": torch.optim.AdamW(groups, foreach=False, **kw),
+        "BlockedAdamW (the loop's)": BlockedAdamW(groups, **kw),
+        "AdamW for-loop (torch's CPU default)": torch.optim.AdamW(groups, foreach=False, **kw),
         "AdamW foreach": torch.optim.AdamW(groups, foreach=True, **kw),
         "AdamW fused": torch.optim.AdamW(groups, fused=True, **kw),
     }

@@ -1,0 +1,285 @@
+"""Where the router study's training step spends its time (issue 57): the study's own rows
+(``router_study.row_config``: Shakespeare BPE, seed 6) at its baby and large sizes, the dense
+twin against the MoE routers, one torch thread. Every figure is a ratio to the dense row
+measured in the same run.
+
+    PYTHONPATH=.:kernels nice python experiments/bench_step_phases.py --sizes baby large
+    PYTHONPATH=.:kernels nice python experiments/bench_step_phases.py --sizes baby --compile   # adds compiled sessions
+    PYTHONPATH=.:kernels nice python experiments/bench_step_phases.py --quick                  # smoke run, about 1 min
+
+Two measurements, interleaved (each round runs every session once, in an order shuffled per
+round; medians over rounds), wall and process CPU time (the machine is shared: CPU time is
+what this process got, the steadier figure):
+
+1. ``steps``: ``moe.training.loop.train_step``, the whole step ``train()`` runs, in bursts;
+   tokens/s and the ratio to the dense row of the same mode (eager or compiled).
+2. ``phases``: the same step's work cut into data (lr, batch, zero_grad),
+   forward, backward, statistics (``StepTally.add_output``), clipping, the AdamW step, router
+   updates (``update_routers``), logging (``StepTally.finish``: the host reads of the step's
+   metrics).
+
+``--torch-adamw`` adds each row with torch's own AdamW (the loop's optimizer before issue 57)
+beside the loop's ``BlockedAdamW``: the optimizer's effect as a ratio in the same run.
+
+3. ``optimizer``: the AdamW step alone on copies of each eager row's parameters and gradients,
+   ``BlockedAdamW`` against torch's for-loop AdamW (``--optimizer-rounds``).
+
+Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import router_study  # noqa: E402  (the study's sizes, recipe, corpus and row config)
+from bench_study_shape import Clocks, medians, optimizer_variants  # noqa: E402
+
+from moe.global_balance import global_batch_loads  # noqa: E402
+from moe.layer import update_routers  # noqa: E402
+from moe.parallel.state import clip_grad_norm_  # noqa: E402
+from moe.routers.quantile_global import register_quantile_balancing_hook  # noqa: E402
+from moe.training.batches import local_batch  # noqa: E402
+from moe.training.config import TrainConfig  # noqa: E402
+from moe.training.distributed import setup_distributed  # noqa: E402
+from moe.training.loop import Session, prepare, train_step  # noqa: E402
+from moe.training.metrics import StepTally  # noqa: E402
+from moe.training.optim import lr_at, set_lr  # noqa: E402
+
+CORPUS, SEED = "shakespeare-bpe", 6
+LABELS = ["dense", "topk_aux", "expert_threshold", "quantile"]
+
+
+def session(size: str, label: str, compiled: bool, info, torch_adamw: bool = False) -> Session:
+    """A session of the study's row; ``torch_adamw``: with torch's own AdamW (the loop's before
+    issue 57) instead of the loop's ``BlockedAdamW``, the same groups and settings."""
+    fields = router_study.row_config(CORPUS, size, label, SEED, quick=False)
+    s = prepare(TrainConfig.flat(**{**fields, "steps": 100_000, "compile": compiled}), None, info)
+    s.place.model.train()
+    if torch_adamw:
+        use_torch_adamw(s)
+    return s
+
+
+def use_torch_adamw(s: Session) -> None:
+    """Give a fresh session torch's own AdamW over the same groups and settings."""
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in s.optimizer.param_groups]
+    o = s.cfg.optimizer
+    s.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
+    s.place.strategy.attach(s.optimizer)
+    register_quantile_balancing_hook(s.optimizer, s.place.model)
+
+
+def tokens_per_step(s: Session) -> int:
+    return s.cfg.data.batch_size * s.cfg.data.seq_len
+
+
+def phased_step(s: Session, step: int) -> dict[str, tuple[float, float]]:
+    """``train_step``'s work on one process (the plain strategy, one microbatch), in its order,
+    timed part by part."""
+    cfg, place, device = s.cfg, s.place, s.info.device
+    clocks, laps = Clocks(), {}
+    set_lr(s.optimizer, lr_at(step - 1, cfg.optimizer))
+    idx_BT, targets_BT = local_batch(s.corpus, cfg.data, cfg.seed, step, device)
+    s.entropy.pop()
+    s.optimizer.zero_grad(set_to_none=True)
+    tally = StepTally(place.num_moe_layers(), s.num_experts, device)
+    laps["data (lr, batch, zero_grad)"] = clocks.lap()
+    with global_batch_loads(place.model, [None]):
+        out = place.strategy._forward(idx_BT, targets_BT)
+        laps["forward"] = clocks.lap()
+        (out.loss + out.aux_loss).backward()
+        laps["backward"] = clocks.lap()
+    tally.add_output(out)
+    laps["router statistics (StepTally)"] = clocks.lap()
+    clip_grad_norm_(place.model, cfg.optimizer.grad_clip)
+    laps["clip"] = clocks.lap()
+    s.optimizer.step()
+    laps["AdamW"] = clocks.lap()
+    update_routers(place.model)
+    laps["router updates (balance)"] = clocks.lap()
+    tally.finish(s.entropy.pop())
+    laps["logging (StepTally.finish)"] = clocks.lap()
+    return laps
+
+
+def interleaved(sessions: dict[str, Session], rounds: int, burst: int, warmup: int, fn) -> dict:
+    """name -> the laps of ``fn(session, step)`` over rounds (after ``warmup`` rounds)."""
+    step = dict.fromkeys(sessions, 0)
+    samples: dict[str, list] = {k: [] for k in sessions}
+    names = list(sessions)
+    for r in range(warmup + rounds):
+        random.shuffle(names)
+        for name in names:
+            for _ in range(burst):
+                step[name] += 1
+                laps = fn(sessions[name], step[name])
+                if r >= warmup:
+                    samples[name].append(laps)
+    return samples
+
+
+def timed_step(s: Session, step: int) -> tuple[float, float]:
+    clocks = Clocks()
+    train_step(s, step)
+    return clocks.lap()
+
+
+def add_ratios(steps: dict, tokens: int) -> dict:
+    """tokens/s, and each run's tokens/s over the dense row of the same variant (``"topk_aux
+    torch-AdamW compiled"`` over ``"dense torch-AdamW compiled"``) and over eager dense's."""
+    for name, v in steps.items():
+        base = steps["dense" + name.removeprefix(name.split(" ")[0])]
+        for c in ("wall", "cpu"):
+            v[f"tokens_per_s_{c}"] = tokens / v[f"{c}_s"]
+            v[f"{c}_vs_dense"] = base[f"{c}_s"] / v[f"{c}_s"]
+        v["cpu_vs_eager_dense"] = steps["dense"]["cpu_s"] / v["cpu_s"]
+    return steps
+
+
+def bench(
+    size: str,
+    labels: list[str],
+    compiled: bool,
+    torch_adamw: bool,
+    rounds: int,
+    burst: int,
+    optimizer_rounds: int,
+    info,
+) -> dict:
+    modes = [False, True] if compiled else [False]
+    sessions = {f"{label}{' compiled' if c else ''}": session(size, label, c, info) for c in modes for label in labels}
+    if torch_adamw:
+        sessions.update(
+            {
+                f"{label} torch-AdamW{' compiled' if c else ''}": session(size, label, c, info, True)
+                for c in modes
+                for label in labels
+            }
+        )
+    tokens = tokens_per_step(next(iter(sessions.values())))
+    steps = add_ratios({k: medians(v) for k, v in interleaved(sessions, rounds, burst, 2, timed_step).items()}, tokens)
+    raw = interleaved(sessions, rounds, 1, 1, phased_step)
+    phases = {k: {p: medians([laps[p] for laps in v]) for p in v[0]} for k, v in raw.items()}
+    eager = {k: s for k, s in sessions.items() if k in labels}
+    return {
+        "tokens_per_step": tokens,
+        "steps": steps,
+        "phases": phases,
+        "optimizer": bench_optimizer(eager, optimizer_rounds) if optimizer_rounds else {},
+    }
+
+
+def bench_optimizer(sessions: dict[str, Session], rounds: int) -> dict:
+    """The AdamW step alone, the loop's ``BlockedAdamW`` against torch's for-loop AdamW, on
+    copies of each session's parameters and last gradients, interleaved; medians."""
+    kept = ("BlockedAdamW (the loop's)", "AdamW for-loop (torch's CPU default)")
+    fns = {(k, v): fn for k, s in sessions.items() for v, fn in optimizer_variants(s).items() if v in kept}
+    samples: dict[tuple, list] = {key: [] for key in fns}
+    keys = list(fns)
+    for _ in range(rounds):
+        random.shuffle(keys)
+        for key in keys:
+            clocks = Clocks()
+            fns[key]()
+            samples[key].append(clocks.lap())
+    out: dict[str, dict] = {}
+    for (k, v), laps in samples.items():
+        out.setdefault(k, {})[v] = medians(laps)
+    for per in out.values():
+        per["speedup_cpu"] = per[kept[1]]["cpu_s"] / per[kept[0]]["cpu_s"]
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=["baby", "large"], choices=["baby", "large"])
+    p.add_argument("--labels", nargs="+", default=LABELS, help="study rows (the first must be dense)")
+    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds of each measurement")
+    p.add_argument("--optimizer-rounds", type=int, default=20, help="interleaved rounds of the AdamW-alone timing")
+    p.add_argument("--burst", type=int, default=2, help="consecutive steps of one session per round")
+    p.add_argument("--compile", action="store_true", help="also time compiled sessions")
+    p.add_argument("--torch-adamw", action="store_true", help="also time each row with torch's AdamW (the baseline)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: baby, 2 rounds")
+    p.add_argument("--label", default="", help="appended to the results' file names")
+    p.add_argument("--out-dir", default="experiments/results")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    if args.quick:
+        args.sizes, args.rounds = ["baby"], 2
+    info = setup_distributed("cpu")
+    t0 = time.time()
+    result = {
+        "date": dt.date.today().isoformat(),
+        "command": " ".join(["PYTHONPATH=.:kernels python experiments/bench_step_phases.py", *(argv or sys.argv[1:])]),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "rounds": args.rounds,
+        "burst": args.burst,
+        "sizes": {
+            size: bench(
+                size, args.labels, args.compile, args.torch_adamw, args.rounds, args.burst, args.optimizer_rounds, info
+            )
+            for size in args.sizes
+        },
+    }
+    result["load_average"] = os.getloadavg()
+    result["seconds"] = time.time() - t0
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_step_phases-{result['date']}-cpu{result['threads']}{'-' + args.label if args.label else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return result
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"# bench_step_phases {r['date']} (torch {r['torch']}, {r['threads']} thread, load {r['load_average'][0]:.1f})",
+        "",
+        f"`{r['command']}`; medians of {r['rounds']} interleaved rounds ({r['burst']} steps each for whole steps).",
+    ]
+    for size, b in r["sizes"].items():
+        lines += ["", f"## {size} ({b['tokens_per_step']} tokens a step)", ""]
+        lines += ["| run | tokens/s (wall) | tokens/s (CPU) | vs dense, wall | vs dense, CPU | vs eager dense, CPU |"]
+        lines += ["|---|---:|---:|---:|---:|---:|"]
+        for k, v in b["steps"].items():
+            lines.append(
+                f"| {k} | {v['tokens_per_s_wall']:,.0f} | {v['tokens_per_s_cpu']:,.0f} | {v['wall_vs_dense']:.3f} "
+                f"| {v['cpu_vs_dense']:.3f} | {v['cpu_vs_eager_dense']:.3f} |"
+            )
+        names = list(b["phases"])
+        lines += ["", "Step phases, CPU ms (medians):", ""]
+        lines += ["| phase | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for phase in b["phases"][names[0]]:
+            lines.append(
+                f"| {phase} | " + " | ".join(f"{b['phases'][n][phase]['cpu_s'] * 1e3:.2f}" for n in names) + " |"
+            )
+        totals = [sum(v["cpu_s"] for v in b["phases"][n].values()) * 1e3 for n in names]
+        lines.append("| sum | " + " | ".join(f"{t:.2f}" for t in totals) + " |")
+        if not b["optimizer"]:
+            continue
+        lines += ["", "AdamW alone, CPU ms (medians): the loop's BlockedAdamW against torch's for-loop AdamW:", ""]
+        lines += ["| run | BlockedAdamW | torch for-loop | speedup |", "|---|---:|---:|---:|"]
+        for k, per in b["optimizer"].items():
+            blocked, loop = (per[v]["cpu_s"] * 1e3 for v in per if v != "speedup_cpu")
+            lines.append(f"| {k} | {blocked:.2f} | {loop:.2f} | {per['speedup_cpu']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

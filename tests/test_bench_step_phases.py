@@ -1,0 +1,56 @@
+"""experiments/bench_step_phases.py measures what it says: its phases are the loop's step (the
+same weights after them, bit for bit), its torch-AdamW baseline is the loop's numbers (the
+loop's ``BlockedAdamW`` changes no bit of a training run), and each ratio divides by the dense
+row of its own variant. No timing is asserted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SMALL_RUN
+
+from experiments import bench_step_phases as bench
+from moe.training.config import TrainConfig
+from moe.training.distributed import setup_distributed
+from moe.training.loop import prepare, train_step
+
+
+def session(router: str = "topk"):
+    s = prepare(TrainConfig.flat(steps=10, router=router, **SMALL_RUN), None, setup_distributed("cpu"))
+    s.place.model.train()
+    return s
+
+
+def weights(s) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in s.place.model.parameters()]
+
+
+@pytest.mark.parametrize("router", ["topk", "ec_threshold"])
+def test_phased_step_is_the_loops_step(router):
+    stepped, phased = session(router), session(router)
+    for step in (1, 2, 3):
+        train_step(stepped, step)
+        laps = bench.phased_step(phased, step)
+    assert all(torch.equal(a, b) for a, b in zip(weights(stepped), weights(phased)))
+    assert list(laps)[:3] == ["data (lr, batch, zero_grad)", "forward", "backward"]
+
+
+def test_torch_adamw_baseline_trains_to_the_same_bits():
+    blocked, torchs = session(), session()
+    bench.use_torch_adamw(torchs)
+    assert type(torchs.optimizer) is torch.optim.AdamW and type(blocked.optimizer) is not torch.optim.AdamW
+    for step in (1, 2, 3):
+        train_step(blocked, step)
+        train_step(torchs, step)
+    assert all(torch.equal(a, b) for a, b in zip(weights(blocked), weights(torchs)))
+
+
+def test_ratios_divide_each_variant_by_its_dense_row():
+    names = ["dense", "topk_aux", "dense torch-AdamW compiled", "topk_aux torch-AdamW compiled"]
+    steps = {k: {"wall_s": w, "cpu_s": c} for k, w, c in zip(names, (0.1, 0.2, 0.05, 0.1), (0.1, 0.125, 0.08, 0.1))}
+    r = bench.add_ratios(steps, 768)
+    assert r["topk_aux"]["wall_vs_dense"] == pytest.approx(0.5)
+    assert r["topk_aux"]["cpu_vs_dense"] == pytest.approx(0.8)
+    assert r["topk_aux torch-AdamW compiled"]["cpu_vs_dense"] == pytest.approx(0.8)
+    assert r["topk_aux torch-AdamW compiled"]["cpu_vs_eager_dense"] == pytest.approx(1.0)
+    assert r["dense"]["tokens_per_s_cpu"] == pytest.approx(7680)
