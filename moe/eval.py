@@ -131,9 +131,18 @@ def evaluate(
     tf_WT, train_WT = _teacher_forced(model, idx_WT, targets_WT, batch_size, device, with_train_mode, balance, bar)
     if causal:
         model.eval()
-        causal_WP = _causal_nll(
-            model, idx_WT, targets_WT, pos_P, causal_stride, causal_method, decode_batch, device, bar
-        )
+        for start in range(0, idx_WT.shape[0], decode_batch):  # float64 [B, P] per chunk decoded together
+            idx_BT = idx_WT[start : start + decode_batch].to(device)
+            targets_BT = targets_WT[start : start + decode_batch].to(device)
+            if causal_method == "cache":  # through the cache
+                seq_len = idx_WT.shape[1]
+                causal_WP.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, causal_stride, seq_len, device, bar))
+                continue
+            prefixes = []  # "recompute": each evaluated position from a forward of its prefix alone
+            for t in pos_P.tolist():
+                prefixes.append(_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:])
+                bar.update()
+            causal_WP.append(torch.cat(prefixes, 1))
     bar.close()
     model.train(was_training)
     return {**_summary(torch.cat(tf_WT), causal_WP, train_WT, pos_P, num_windows), **balance.summary()}
@@ -213,35 +222,6 @@ def _nll(
     if balance is not None:
         balance.add(getattr(out, "routings", None))
     return lm_loss(out.logits, targets_BT, reduction="none").double().cpu()
-
-
-def _causal_nll(
-    model: nn.Module,
-    idx_WT: Tensor,
-    targets_WT: Tensor,
-    pos_P: Tensor,
-    stride: int,
-    method: str,
-    batch: int,
-    device: torch.device,
-    bar: tqdm,
-) -> list[Tensor]:
-    """float64 [B, P] per chunk of ``batch`` windows decoded together: the loss at each evaluated
-    position through the cache (``method`` "cache") or from a forward of its prefix alone (each
-    forward counted on ``bar``)."""
-    out = []
-    for start in range(0, idx_WT.shape[0], batch):
-        idx_BT = idx_WT[start : start + batch].to(device)
-        targets_BT = targets_WT[start : start + batch].to(device)
-        if method == "cache":
-            out.append(_decoded_nll(model, idx_BT, targets_BT, pos_P, stride, idx_WT.shape[1], device, bar))
-        else:
-            prefixes = []
-            for t in pos_P.tolist():
-                prefixes.append(_nll(model, idx_BT[:, : t + 1], targets_BT[:, : t + 1], device)[:, -1:])
-                bar.update()
-            out.append(torch.cat(prefixes, 1))
-    return out
 
 
 def _decoded_nll(

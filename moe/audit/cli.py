@@ -58,7 +58,39 @@ def build_parser() -> argparse.ArgumentParser:
         "0 no leak and every claim holds; 1 a leak (--target), an INCONCLUSIVE result, or a false claim, either way "
         "(a claimed leak the audit cannot demonstrate is false too); 2 usage error, or a target that could not be run.",
     )
-    _add_target_arguments(p)
+    # what --target is, what it is given and what of it is audited
+    p.add_argument(
+        "--target",
+        metavar="MODULE:NAME",
+        help="pkg.module:name or path/to/file.py:name; name is an nn.Module or a zero-argument callable returning one",
+    )
+    p.add_argument(
+        "--input",
+        metavar="SPEC",
+        help="float:B,T,D[,...] (normal features) or tokens:B,T,V (ids below V); "
+        "optional for routers, MoE layers and models with an nn.Embedding",
+    )
+    p.add_argument(
+        "--output",
+        metavar="NAMES",
+        help="comma-separated outputs to audit when the target returns a tuple / dict / dataclass: keys, attributes "
+        "or tuple indices, dotted for nested ones (router_logits.0); a name keeps everything under it (default: every "
+        "[B, T, ...] or [B*T, ...] tensor it returns)",
+    )
+    p.add_argument(
+        "--special-ids",
+        metavar="IDS",
+        help="comma-separated token ids the target treats specially (end of document, padding, separators): put in "
+        "futures besides the smallest and largest ids and the example's own (token inputs only)",
+    )
+    p.add_argument("--device", default="cpu", help="device to run --target on, e.g. cuda or cuda:1 (default: cpu)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="cast --target's floating parameters and float input to this dtype (default: leave as built); "
+        "tolerances scale with its resolution",
+    )
     p.add_argument(
         "--modes", default=None, help="comma-separated modes to audit (default: train,eval; eval with --quick)"
     )
@@ -108,42 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill, bf16; the bf16 ones run a copy of the model); the built-in suite never measures them",
     )
     return p
-
-
-def _add_target_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags that say what --target is, what it is given and what of it is audited."""
-    p.add_argument(
-        "--target",
-        metavar="MODULE:NAME",
-        help="pkg.module:name or path/to/file.py:name; name is an nn.Module or a zero-argument callable returning one",
-    )
-    p.add_argument(
-        "--input",
-        metavar="SPEC",
-        help="float:B,T,D[,...] (normal features) or tokens:B,T,V (ids below V); "
-        "optional for routers, MoE layers and models with an nn.Embedding",
-    )
-    p.add_argument(
-        "--output",
-        metavar="NAMES",
-        help="comma-separated outputs to audit when the target returns a tuple / dict / dataclass: keys, attributes "
-        "or tuple indices, dotted for nested ones (router_logits.0); a name keeps everything under it (default: every "
-        "[B, T, ...] or [B*T, ...] tensor it returns)",
-    )
-    p.add_argument(
-        "--special-ids",
-        metavar="IDS",
-        help="comma-separated token ids the target treats specially (end of document, padding, separators): put in "
-        "futures besides the smallest and largest ids and the example's own (token inputs only)",
-    )
-    p.add_argument("--device", default="cpu", help="device to run --target on, e.g. cuda or cuda:1 (default: cpu)")
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default=None,
-        help="cast --target's floating parameters and float input to this dtype (default: leave as built); "
-        "tolerances scale with its resolution",
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,12 +144,36 @@ def audit(
     at = AuditTarget(target, output=output)
     sampler = Sampler(example, vocab_size if vocab_size is not None else _vocab_size(at, example), special_ids)
     alpha = per_comparison_alpha(sum(p.compares_forwards for p in suite))
-    report = _new_report(at, name or _name_of(target), modes, alpha, quick)
+    report = AuditReport(
+        name=name or _name_of(target),
+        modes=modes,
+        claims=at.claims,
+        per_comparison_alpha=alpha,
+        test_level=alpha / len(DRAWS),
+        quick=quick,
+    )
+    report.mechanisms = _mechanisms(at, modes)
+    report.sized_from_length = [  # what its routers declare: capacities sized from the group's length
+        at.router_name(r)
+        for r in at.routers
+        if getattr(r, "capacity_factor", None) is not None and getattr(r, "capacity_scope", "group") != "prefix"
+    ]
     runner = Runner(at, seed, forward_timeout)
     session = _Session(runner, sampler, trials, seed, suite, alpha, progress, start)
     with _rng_preserved(), at.state.preserved():
         unit_before = _one_forward_seconds(runner, at, example)
-        _audit_modes(session, at, report, example, modes)
+        for mode in modes:  # the first mode that cannot be audited stops the audit (report.error)
+            at.set_mode(mode)
+            try:
+                report.error = _audit_one_mode(session, report, example, mode)
+            except TargetTimeout as e:
+                report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+            except TargetExit as e:
+                report.error = f"{e} in {mode} mode"
+            except TargetFailure as e:
+                report.error = f"the target failed on the example in {mode} mode ({e})"
+            if report.error is not None:
+                break
         _after_modes(session, at, report, example, agreement, unit_before)
     if report.error is None and not any(p.ran for p in report.probes if p.kind == "future" and p.compares_forwards):
         failures = [e for p in report.probes for e in p.errors]
@@ -160,39 +184,6 @@ def audit(
     report.cost_seconds = clock() - clock_start
     report.cost_clock = "cpu" if clock is time.process_time else "wall"
     return report
-
-
-def _new_report(at: AuditTarget, name: str, modes: tuple[str, ...], alpha: float, quick: bool) -> AuditReport:
-    """The report before any forward: the target's claims, the levels, and what its routers declare."""
-    report = AuditReport(
-        name=name, modes=modes, claims=at.claims, per_comparison_alpha=alpha, test_level=alpha / len(DRAWS), quick=quick
-    )
-    report.mechanisms = _mechanisms(at, modes)
-    report.sized_from_length = [
-        at.router_name(r)
-        for r in at.routers
-        if getattr(r, "capacity_factor", None) is not None and getattr(r, "capacity_scope", "group") != "prefix"
-    ]
-    return report
-
-
-def _audit_modes(
-    session: _Session, at: AuditTarget, report: AuditReport, example: Tensor, modes: tuple[str, ...]
-) -> None:
-    """Audit each mode in turn into ``report``; the first that cannot be audited stops the audit
-    (``report.error``)."""
-    for mode in modes:
-        at.set_mode(mode)
-        try:
-            report.error = _audit_one_mode(session, report, example, mode)
-        except TargetTimeout as e:
-            report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
-        except TargetExit as e:
-            report.error = f"{e} in {mode} mode"
-        except TargetFailure as e:
-            report.error = f"the target failed on the example in {mode} mode ({e})"
-        if report.error is not None:
-            return
 
 
 def _check_arguments(modes: tuple[str, ...], trials: int, example: object, probes: object) -> tuple[Probe, ...]:
