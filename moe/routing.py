@@ -192,30 +192,37 @@ class Router(nn.Module):
     """The base of every router: a bias-free linear gate, input checks, aux losses and stats.
 
     A new router is one file in ``moe/routers/``: a subclass registered by name
-    (``@register_router("name")``, imported and given a row of ``moe.routers.ROUTER_TABLE``)
-    that implements these hooks, the only ones a router has:
+    (``@register_router("name")``, imported and given a row of ``moe.routers.ROUTER_TABLE``).
+    It subclasses ``Router`` itself, or a family's base when it extends that family's rule:
+    ``TokenChoiceBase`` (``moe/routers/token_choice.py``: score functions, top-k selection,
+    expert groups, balance bias, their replay weights) or ``ExpertChoiceBase``
+    (``moe/routers/expert_choice.py``: capacity factor and groups). Either way these are the
+    only hooks a router has:
 
-    ==============================================================  ==========================
-    hook                                                            implement
-    ==============================================================  ==========================
-    ``claims`` (property): its :class:`Claims`                      always
-    ``route(logits_NE, x_BTD, batch_shape)``: a full forward        always
-    ``route_decode(logits_NE, x_BTD, batch_shape, state)``          if decoding reads the past
-    ``init_decode_state(batch_size)``: a :class:`DecodeState`       if it keeps decode state
-    ``decode_support()``: why it cannot decode here, or None        to override the claims
-    ``replay(logits_NE, x_BTD, batch_shape, expert_NK, decoding)``  to be replayed
-    ``update_after_step()``: state learned from past steps          if it learns such state
-    ``nominal_experts_per_token()``: experts per token it sets      if its options set one
-    ==============================================================  ==========================
+    ==================================================================  ======================================
+    hook                                                                implement
+    ==================================================================  ======================================
+    ``route_local(logits_NE, batch_shape, record, expert_NK)``          if ``token_local``
+    ``claims`` (property): its :class:`Claims`                          always, unless ``token_local``
+    ``route(logits_NE, x_BTD, batch_shape)``: a full forward            always, unless ``token_local``
+    ``route_decode(logits_NE, x_BTD, batch_shape, state)``              if decoding reads the past
+    ``init_decode_state(batch_size)``: a :class:`DecodeState`           if it keeps decode state
+    ``decode_support()``: why it cannot decode here, or None            to override the claims
+    ``replay(logits_NE, x_BTD, batch_shape, expert_NK, decoding)``      to be replayed, unless ``token_local``
+    ``update_after_step()``: state learned from past steps              if it learns such state
+    ``nominal_experts_per_token()``: experts per token it sets          if its options set one
+    ==================================================================  ======================================
 
-    ``route_decode`` defaults to ``route`` (a token routed from itself alone). ``logits_NE`` are
-    the gate's logits in ``router_dtype`` (:meth:`score_logits`). What the code
-    around a router hands it (replay's hook, the statistics group, the global batch's loads)
-    is in :attr:`context` (:class:`RouterContext`), which the router reads and nobody sets on it
-    otherwise. Two families share pieces by subclassing: ``TokenChoiceBase`` (top-k selection,
-    score functions, groups, balance bias; ``moe/routers/token_choice.py``) and
-    :class:`TokenLocalRouter` (a token's routing reads that token alone: it implements
-    ``route``, ``route_decode`` and ``replay`` from one ``_route``).
+    A router whose routing of token n reads token n alone (and state learned from past training
+    forwards: a bias, thresholds, a coefficient) says so with ``token_local = True`` and
+    implements :meth:`route_local` only: ``Router`` then gives it its claims (causal,
+    batch-invariant and decode-consistent in both modes) and ``route``, ``route_decode`` and
+    ``replay``, each a call of ``route_local``, which knows from ``record`` whether the forward
+    is one whose statistics it may keep. Otherwise ``route_decode`` defaults to ``route`` (a
+    token routed from itself alone). ``logits_NE`` are the gate's logits in ``router_dtype``
+    (:meth:`score_logits`). What the code around a router hands it (replay's hook, the
+    statistics group, the global batch's loads) is in :attr:`context` (:class:`RouterContext`),
+    which the router reads and nobody sets on it otherwise.
 
     Aux losses (:meth:`_aux_loss`): the Switch load-balancing loss ``E * sum_e f_e * P_e``
     (f_e: fraction of the assignments counted to e, P_e: mean router probability) at three
@@ -248,6 +255,10 @@ class Router(nn.Module):
     name: str = ""
     context: RouterContext
     """What the code around the router hands it (set in ``__init__``; see :class:`RouterContext`)."""
+    token_local: bool = False
+    """True for a router whose routing of token n reads token n alone and state learned from past
+    training forwards: it implements :meth:`route_local`, from which ``Router`` gives it its
+    claims, :meth:`route`, :meth:`route_decode` and :meth:`replay` (see the hook table)."""
     reads_token_ids: bool = False
     """True for a router that routes by token id (``hash``): it is called as
     ``router(x_BTD, token_ids_BT=ids)``, and ``MoELayer`` passes it the ids it is given."""
@@ -293,6 +304,8 @@ class Router(nn.Module):
     # -- claims -------------------------------------------------------------------------
     @property
     def claims(self) -> Claims:
+        if self.token_local:
+            return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
         raise NotImplementedError
 
     @property
@@ -376,6 +389,8 @@ class Router(nn.Module):
         return self.route_decode(logits_NE, x_BTD, batch_shape, decode_state)
 
     def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
+        if self.token_local:
+            return self.route_local(logits_NE, batch_shape, record=self.training)
         raise NotImplementedError
 
     def replay(
@@ -387,7 +402,11 @@ class Router(nn.Module):
         gate still gets a gradient), and the aux loss and statistics a forward that chose them
         would have. ``decoding``: the tokens are a decoded chunk (no statistics are kept). Every
         built-in router implements it; with the weights unchanged since the choices were recorded
-        it returns the recorded forward's routing bit for bit."""
+        it returns the recorded forward's routing bit for bit. A ``token_local`` router replays
+        through :meth:`route_local` (its own weight formula and aux loss at the given choices;
+        a training forward's statistics as a forward that made them would keep)."""
+        if self.token_local:
+            return self.route_local(logits_NE, batch_shape, record=self.training and not decoding, expert_NK=expert_NK)
         raise NotImplementedError(f"{type(self).__name__} cannot replay recorded routing")
 
     def route_decode(
@@ -395,10 +414,23 @@ class Router(nn.Module):
     ) -> Routing:
         """Route the next T tokens of each sequence (positions ``state.position ...``); called
         only when :meth:`decode_support` allows it; ``forward`` advances the state. Default:
-        :meth:`route`, right for a router whose routing of a token reads that token alone in the
-        modes where it decodes (``topk``, ``hash``, eval-mode ``ec_predictor``); a router whose
-        routing reads earlier positions overrides it with its :class:`DecodeState`."""
+        :meth:`route_local` recording nothing for a ``token_local`` router, else :meth:`route`,
+        right for a router whose routing of a token reads that token alone in the modes where it
+        decodes (``topk``, ``hash``, eval-mode ``ec_predictor``); a router whose routing reads
+        earlier positions overrides it with its :class:`DecodeState`."""
+        if self.token_local:
+            return self.route_local(logits_NE, batch_shape, record=False)
         return self.route(logits_NE, x_BTD, batch_shape)
+
+    def route_local(
+        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, expert_NK: Tensor | None = None
+    ) -> Routing:
+        """The one hook of a ``token_local`` router: route every token from itself alone.
+        ``record`` is True exactly in a training forward that is not decoding, the only forwards
+        whose statistics the router may keep (an evaluation or a decoded chunk changes nothing);
+        ``expert_NK`` (int64 [N, K], -1 = an empty slot; ``replay``): route token n to those
+        experts instead of choosing, with the router's own weights and aux loss at them."""
+        raise NotImplementedError
 
     def update_after_step(self) -> None:
         """Apply state learned from past batches (balancing bias, thresholds). Call after each
@@ -483,6 +515,29 @@ class Router(nn.Module):
             torch.distributed.all_reduce(count_E, group=self.context.stats_group)
         return fractions(count_E)
 
+    def _track_active_experts(self) -> None:
+        """Keep the mean number of experts per token of a step's recorded forwards
+        (:meth:`_record_active`, :meth:`_pop_active_excess`), for a router whose controller holds
+        that mean at a target."""
+        self.register_buffer("pending_active", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("pending_count", torch.zeros((), dtype=torch.float64))
+
+    @torch.no_grad()
+    def _record_active(self, active_NE: Tensor) -> None:
+        """Count one forward's mean experts per token (``active_NE``: bool [N, E])."""
+        self.pending_active += active_NE.double().sum(1).mean()
+        self.pending_count += 1
+
+    @torch.no_grad()
+    def _pop_active_excess(self, target: float) -> Tensor:
+        """sign(mean experts per token of the recorded forwards - ``target``), 0 if none was
+        recorded (chosen on the device: no host read); the count starts again."""
+        active = self.pending_active / self.pending_count.clamp_min(1.0)
+        excess = torch.where(self.pending_count > 0, torch.sign(active - target), torch.zeros_like(active))
+        self.pending_active.zero_()
+        self.pending_count.zero_()
+        return excess
+
     def _z_loss(self, logits_NE: Tensor) -> Tensor:
         if self.z_loss_coef == 0:
             return logits_NE.new_zeros(())
@@ -542,66 +597,6 @@ class GateLinear(nn.Linear):
             if x_ND.is_cuda:
                 return torch.mm(x_ND, weight.t(), out_dtype=dtype)
             return F.linear(x_ND.to(dtype), weight.to(dtype))
-
-
-class TokenLocalRouter(Router):
-    """Base of routers whose routing of token n reads token n alone and state learned from past
-    training forwards (thresholds, a penalty coefficient, a mass threshold p): causal,
-    batch-invariant and decode-consistent in both modes, decoding with no state beyond the
-    position. Subclasses implement ``_route(logits_NE, batch_shape, record)``; ``record`` is
-    True exactly in a training forward that is not decoding, the only forwards whose
-    statistics may be kept (an evaluation or a decoded chunk changes nothing).
-
-    :meth:`_track_active_experts`, :meth:`_record_active` and :meth:`_pop_active_excess` keep
-    the mean number of experts per token of a step's recorded forwards, for routers whose
-    controller holds that mean at a target."""
-
-    @property
-    def claims(self) -> Claims:
-        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
-
-    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
-        return self._route(logits_NE, batch_shape, record=self.training)
-
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self._route(logits_NE, batch_shape, record=False)
-
-    def replay(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
-    ) -> Routing:
-        """The routing ``_route`` builds around the given choices: the router's own weight formula
-        and aux loss at them; a training forward's statistics come from the current scores
-        (thresholds) or from the choices (experts per token), as in a forward that made them."""
-        chosen_NE = slots_mask(expert_NK, logits_NE.shape[1])
-        return self._route(logits_NE, batch_shape, record=self.training and not decoding, chosen_NE=chosen_NE)
-
-    def _route(
-        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
-    ) -> Routing:
-        """``chosen_NE`` (bool [N, E]): route token n to the experts it marks instead of choosing."""
-        raise NotImplementedError
-
-    def _track_active_experts(self) -> None:
-        self.register_buffer("pending_active", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("pending_count", torch.zeros((), dtype=torch.float64))
-
-    @torch.no_grad()
-    def _record_active(self, active_NE: Tensor) -> None:
-        """Count one forward's mean experts per token (``active_NE``: bool [N, E])."""
-        self.pending_active += active_NE.double().sum(1).mean()
-        self.pending_count += 1
-
-    @torch.no_grad()
-    def _pop_active_excess(self, target: float) -> Tensor:
-        """sign(mean experts per token of the recorded forwards - ``target``), 0 if none was
-        recorded (chosen on the device: no host read); the count starts again."""
-        active = self.pending_active / self.pending_count.clamp_min(1.0)
-        excess = torch.where(self.pending_count > 0, torch.sign(active - target), torch.zeros_like(active))
-        self.pending_active.zero_()
-        self.pending_count.zero_()
-        return excess
 
 
 def check_input(x_BTD: Tensor, d_model: int) -> None:

@@ -331,3 +331,72 @@ def test_nan_check_is_a_debug_option(monkeypatch):
     with pytest.raises(ValueError, match=r"router logits contain NaN or inf \(input has 1 non-finite values\)"):
         moe.build_router("topk", d_model=8, num_experts=4)(x)
     moe.build_router("topk", d_model=8, num_experts=4, check_finite=False)(x)
+
+
+class _PositiveLogits(moe.Router):
+    """A router of the test's own that says it is token-local and implements ``route_local``
+    only: token n goes to every expert whose logit is positive, weighted by its sigmoid. It
+    remembers the ``record`` flag of each call."""
+
+    token_local = True
+
+    def __init__(self, d_model, num_experts):
+        super().__init__(d_model, num_experts, aux_loss_coef=0.0, z_loss_coef=0.0)
+        self.records = []
+
+    def route_local(self, logits_NE, batch_shape, record, expert_NK=None):
+        self.records.append(record)
+        n, e = logits_NE.shape
+        keep_NE = logits_NE.detach() > 0 if expert_NK is None else moe.routing.slots_mask(expert_NK, e)
+        token_A, expert_A = keep_NE.nonzero(as_tuple=True)
+        return moe.Routing(
+            token=token_A,
+            expert=expert_A,
+            weight=torch.sigmoid(logits_NE)[token_A, expert_A],
+            num_tokens=n,
+            num_experts=e,
+            aux_loss=logits_NE.new_zeros(()),
+            stats=moe.routing.served_stats(token_A, expert_A, n, e),
+            batch_shape=batch_shape,
+        )
+
+
+def _positive_logits_reference(logits_BTE):
+    """The dense weights of ``_PositiveLogits``, element by element."""
+    out = torch.zeros_like(logits_BTE)
+    for idx in torch.cartesian_prod(*(torch.arange(s) for s in logits_BTE.shape)).tolist():
+        v = logits_BTE[tuple(idx)].item()
+        out[tuple(idx)] = 1.0 / (1.0 + math.exp(-v)) if v > 0 else 0.0
+    return out
+
+
+def test_token_local_router_implements_one_hook():
+    """``token_local = True`` and ``route_local`` alone give a router its claims, forward,
+    decoding and replay; ``record`` is True exactly in a training forward that is not decoding."""
+    torch.manual_seed(0)
+    r = _PositiveLogits(4, 4).double()
+    with torch.no_grad():
+        r.gate.weight.copy_(torch.eye(4, dtype=torch.float64))
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    assert r.claims == moe.Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
+    full = r(x)  # training mode
+    torch.testing.assert_close(full.dense(), _positive_logits_reference(x), rtol=0, atol=1e-15)
+    state = r.init_decode_state(2)
+    chunks = [r(x[:, :2], decode_state=state), r(x[:, 2:], decode_state=state)]
+    torch.testing.assert_close(torch.cat([c.dense() for c in chunks], 1), full.dense(), rtol=0, atol=0)
+    given_NK = torch.tensor([[0, -1]] * 10)
+    logits_NE = r.score_logits(x.reshape(10, 4))
+    replayed = r.replay(logits_NE, x, (2, 5), given_NK, decoding=False)
+    assert assignments(replayed) == [(n, 0) for n in range(10)]
+    r.replay(logits_NE, x, (2, 5), given_NK, decoding=True)
+    r.eval()
+    r(x)
+    assert r.records == [True, False, False, True, False, False]
+
+
+def test_every_router_has_one_line_of_inheritance():
+    """A registered router subclasses Router through single inheritance only (a family's base at
+    most between them)."""
+    for name, cls in moe.routing.registered_routers().items():
+        chain = cls.__mro__[: cls.__mro__.index(moe.Router)]
+        assert all(len(c.__bases__) == 1 for c in chain), f"{name}: {[c.__name__ for c in cls.__mro__]}"

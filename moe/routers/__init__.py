@@ -2,7 +2,9 @@
 router by name (``build_router``). :data:`ROUTER_TABLE` is the one table of router
 configurations that the audit's built-in suite, the tests and the router study read.
 
-A new router is one file here (a :class:`moe.routing.Router` subclass, see its hooks),
+A new router is one file here (a :class:`moe.routing.Router` subclass, or of a family's base,
+:class:`TokenChoiceBase` or :class:`ExpertChoiceBase`, when it extends that family's rule; the
+hooks it implements are named in ``Router``'s docstring),
 imported below to register it, plus a row of :data:`ROUTER_TABLE` and its tests."""
 
 import inspect
@@ -12,7 +14,7 @@ from moe.routers.capacity import CapacityRouter
 from moe.routers.doc_pool import DocumentPoolRouter
 from moe.routers.ec_predictor import ExpertChoicePredictorRouter
 from moe.routers.ec_threshold import ExpertChoiceThresholdRouter
-from moe.routers.expert_choice import ExpertChoiceRouter
+from moe.routers.expert_choice import ExpertChoiceBase, ExpertChoiceRouter
 from moe.routers.hash import HashRouter
 from moe.routers.quantile import QuantileBalancingRouter
 from moe.routers.quantile_global import GlobalQuantileBalancingRouter
@@ -200,6 +202,7 @@ __all__ = [
     "CapacityRouter",
     "DocumentPoolRouter",
     "ExpertChoicePredictorRouter",
+    "ExpertChoiceBase",
     "ExpertChoiceRouter",
     "ExpertChoiceThresholdRouter",
     "GlobalQuantileBalancingRouter",

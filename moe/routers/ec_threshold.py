@@ -36,20 +36,20 @@ import torch
 from torch import Tensor
 
 from moe.checks import positive_int
-from moe.routers.expert_choice import ExpertChoiceRouter
+from moe.routers.expert_choice import ExpertChoiceBase
 from moe.routing import (
     SCORE_FUNCTIONS,
     Routing,
-    TokenLocalRouter,
     capacity_per_group,
     count_indices,
     register_router,
     router_scores,
+    slots_mask,
 )
 
 
 @register_router("ec_threshold")
-class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
+class ExpertChoiceThresholdRouter(ExpertChoiceBase):
     """Threshold routing learned from expert-choice statistics. Causal in train and eval.
 
     Options: ``capacity_factor`` and ``group`` (define the expert-choice statistic being
@@ -65,6 +65,8 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
     ``aux_loss_coef`` (Switch loss on the thresholded assignments, default 0.01; 0 for Expert Threshold routing),
     ``seq_aux_loss_coef``, ``global_aux_loss_coef``, ``z_loss_coef``.
     """
+
+    token_local = True
 
     def __init__(
         self,
@@ -109,15 +111,17 @@ class ExpertChoiceThresholdRouter(TokenLocalRouter, ExpertChoiceRouter):
         average_E = self.ema_sum / self.ema_weight.clamp_min(torch.finfo(torch.float64).tiny)
         return torch.where(self.ema_weight > 0, average_E, 1.0 / self.num_experts)
 
-    def _route(
-        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
+    def route_local(
+        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, expert_NK: Tensor | None = None
     ) -> Routing:
         probs_NE = router_scores(logits_NE, self.score)
         scores_NE = probs_NE.detach()
         # a NaN score is below every threshold: routed to every expert instead, so the output is NaN
         # as other routers' is (not a clean zero); check_finite makes it an error, as for them
         mask_NE = (
-            (scores_NE >= self.threshold.to(scores_NE.dtype)) | scores_NE.isnan() if chosen_NE is None else chosen_NE
+            (scores_NE >= self.threshold.to(scores_NE.dtype)) | scores_NE.isnan()
+            if expert_NK is None
+            else slots_mask(expert_NK, logits_NE.shape[1])
         )
         token_A, expert_A = mask_NE.nonzero(as_tuple=True)
         if record:

@@ -26,15 +26,12 @@ from moe.routing import (
 )
 
 
-@register_router("expert_choice")
-class ExpertChoiceRouter(Router):
-    """Each expert picks its top-C tokens per group by softmax score; weight = that score.
-
-    Options: ``capacity_factor`` (> 0, default 1.0; C = ceil(cf * S / E)), ``group``
-    ("sequence": S = T; "batch": S = B*T), ``aux_loss_coef`` (unused: balanced by
-    construction), ``z_loss_coef``.
-    Claims: not causal in either mode; batch-invariant iff ``group="sequence"``.
-    """
+class ExpertChoiceBase(Router):
+    """The options of the expert-choice family: ``capacity_factor`` (> 0, default 1.0; each
+    expert's capacity C = ceil(cf * S / E) of a group of S tokens) and ``group`` ("sequence":
+    S = T; "batch": S = B*T), the experts per token they set, and the Routing of weighted pairs
+    (:meth:`make_routing`). Subclassed by expert choice itself and by the routers that learn
+    from its statistics (``ec_threshold``)."""
 
     def __init__(
         self,
@@ -53,10 +50,6 @@ class ExpertChoiceRouter(Router):
         self.capacity_factor = float(capacity_factor)
         self.group = group
 
-    @property
-    def claims(self) -> Claims:
-        return Claims(causal_train=False, causal_eval=False, batch_invariant=self.group == "sequence")
-
     def decode_support(self) -> str | None:
         """Why this router cannot decode (None if it can), and what to do instead."""
         reason = super().decode_support()
@@ -70,6 +63,44 @@ class ExpertChoiceRouter(Router):
 
     def nominal_experts_per_token(self) -> float:
         return min(self.capacity_factor, float(self.num_experts))  # E experts x C = cf * S / E tokens, over S
+
+    def make_routing(
+        self,
+        logits_NE: Tensor,
+        probs_NE: Tensor,
+        token_A: Tensor,
+        expert_A: Tensor,
+        batch_shape: tuple[int, int],
+        aux: Tensor,
+    ) -> Routing:
+        """The pairs (``token_A``, ``expert_A``), each weighted by its score in ``probs_NE``, with
+        the aux loss ``aux`` and :func:`moe.routing.served_stats`."""
+        n, e = probs_NE.shape
+        return Routing(
+            token=token_A,
+            expert=expert_A,
+            weight=probs_NE[token_A, expert_A],
+            num_tokens=n,
+            num_experts=e,
+            aux_loss=aux,
+            stats=served_stats(token_A, expert_A, n, e),
+            batch_shape=batch_shape,
+        )
+
+
+@register_router("expert_choice")
+class ExpertChoiceRouter(ExpertChoiceBase):
+    """Each expert picks its top-C tokens per group by softmax score; weight = that score.
+
+    Options: ``capacity_factor`` (> 0, default 1.0; C = ceil(cf * S / E)), ``group``
+    ("sequence": S = T; "batch": S = B*T), ``aux_loss_coef`` (unused: balanced by
+    construction), ``z_loss_coef``.
+    Claims: not causal in either mode; batch-invariant iff ``group="sequence"``.
+    """
+
+    @property
+    def claims(self) -> Claims:
+        return Claims(causal_train=False, causal_eval=False, batch_invariant=self.group == "sequence")
 
     def expert_choice(self, probs_NE: Tensor, batch_shape: tuple[int, int]) -> tuple[Tensor, Tensor, int]:
         """(token_A, expert_A, C): each expert's top-C tokens per group, expert-major per group."""
@@ -108,24 +139,3 @@ class ExpertChoiceRouter(Router):
         probs_NE = F.softmax(logits_NE, dim=-1)
         token_A, expert_A = self.chosen_pairs(probs_NE, slots_mask(expert_NK, logits_NE.shape[1]), batch_shape)
         return self.make_routing(logits_NE, probs_NE, token_A, expert_A, batch_shape, aux=self._z_loss(logits_NE))
-
-    def make_routing(
-        self,
-        logits_NE: Tensor,
-        probs_NE: Tensor,
-        token_A: Tensor,
-        expert_A: Tensor,
-        batch_shape: tuple[int, int],
-        aux: Tensor,
-    ) -> Routing:
-        n, e = probs_NE.shape
-        return Routing(
-            token=token_A,
-            expert=expert_A,
-            weight=probs_NE[token_A, expert_A],
-            num_tokens=n,
-            num_experts=e,
-            aux_loss=aux,
-            stats=served_stats(token_A, expert_A, n, e),
-            batch_shape=batch_shape,
-        )

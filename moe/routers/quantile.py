@@ -37,17 +37,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe.routers.replayed import slot_softmax
-from moe.routing import Routing, TokenLocalRouter, register_router, slot_pairs
+from moe.routing import Router, Routing, register_router, slot_pairs
 
 
 @register_router("quantile")
-class QuantileBalancingRouter(TokenLocalRouter):
+class QuantileBalancingRouter(Router):
     """Top-k on ``logits - beta``, ``beta`` the previous global batch's balancing quantiles.
 
     Options: ``top_k`` (in [1, E - 1]: the (k+1)-th choice sets the cut-off; default 2),
     ``ema`` (in [0, 1): weight of the old bias in each update; default 0), ``aux_loss_coef``
     (default 0), ``z_loss_coef``.
     """
+
+    token_local = True
 
     def __init__(
         self, d_model: int, num_experts: int, *, top_k: int = 2, ema: float = 0.0, aux_loss_coef: float = 0.0, **base
@@ -66,21 +68,14 @@ class QuantileBalancingRouter(TokenLocalRouter):
     def nominal_experts_per_token(self) -> float:
         return float(self.top_k)
 
-    def replay(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
-    ) -> Routing:
-        """The given experts (in their slots' order), weighted by the softmax over their current
-        logits alone (``beta`` selects only). A replayed training forward records its balancing
-        quantiles as a forward that chose would: from the current logits, whatever was routed
-        (like ``ec_threshold``'s cut-offs: the bias is a statistic of the scores, not of the
-        choices); a decoded chunk records nothing."""
-        return self._route(logits_NE, batch_shape, record=self.training and not decoding, expert_NK=expert_NK)
-
-    def _route(
+    def route_local(
         self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, expert_NK: Tensor | None = None
     ) -> Routing:
-        """``expert_NK`` (int64 [N, K'], -1 = an empty slot): route token n to those experts
-        instead of choosing."""
+        """Replayed (``expert_NK``): the given experts (in their slots' order), weighted by the
+        softmax over their current logits alone (``beta`` selects only). A replayed training
+        forward records its balancing quantiles as a forward that chose would: from the current
+        logits, whatever was routed (like ``ec_threshold``'s cut-offs: the bias is a statistic
+        of the scores, not of the choices); a decoded chunk records nothing."""
         n, e = logits_NE.shape
         k = self.top_k
         scores_NE = logits_NE.detach().float()

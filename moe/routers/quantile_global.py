@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from moe.checks import positive_int
 from moe.routers.token_choice import TokenChoiceBase
-from moe.routing import Claims, DecodeState, Routing, register_router, router_scores
+from moe.routing import Routing, register_router, router_scores
 
 
 @register_router("quantile_global")
@@ -52,6 +52,7 @@ class GlobalQuantileBalancingRouter(TokenChoiceBase):
     ``balance_rate`` and expert groups.
     """
 
+    token_local = True
     solved_by_hook = False
     """True once :func:`register_quantile_balancing_hook` solves this router's bias."""
 
@@ -77,29 +78,13 @@ class GlobalQuantileBalancingRouter(TokenChoiceBase):
         self.num_bins = num_bins
         self.register_buffer("histogram_ER", torch.zeros(num_experts, num_bins, dtype=torch.int64), persistent=False)
 
-    @property
-    def claims(self) -> Claims:
-        return Claims(causal_train=True, causal_eval=True, batch_invariant=True, decode_consistent=True)
-
-    def route_decode(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], state: DecodeState
-    ) -> Routing:
-        return self._route(logits_NE, batch_shape, record=False)
-
-    def route(self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int]) -> Routing:
-        return self._route(logits_NE, batch_shape, record=self.training)
-
-    def replay(
-        self, logits_NE: Tensor, x_BTD: Tensor, batch_shape: tuple[int, int], expert_NK: Tensor, decoding: bool
-    ) -> Routing:
-        """The given experts weighted by the current unbiased scores at them; a replayed training
-        forward still adds its cut-offs to the histograms, from the current scores and bias (a
-        statistic of the scores, as ``quantile``'s), a decoded chunk nothing."""
-        return self._route(logits_NE, batch_shape, record=self.training and not decoding, expert_NK=expert_NK)
-
-    def _route(
+    def route_local(
         self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, expert_NK: Tensor | None = None
     ) -> Routing:
+        """Replayed (``expert_NK``): the given experts weighted by the current unbiased scores at
+        them; a replayed training forward still adds its cut-offs to the histograms, from the
+        current scores and bias (a statistic of the scores, as ``quantile``'s), a decoded chunk
+        nothing."""
         scores_NE = router_scores(logits_NE, "sigmoid")
         best = torch.topk(scores_NE.detach() + self.balance_bias.to(scores_NE.dtype), self.top_k + 1, dim=-1)
         if record:

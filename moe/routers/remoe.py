@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.routing import Routing, TokenLocalRouter, register_router, served_stats
+from moe.routing import Router, Routing, register_router, served_stats, slots_mask
 
 
 @register_router("remoe")
-class ReLURouter(TokenLocalRouter):
+class ReLURouter(Router):
     """ReMoE: ``relu(logits)`` gates with an adaptive, load-balanced L1 penalty.
 
     Options: ``top_k`` (the mean number of active experts per token the controller holds,
@@ -39,6 +39,8 @@ class ReLURouter(TokenLocalRouter):
     by each expert's share of the assignments, default True), ``z_loss_coef``. The Switch
     loss (``aux_loss_coef``) is not used: the L1 penalty balances.
     """
+
+    token_local = True
 
     def __init__(
         self,
@@ -65,12 +67,13 @@ class ReLURouter(TokenLocalRouter):
     def nominal_experts_per_token(self) -> float:
         return self.top_k
 
-    def _route(
-        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
+    def route_local(
+        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, expert_NK: Tensor | None = None
     ) -> Routing:
         n, e = logits_NE.shape
         gates_NE = F.relu(logits_NE)
-        active_NE = gates_NE.detach() > 0 if chosen_NE is None else chosen_NE  # a replayed expert may gate 0
+        # a replayed expert may gate 0
+        active_NE = gates_NE.detach() > 0 if expert_NK is None else slots_mask(expert_NK, e)
         token_A, expert_A = active_NE.nonzero(as_tuple=True)
         if record:
             self._record_active(active_NE)

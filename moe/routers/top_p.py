@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moe.routing import Routing, TokenLocalRouter, register_router, served_stats
+from moe.routing import Router, Routing, register_router, served_stats, slots_mask
 
 
 @register_router("top_p")
-class TopPRouter(TokenLocalRouter):
+class TopPRouter(Router):
     """Top-p routing: the smallest set of most probable experts whose mass reaches p.
 
     Options: ``p`` (initial mass threshold in (0, 1], default 0.4), ``max_k`` (at most this
@@ -41,6 +41,8 @@ class TopPRouter(TokenLocalRouter):
     ``seq_aux_loss_coef``, ``global_aux_loss_coef``, ``z_loss_coef``. The score is the
     softmax only: a mass threshold needs scores that form a distribution.
     """
+
+    token_local = True
 
     def __init__(
         self,
@@ -80,12 +82,12 @@ class TopPRouter(TokenLocalRouter):
     def nominal_experts_per_token(self) -> float | None:
         return self.target_experts
 
-    def _route(
-        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, chosen_NE: Tensor | None = None
+    def route_local(
+        self, logits_NE: Tensor, batch_shape: tuple[int, int], record: bool, expert_NK: Tensor | None = None
     ) -> Routing:
         n, e = logits_NE.shape
         probs_NE = F.softmax(logits_NE, dim=-1)
-        keep_NE = self._top_p(probs_NE.detach()) if chosen_NE is None else chosen_NE
+        keep_NE = self._top_p(probs_NE.detach()) if expert_NK is None else slots_mask(expert_NK, e)
         token_A, expert_A = keep_NE.nonzero(as_tuple=True)
         weight_NE = probs_NE
         if self.normalize:  # dense, then gathered: (token, expert) pairs are distinct, so no backward sums into one row

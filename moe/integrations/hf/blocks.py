@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from moe.experts import FusedSwiGLUExperts
 from moe.layer import MoELayer
-from moe.routers import ExpertChoiceRouter, TokenChoiceBase, build_router
+from moe.routers import ExpertChoiceBase, TokenChoiceBase, build_router
 from moe.routing import DecodeState, Router, Routing, registered_routers
 
 
@@ -121,7 +121,7 @@ def family_router_options(router: str, top_k: int, normalize: bool, token_choice
     cls = known[router]
     if issubclass(cls, TokenChoiceBase):
         return {"top_k": top_k, "normalize": normalize, **(token_choice or {})}
-    if issubclass(cls, ExpertChoiceRouter):
+    if issubclass(cls, ExpertChoiceBase):
         return {"capacity_factor": float(top_k)}
     return {}
 
