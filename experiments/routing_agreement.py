@@ -95,7 +95,7 @@ def train_all(
     router_study.corpus_fields(setting(quick)["corpus"], quick)  # prepares the BPE corpus before the workers start
     todo = [label for label in labels if not model_path(runs, label, seed).is_file()]
     print(f"{len(todo)} models to train: {', '.join(todo) or 'none'}", file=sys.stderr, flush=True)
-    for s in _pool(train_row, [(label, seed, quick, runs, overrides) for label in todo], workers):
+    for s in pool(train_row, [(label, seed, quick, runs, overrides) for label in todo], workers):
         print(
             f"{s['router']:<18} seed {s['seed']}  tf {s['teacher_forced_loss']:.4f}  causal {s['causal_loss']:.4f}  "
             f"{s['train_time_s']:.0f} s",
@@ -104,7 +104,7 @@ def train_all(
         )
 
 
-def _pool(fn, jobs: list[tuple], workers: int):
+def pool(fn, jobs: list[tuple], workers: int):
     """``fn(*job)`` of each job, as they finish: in this process for one worker, else in spawned ones."""
     if workers <= 1:
         yield from (fn(*job) for job in jobs)
@@ -241,7 +241,7 @@ def measure_all(args: argparse.Namespace) -> dict:
         raise SystemExit(f"routing_agreement: no exported model for {', '.join(missing)}: run the train command first")
     start = time.perf_counter()
     jobs = [(label, seed, args.windows, args.batch_size, args.quick, args.runs) for label in labels]
-    rows = list(_pool(measure_router, jobs, args.workers))
+    rows = list(pool(measure_router, jobs, args.workers))
     rows.sort(key=lambda r: labels.index(r["router"]))
     for r in rows:
         r["training"] = json.loads(model_path(args.runs, r["router"], seed).with_name("summary.json").read_text())
