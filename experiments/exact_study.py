@@ -23,7 +23,8 @@ routers keep their configured ``router_dtype``):
 The figure is max and mean |log p_server - log p_trainer| of each next token, for four trainers:
 as is; replaying the server's recorded experts (``moe.replay_routing``); both sides inside
 ``moe.exact_mode()``; both exact and replaying. Cost: the process CPU time of the server and that
-trainer over the normal server and trainer's (the least of ``--repeats`` runs each), one thread,
+trainer over the normal server and trainer's (the least of ``--repeats`` decodings and of 5 forwards),
+one thread,
 the routers measured in ``--workers`` processes.
 
 Writes ``experiments/results/exact_study-<date>-<steps>steps-cpu1.{json,md}`` and, when every
@@ -55,6 +56,8 @@ import routing_agreement  # noqa: E402  (training and exporting the study's rows
 LABELS = routing_agreement.LABELS
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAINERS = ("as is", "replay", "exact", "exact + replay")
+FORWARD_REPEATS = 5
+"""Timed runs of each trainer forward (the least counts): one is tens of ms, too noisy alone."""
 DOCS = router_study.ROOT / "docs" / "studies.md"
 BEGIN, END = "<!-- exact_study table: written by experiments/exact_study.py -->", "<!-- /exact_study table -->"
 
@@ -81,9 +84,9 @@ def measure(model: torch.nn.Module, idx_BT: torch.Tensor, repeats: int) -> dict:
     for exact in (False, True):
         with moe.exact_mode() if exact else nullcontext(), torch.no_grad():
             server, seconds["server", exact] = timed(repeats, run_decoding, model, idx_BT)
-            trainer, seconds["trainer", exact] = timed(repeats, run_forward, model, idx_BT)
+            trainer, seconds["trainer", exact] = timed(FORWARD_REPEATS, run_forward, model, idx_BT)
             with moe.replay_routing(model, server.record):
-                replayed, seconds["replay", exact] = timed(repeats, run_forward, model, idx_BT)
+                replayed, seconds["replay", exact] = timed(FORWARD_REPEATS, run_forward, model, idx_BT)
         served = next_token_logp(server.logits, idx_BT)
         for name, run in (
             ("exact" if exact else "as is", trainer),
@@ -172,7 +175,8 @@ def table_lines(rows: list[dict], windows: int, steps: int, stamp: str) -> list[
         f"max |Δ log p| over {positions} next tokens ({windows} validation windows of 64; mean in brackets); "
         f"**0** = bit for bit the server's. Models trained {steps:,} steps each, seed 0 (the recipe's schedule "
         "compressed to them; its 2,000 steps did not fit the session). Cost: CPU time of server + trainer over "
-        "the normal pair's (in brackets: the server's / the trainer's alone), one thread, on a loaded shared "
+        "the normal pair's (in brackets: the server's / the trainer's alone, its least of 5 forwards), one thread, "
+        "on a loaded shared "
         f"machine ({stamp}, torch {torch.__version__}).",
         "",
         "| dtype | router | " + " | ".join(TRAINERS) + " | replay cost | exact cost | exact + replay cost |",
