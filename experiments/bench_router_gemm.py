@@ -2,6 +2,7 @@
 often each gives a token the same top-2 experts, and what each costs (issue 56, item 2).
 
     PYTHONPATH=.:kernels nice python experiments/bench_router_gemm.py     # about a minute on the shared 2 cores
+    python experiments/bench_router_gemm.py --device cuda                 # gpu_check.sh: torch.mm's out_dtype branch
 
 The shape: the router study's baby model (4 blocks, d 128, 8 experts, top-2) in bf16, batch 12 x
 64, random weights; the routers' inputs are taken from its forwards (hooks on the gates), 8
@@ -9,9 +10,11 @@ batches of byte ids. The forms: ``input`` (bf16 GEMM, bf16 logits), ``bf16`` (th
 model), ``fp32`` (activations and weight cast to fp32; the default), ``bf16_fp32`` (bf16 in, fp32
 accumulation and logits). The reference: the same bf16 values multiplied and summed in fp64. Speed:
 median process CPU time of 200 gate GEMMs [768, 128] x [128, 8] per form, interleaved over 9
-rounds, one thread; the machine was shared, so CPU time.
+rounds, one thread; the machine was shared, so CPU time. On CUDA (``--device cuda``), where
+``bf16_fp32`` is one ``torch.mm(..., out_dtype=torch.float32)``, the same figures with the wall time
+of the 200 GEMMs between two synchronisations.
 
-Writes ``experiments/results/bench_router_gemm-<date>-cpu1.{json,md}``.
+Writes ``experiments/results/bench_router_gemm-<date>-<cpu1|cuda>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def router_inputs(model: MoETransformer, batches: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for _ in range(batches):
-            model(torch.randint(0, SHAPE["vocab_size"], (12, 64), generator=gen))
+            model(torch.randint(0, SHAPE["vocab_size"], (12, 64), generator=gen).to(next(model.parameters()).device))
     for h in hooks:
         h.remove()
     return [torch.cat(rows) for rows in seen]
@@ -78,8 +81,10 @@ def speed(model: MoETransformer, x_ND: torch.Tensor, rounds: int) -> dict:
 
         return run
 
-    samples = interleaved({f: score(f) for f in FORMS}, rounds, burst=200)
-    return {f: samples[f].median("cpu") for f in FORMS}
+    cuda = x_ND.device.type == "cuda"  # on CUDA the wall time between synchronisations, else CPU time
+    sync = torch.cuda.synchronize if cuda else None
+    samples = interleaved({f: score(f) for f in FORMS}, rounds, burst=200, sync=sync)
+    return {f: samples[f].median("wall" if cuda else "cpu") for f in FORMS}
 
 
 def main() -> None:
@@ -87,18 +92,20 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--out", type=Path, default=Path("experiments/results"))
+    p.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = cast_parameters(
         MoETransformer(ModelConfig(**SHAPE, router_options={"top_k": K}), init_seed=0), torch.bfloat16
-    )
+    ).to(args.device)
     inputs = router_inputs(model.eval(), args.batches)
     agree = agreement(model, inputs)
     seconds = speed(model, inputs[0][:768], args.rounds)
     stamp = dt.date.today().isoformat()
+    where = "CPU, 1 thread, loaded shared machine" if args.device == "cpu" else torch.cuda.get_device_name()
     rows = [dict(form=f, agreement=agree[f], seconds=seconds[f], vs_fp32=seconds[f] / seconds["fp32"]) for f in FORMS]
     lines = [
-        f"# The router GEMM of a bf16 model ({stamp}, torch {torch.__version__}, CPU, 1 thread, loaded shared machine)",
+        f"# The router GEMM of a bf16 model ({stamp}, torch {torch.__version__}, {where})",
         "",
         f"{inputs[0].shape[0]} tokens x {len(inputs)} layers; top-{K} sets against the fp64 GEMM of the same bf16 values.",
         "",
@@ -111,7 +118,7 @@ def main() -> None:
         "",
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    base = args.out / f"bench_router_gemm-{stamp}-cpu1"
+    base = args.out / f"bench_router_gemm-{stamp}-{'cpu1' if args.device == 'cpu' else 'cuda'}"
     base.with_suffix(".json").write_text(json.dumps(dict(date=stamp, shape=SHAPE, rows=rows), indent=2))
     base.with_suffix(".md").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -63,13 +63,15 @@ def model_path(runs: Path, label: str, seed: int) -> Path:
 
 
 # -- training -------------------------------------------------------------------------------
-def train_row(label: str, seed: int, quick: bool, runs: Path) -> dict:
-    """Train one router with the study's row config and export it beside a summary."""
+def train_row(label: str, seed: int, quick: bool, runs: Path, overrides: dict | None = None) -> dict:
+    """Train one router with the study's row config (``overrides``: TrainConfig fields that replace
+    the recipe's, such as fewer ``steps``, whose learning-rate schedule follows) and export it
+    beside a summary."""
     torch.set_num_threads(1)
     from moe.training import TrainConfig, train
 
     s = setting(quick)
-    fields = router_study.row_config(s["corpus"], s["size"], label, seed, quick)
+    fields = router_study.row_config(s["corpus"], s["size"], label, seed, quick) | (overrides or {})
     # resume: a row stopped after a checkpoint continues it (a fresh run refuses a folder holding checkpoints)
     fields.update(checkpoint_dir=str(model_path(runs, label, seed).parent), export_model=True, resume=True)
     res = train(TrainConfig.flat(**fields))
@@ -86,12 +88,14 @@ def train_row(label: str, seed: int, quick: bool, runs: Path) -> dict:
     return summary
 
 
-def train_all(labels: list[str], seed: int, workers: int, quick: bool, runs: Path) -> None:
+def train_all(
+    labels: list[str], seed: int, workers: int, quick: bool, runs: Path, overrides: dict | None = None
+) -> None:
     """Train the routers whose model is not exported yet, ``workers`` processes of one thread each."""
     router_study.corpus_fields(setting(quick)["corpus"], quick)  # prepares the BPE corpus before the workers start
     todo = [label for label in labels if not model_path(runs, label, seed).is_file()]
     print(f"{len(todo)} models to train: {', '.join(todo) or 'none'}", file=sys.stderr, flush=True)
-    for s in _pool(train_row, [(label, seed, quick, runs) for label in todo], workers):
+    for s in pool(train_row, [(label, seed, quick, runs, overrides) for label in todo], workers):
         print(
             f"{s['router']:<18} seed {s['seed']}  tf {s['teacher_forced_loss']:.4f}  causal {s['causal_loss']:.4f}  "
             f"{s['train_time_s']:.0f} s",
@@ -100,7 +104,7 @@ def train_all(labels: list[str], seed: int, workers: int, quick: bool, runs: Pat
         )
 
 
-def _pool(fn, jobs: list[tuple], workers: int):
+def pool(fn, jobs: list[tuple], workers: int):
     """``fn(*job)`` of each job, as they finish: in this process for one worker, else in spawned ones."""
     if workers <= 1:
         yield from (fn(*job) for job in jobs)
@@ -131,6 +135,7 @@ def measure_router(label: str, seed: int, num_windows: int, batch_size: int, qui
     out = {"router": label, "seed": seed, "windows": num_windows, "seq_len": seq_len, "batch_size": batch_size}
     out["decoding"] = batches[0]["how"]
     out["agreement"] = {k: merge([b["agreement"][k] for b in batches]) for k in batches[0]["agreement"]}
+    out["margin"] = {k: merge_margins([b["margin"][k] for b in batches]) for k in batches[0]["margin"]}
     loss = {
         k: torch.cat([lm_loss(b["logits"][k], t, "none") for b, t in zip(batches, targets)]).double()
         for k in batches[0]["logits"]
@@ -148,9 +153,19 @@ def measure_router(label: str, seed: int, num_windows: int, batch_size: int, qui
 def measure_batch(model, idx_BT) -> dict:
     """Records, agreements and logits of one batch of windows along every path."""
     import moe
-    from moe.agreement import cast_parameters, router_dtype, run_decoding, run_forward
+    from moe.agreement import (
+        cast_parameters,
+        margin_view,
+        router_dtype,
+        routing_agreement,
+        run_decoding,
+        run_forward,
+        score_gaps,
+    )
 
     tf, dec = run_forward(model, idx_BT), run_decoding(model, idx_BT)
+    gaps_NL = score_gaps(model, idx_BT)  # the fp32 forward's k-th minus (k+1)-th gate logit; None without a top_k
+    margin = {}
     # the trainer's forward in training mode (only ec_predictor routes otherwise there); on a copy,
     # since training forwards gather router statistics
     tf_train = run_forward(copy.deepcopy(model).train(), idx_BT)
@@ -169,8 +184,10 @@ def measure_batch(model, idx_BT) -> dict:
         agreement[f"fp32_tf_vs_{name}_decode"] = compare(tf.record, served.record)
         agreement[f"fp32_tf_train_vs_{name}_decode"] = compare(tf_train.record, served.record)
         agreement[f"fp32_decode_vs_{name}_decode"] = compare(dec.record, served.record)
+        if gaps_NL is not None:
+            margin[f"fp32_decode_vs_{name}_decode"] = margin_view(routing_agreement(dec.record, served.record), gaps_NL)
         agreement[f"replayed_vs_{name}_decode"] = compare(replayed.record, served.record)
-    return {"how": dec.how, "logits": logits, "agreement": agreement}
+    return {"how": dec.how, "logits": logits, "agreement": agreement, "margin": margin}
 
 
 def compare(a, b) -> tuple:
@@ -198,6 +215,19 @@ def merge(parts: list[tuple]) -> dict:
     }
 
 
+def merge_margins(parts: list[dict]) -> dict:
+    """Margin views (``moe.agreement.margin_view``) of several batches as one: per layer and gap
+    bin, the pairs and the flipped pairs (expert sets that differ), summed over the batches."""
+
+    def flipped(view: dict) -> list[list[int]]:
+        return [[round(n * f) for n, f in zip(ns, fs)] for ns, fs in zip(view["pairs"], view["flip_share"])]
+
+    def add(tables: list[list[list[int]]]) -> list[list[int]]:
+        return [[sum(col) for col in zip(*layer)] for layer in zip(*tables)]
+
+    return {"edges": parts[0]["edges"], "pairs": add([p["pairs"] for p in parts]), "flipped": add(map(flipped, parts))}
+
+
 def mean_se(values: torch.Tensor) -> list[float]:
     """[mean, standard error] over positions."""
     return [values.mean().item(), (values.std() / values.numel() ** 0.5).item()]
@@ -211,7 +241,7 @@ def measure_all(args: argparse.Namespace) -> dict:
         raise SystemExit(f"routing_agreement: no exported model for {', '.join(missing)}: run the train command first")
     start = time.perf_counter()
     jobs = [(label, seed, args.windows, args.batch_size, args.quick, args.runs) for label in labels]
-    rows = list(_pool(measure_router, jobs, args.workers))
+    rows = list(pool(measure_router, jobs, args.workers))
     rows.sort(key=lambda r: labels.index(r["router"]))
     for r in rows:
         r["training"] = json.loads(model_path(args.runs, r["router"], seed).with_name("summary.json").read_text())
@@ -288,7 +318,45 @@ def markdown(result: dict) -> str:
             f"{gap(r, 'fp32_replay_bf16_vs_bf16_decode')} | {loss['bf16_fp32_router_decode']:.4f} | "
             f"{gap(r, 'fp32_tf_vs_bf16_fp32_router_decode')} | {gap(r, 'fp32_replay_bf16_fp32_router_vs_bf16_fp32_router_decode')} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + margin_lines(rows)) + "\n"
+
+
+MARGIN_PATHS = {"bf16_decode": "bf16 weights, bf16 router", "bf16_fp32_router_decode": "bf16 weights, fp32 router"}
+"""The margin tables: the decoding compared with fp32 decoding -> its words."""
+
+
+def bin_label(low: float, high: float) -> str:
+    return f"≥ {low:g}" if high == float("inf") else f"[{low:g}, {high:g})"
+
+
+def margin_lines(rows: list[dict]) -> list[str]:
+    """Per decoding of :data:`MARGIN_PATHS`, router with a ``top_k`` and layer: how the pairs
+    that flipped against fp32 decoding spread over the gap between the fp32 forward's k-th and
+    (k+1)-th gate logit: each bin's share of the layer's flips (flipped / pairs in the bin)."""
+    ranked = [r for r in rows if r.get("margin")]
+    if not ranked:
+        return []
+    edges = next(iter(ranked[0]["margin"].values()))["edges"]
+    bins = [bin_label(lo, hi) for lo, hi in zip(edges, edges[1:])]
+    lines = []
+    for path, words in MARGIN_PATHS.items():
+        lines += [
+            "",
+            f"Margin view, {words} decoding vs fp32 decoding: per layer, each bin of the gap between the k-th and "
+            "(k+1)-th gate logit of the fp32 forward holds this share of the layer's flipped (token, layer) pairs "
+            "(flipped / pairs in the bin). Routers without a top_k (thresholds, top-p, ReLU, expert choice) have no "
+            "k-th score.",
+            "",
+            "| router | layer | " + " | ".join(bins) + " | flips |",
+            "|---|---:|" + "---:|" * (len(bins) + 1),
+        ]
+        for r in ranked:
+            view = r["margin"][f"fp32_decode_vs_{path}"]
+            for layer, (pairs, flipped) in enumerate(zip(view["pairs"], view["flipped"])):
+                total = sum(flipped)
+                cells = [f"{100 * f / max(total, 1):.0f}% ({f}/{n})" for f, n in zip(flipped, pairs)]
+                lines.append(f"| {r['router']} | {layer} | " + " | ".join(cells) + f" | {total} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict | None:

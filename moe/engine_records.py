@@ -13,9 +13,17 @@ TensorRT-LLM's R3 proposal          is never forwarded: it has no row)    1,536 
                                                                           Qwen3-30B-A3B shape (48 x 8)
 SGLang with                         [seq_len - 1 - start, L, K]: rows     as above, for the rows returned
 ``routed_experts_start_len=start``  start..seq_len-2 only
+SGLang's HTTP response              ``meta_info["routed_experts"]``: the  4 * ceil(n / 3) characters for
+(``meta_info["routed_experts"]``)   base64 text of the int32 array        n = 4 * L * K * rows bytes:
+                                    above, flat (row, layer, slot         about 5.33 * L * K per token
+                                    order), native little-endian          (43 for the baby model;
+                                                                          2,048 for Qwen3-30B-A3B)
 Hugging Face ``MoERouting``         ``selected_experts``: a tuple of L    8 * L * K (int64)
 (transformers PR #44925)            int64 [B*S, K] (row b*S + s)
 ==================================  ====================================  ===========================
+
+SGLang's response carries neither the number of layers nor top_k: :func:`from_sglang_base64` is
+told them (the served model's) and refuses text whose byte count they do not divide.
 
 ``MoERouting`` is not in transformers 5.24 (the version tested here); :func:`to_hf_routing` builds
 it when ``transformers.modeling_outputs.MoERouting`` exists and returns the bare tuple of
@@ -24,10 +32,14 @@ it when ``transformers.modeling_outputs.MoERouting`` exists and returns the bare
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 import numpy as np
 import torch
 from torch import Tensor
 
+from moe.checks import positive_int
 from moe.record import RoutingRecord
 
 
@@ -69,6 +81,43 @@ def to_engine_requests(record: RoutingRecord, start: int = 0, dtype=np.int32) ->
     if np.iinfo(dtype).max < int(record.experts.max()):
         raise ValueError(f"expert ids up to {int(record.experts.max())} do not fit {np.dtype(dtype).name}")
     return [row[start:].cpu().numpy().astype(dtype) for row in record.experts]
+
+
+def to_sglang_base64(record: RoutingRecord, start: int = 0) -> list[str]:
+    """Per sequence, the text SGLang returns in ``meta_info["routed_experts"]``: the base64 of its
+    int32 little-endian [S - start, L, K] rows (:func:`to_engine_requests`)."""
+    return [
+        base64.b64encode(rows.astype("<i4").tobytes()).decode("ascii") for rows in to_engine_requests(record, start)
+    ]
+
+
+def from_sglang_base64(
+    text: str | bytes,
+    seq_len: int,
+    num_layers: int,
+    top_k: int,
+    start: int = 0,
+    prefix: RoutingRecord | None = None,
+    num_experts: list[int] | None = None,
+) -> RoutingRecord:
+    """The record of one request from SGLang's ``meta_info["routed_experts"]`` (base64 of int32
+    [seq_len - 1 - start, L, K], ``num_layers`` = L and ``top_k`` = K of the served model), read
+    as :func:`from_engine_request` reads the array; ValueError in one line naming what is wrong
+    (not base64, a byte count that is not whole rows of L * K int32, the wrong number of rows)."""
+    positive_int("num_layers", num_layers)
+    positive_int("top_k", top_k)
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError, TypeError) as e:
+        raise ValueError(f"SGLang routed_experts is not base64 text ({e})") from None
+    row_bytes = 4 * num_layers * top_k
+    if len(raw) % row_bytes:
+        raise ValueError(
+            f"SGLang routed_experts holds {len(raw)} bytes, not whole rows of {num_layers} layers x top_k {top_k} "
+            f"int32 ({row_bytes} bytes): wrong num_layers / top_k for this model?"
+        )
+    rows_SLK = np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k).copy()  # writable, for torch
+    return from_engine_request(rows_SLK, seq_len, start, prefix, num_experts)
 
 
 def left_padded(requests: list, length: int, num_experts: list[int] | None = None) -> RoutingRecord:

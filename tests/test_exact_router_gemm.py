@@ -60,3 +60,19 @@ def test_agreement_figures_carry_the_margin_view_per_layer():
         assert round(flips) == round((1 - figure.share) * figure.pairs)
     thresholds = agreement_figures(small_lm("ec_threshold", {}), idx_BT, paths=["decode"])
     assert thresholds["decode"].margin is None  # no top_k: no k-th score
+
+
+@pytest.mark.gpu
+def test_bf16_fp32_on_cuda_is_the_out_dtype_gemm_of_the_bf16_values():
+    """The CUDA branch (torch.mm with out_dtype=float32) against the fp64 GEMM of the same bf16
+    values: fp32 rounding of the sums, well inside what bf16 logits lose, and the same top-2."""
+    router = moe.build_router("topk", d_model=512, num_experts=64, router_dtype="bf16_fp32").cuda().bfloat16()
+    x_ND = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    logits = router.score_logits(x_ND)
+    assert logits.dtype == torch.float32 and logits.is_cuda
+    reference = x_ND.double() @ router.gate.weight.double().t()
+    err = (logits.double() - reference).abs().max().item()
+    bf16_err = ((x_ND @ router.gate.weight.t()).double() - reference).abs().max().item()
+    assert err < 1e-4 * reference.abs().max().item() and err < bf16_err / 10
+    same = (torch.topk(logits, 2).indices.sort(-1).values == torch.topk(reference, 2).indices.sort(-1).values).all(-1)
+    assert same.double().mean().item() > 0.999

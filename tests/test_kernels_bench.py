@@ -211,7 +211,7 @@ def test_gpu_check_runs_every_step_hands_the_matmul_rate_on_and_reports_failures
     )
     (fake_bin / "timeout").chmod(0o755)
     proc = run_gpu_check(out, {"PATH": f"{fake_bin}:{os.environ['PATH']}", "DRY_RUN": "1"}, timeout=60)
-    assert proc.returncode == 1, proc.stdout + proc.stderr  # four steps failed
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # five steps failed
     commands = log.read_text().splitlines()
     assert commands == [
         f"120 python -m pytest -q -m gpu tests/ --junitxml {out}/pytest_gpu.xml",
@@ -221,10 +221,12 @@ def test_gpu_check_runs_every_step_hands_the_matmul_rate_on_and_reports_failures
         "105 python experiments/train.py --preset tiny --device cpu --steps 4 --batch-size 2 --seq-len 32 "
         "--activation-checkpointing selective --eval-windows 2 --eval-batch-size 2 --causal-stride 8 --log-every 2 "
         f"--backend auto --eval-every 0 --metrics-jsonl {out}/train/metrics.jsonl",
+        f"30 python experiments/bench_router_gemm.py --out {out} --device cpu --batches 1 --rounds 1",
         f"15 python experiments/gpu_report.py {out}",
     ]
-    assert sum(int(c.split()[0]) for c in commands) <= 540, "the steps' timeouts must fit one 10-minute device command"
-    for name in ("versions", "nvidia-smi", "pytest_gpu", "bench_kernels", "bench_model_step", "train", "gpu_report"):
+    assert sum(int(c.split()[0]) for c in commands) <= 570, "the steps' timeouts must fit one 10-minute device command"
+    names = ("versions", "nvidia-smi", "pytest_gpu", "bench_kernels", "bench_model_step", "train", "bench_router_gemm")
+    for name in (*names, "gpu_report"):
         assert (out / f"{name}.txt").exists(), name
     assert "status 1" in proc.stdout
 
@@ -244,6 +246,7 @@ def test_gpu_check_full_commands_without_dry_run(tmp_path):
         "105 python experiments/train.py --preset gpu100m --steps 30 --batch-size 8 --seq-len 1024 --compile "
         "--activation-checkpointing full --eval-windows 8 --eval-batch-size 8 --causal-stride 128 --log-every 10 "
         f"--backend auto --eval-every 0 --metrics-jsonl {out}/train/metrics.jsonl",
+        f"30 python experiments/bench_router_gemm.py --out {out} --device cuda",
         f"15 python experiments/gpu_report.py {out}",
     ]
 

@@ -5,7 +5,10 @@ token, or that the record is refused in one line."""
 
 from __future__ import annotations
 
+import base64
 import copy
+import math
+import struct
 
 import numpy as np
 import pytest
@@ -13,7 +16,15 @@ import torch
 from helpers import small_lm
 
 import moe
-from moe.engine_records import from_engine_request, from_hf_routing, left_padded, to_engine_requests, to_hf_routing
+from moe.engine_records import (
+    from_engine_request,
+    from_hf_routing,
+    from_sglang_base64,
+    left_padded,
+    to_engine_requests,
+    to_hf_routing,
+    to_sglang_base64,
+)
 from moe.layer import MoELayer
 from moe.record import RoutingRecord, routing_slots
 
@@ -85,6 +96,43 @@ def test_sglang_start_len_rows_replay_with_the_prefix_routed_elsewhere():
     assert_replays(model, rebuilt, seq_BS[:, :-1])
     with pytest.raises(ValueError, match="positions 0..3 need the record of the forward that routed them"):
         from_engine_request(tail, seq_len, start=start)
+
+
+def test_sglang_base64_text_round_trips_and_replays():
+    model = small_lm("capacity", {"top_k": 2, "capacity_factor": 0.5, "capacity_scope": "prefix"}).eval()
+    seq_BS, record = generated(model)
+    seq_len, layers, k = seq_BS.shape[1], record.num_layers, record.slots
+    texts = to_sglang_base64(record)
+    for b, text in enumerate(texts):  # the reference: each id packed by hand, little-endian int32, row-major
+        ids = [int(e) for e in record.experts[b].flatten()]
+        assert text == base64.b64encode(struct.pack(f"<{len(ids)}i", *ids)).decode()
+        assert len(text) == 4 * math.ceil(4 * layers * k * (seq_len - 1) / 3)  # the documented size
+    rebuilt = RoutingRecord.from_engine([from_sglang_base64(t, seq_len, layers, k).experts[0] for t in texts])
+    assert torch.equal(rebuilt.experts, record.experts) and (rebuilt.experts == -1).any()
+    with pytest.warns(UserWarning, match="capacity drops or null choices"):
+        assert_replays(model, rebuilt, seq_BS[:, :-1])
+    start = 3  # with routed_experts_start_len: the prompt's rows come from the prefix's record
+    tail = to_sglang_base64(record.rows(0, 1), start=start)[0]
+    prefix = RoutingRecord(layers, record.experts[:1, :start], record.num_experts)
+    got = from_sglang_base64(tail.encode(), seq_len, layers, k, start=start, prefix=prefix)
+    assert torch.equal(got.experts, record.experts[:1])
+
+
+@pytest.mark.parametrize(
+    ("text", "layers", "top_k", "message"),
+    [
+        ("not base64!", 2, 2, "SGLang routed_experts is not base64 text"),
+        (None, 2, 3, "holds 160 bytes, not whole rows of 2 layers x top_k 3 int32 .24 bytes.: wrong num_layers"),
+        (None, 1, 2, r"\[seq_len - 1 - start, layers, top_k\] = \[10, L, K\] rows for seq_len=11"),
+        (None, 2, 0, "top_k must be a positive integer, got 0"),
+    ],
+)
+def test_sglang_base64_text_that_does_not_fit_is_refused_in_one_line(text, layers, top_k, message):
+    rows = np.arange(10 * 2 * 2, dtype=np.int32).reshape(10, 2, 2) % 4  # a request of seq_len 11, L 2, K 2
+    text = text or base64.b64encode(rows.tobytes()).decode()
+    with pytest.raises(ValueError, match=message) as refused:
+        from_sglang_base64(text, 11, layers, top_k)
+    assert "\n" not in str(refused.value)
 
 
 def test_hugging_face_moe_routing_is_read_and_written():

@@ -36,5 +36,57 @@ def test_quick_run_trains_measures_and_replays_the_served_routing(tmp_path):
     # replaying expert choice's causal routing brings the trainer to what decoding served
     gap = ec["logprob_gap"]
     assert gap["fp32_replay_bf16_vs_bf16_decode"][0] < gap["fp32_tf_vs_bf16_decode"][0]
-    table = out.with_suffix(".md").read_text()
+    table, margins = out.with_suffix(".md").read_text().split("\nMargin view", 1)
     assert table.count("| topk_aux |") == 2 and table.count("| expert_choice |") == 2
+    # the margin tables: top-k's every (token, layer) pair in one gap bin; expert choice has no k-th score
+    assert [sum(p) for p in topk["margin"]["fp32_decode_vs_bf16_decode"]["pairs"]] == [8 * 32] * 2
+    assert ec["margin"] == {} and margins.count("| topk_aux | 1 |") == 2 and "expert_choice" not in margins
+
+
+def test_the_margin_table_spreads_the_bf16_flips_over_the_gap_bins():
+    """measure_batch's margin views, merged over two batches, against a per-pair count: the fp64
+    gate logits' k-th minus (k+1)-th score binned by hand, a pair flipped where the fp32 and the bf16
+    decodings' expert sets differ."""
+    import torch
+    from helpers import small_lm
+
+    from moe.agreement import MARGIN_EDGES, cast_parameters, router_dtype, run_decoding
+
+    model = small_lm("topk", {"top_k": 2}, vocab_size=64).eval()
+    idx_BT = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(0))
+    views = [routing_agreement.measure_batch(model, idx_BT[i : i + 4])["margin"] for i in (0, 4)]
+    merged = routing_agreement.merge_margins([v["fp32_decode_vs_bf16_decode"] for v in views])
+
+    logits = []
+    hooks = [r.gate.register_forward_hook(lambda m, a, out: logits.append(out.double())) for r in model.routers()]
+    with torch.no_grad():
+        model(idx_BT)
+    for h in hooks:
+        h.remove()
+    fp32 = run_decoding(model, idx_BT).record.experts
+    half = cast_parameters(model, torch.bfloat16)
+    with router_dtype(half, "input"):
+        bf16 = run_decoding(half, idx_BT).record.experts
+    pairs = [[0] * (len(MARGIN_EDGES) - 1) for _ in logits]
+    flipped = [[0] * (len(MARGIN_EDGES) - 1) for _ in logits]
+    for layer, logits_NE in enumerate(logits):
+        for n, row in enumerate(logits_NE.tolist()):
+            ranked = sorted(row, reverse=True)
+            gap = ranked[1] - ranked[2]
+            b = max(i for i, edge in enumerate(MARGIN_EDGES[:-1]) if gap >= edge)
+            t, s = divmod(n, idx_BT.shape[1])
+            pairs[layer][b] += 1
+            flipped[layer][b] += set(fp32[t, s, layer].tolist()) != set(bf16[t, s, layer].tolist())
+    assert merged["pairs"] == pairs and merged["flipped"] == flipped
+    assert sum(map(sum, flipped)) > 0  # bf16 moved some pairs: the table has flips to place
+
+    row = {
+        "router": "topk_aux",
+        "margin": {"fp32_decode_vs_bf16_decode": merged, "fp32_decode_vs_bf16_fp32_router_decode": merged},
+    }
+    lines = routing_agreement.margin_lines([row, {"router": "ec_threshold", "margin": {}}])
+    layer0 = [line for line in lines if line.startswith("| topk_aux | 0 |")]
+    total = sum(flipped[0])
+    cells = [f"{100 * f / max(total, 1):.0f}% ({f}/{n})" for f, n in zip(flipped[0], pairs[0])]
+    assert layer0 == ["| topk_aux | 0 | " + " | ".join(cells) + f" | {total} |"] * 2
+    assert not any("ec_threshold" in line for line in lines)
