@@ -75,7 +75,7 @@ def use_torch_adamw(s: Session) -> None:
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in s.optimizer.param_groups]
     o = s.cfg.optimizer
     s.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
-    s.place.strategy.attach(s.optimizer)
+    s.strategy.attach(s.optimizer)
     register_quantile_balancing_hook(s.optimizer, s.place.model)
 
 
@@ -95,7 +95,7 @@ def phased_step(s: Session, step: int) -> dict[str, tuple[float, float]]:
     tally = StepTally(place.num_moe_layers(), s.num_experts, device)
     laps["data (lr, batch, zero_grad)"] = clocks.lap()
     with global_batch_loads(place.model, [None]):
-        out = place.strategy._forward(idx_BT, targets_BT)
+        out = s.strategy._forward(idx_BT, targets_BT)
         laps["forward"] = clocks.lap()
         (out.loss + out.aux_loss).backward()
         laps["backward"] = clocks.lap()
