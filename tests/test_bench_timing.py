@@ -6,6 +6,7 @@ script that imports it (or the row runner) runs from the repository root as docu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -124,6 +125,14 @@ def test_interleaved_refuses_empty_rounds_and_bursts():
         timing.interleaved({"a": lambda: None}, 1, burst=0)
     with pytest.raises(ValueError, match="rounds >= 1"):
         timing.interleaved_phases({"a": lambda phases: None}, 0)
+
+
+def test_no_benchmark_reads_a_clock_or_shuffles_its_rounds_itself():
+    """Every benchmark times through the harness: none reads a clock or orders its rounds itself."""
+    own = re.compile(r"time\.(perf_counter|process_time|time|monotonic)\b|random\.shuffle")
+    benches = sorted((ROOT / "experiments").glob("bench_*.py"))
+    assert len(benches) >= 13
+    assert [f"{p.name}: {m.group()}" for p in benches for m in own.finditer(p.read_text())] == []
 
 
 SCRIPTS = sorted(str(p) for p in (ROOT / "experiments").glob("*.py") if "from experiments" in p.read_text())
