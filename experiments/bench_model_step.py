@@ -34,16 +34,18 @@ import datetime as dt
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from moe.experts import BACKENDS
-from moe.layer import MoELayer, update_routers
-from moe.model import MoETransformer, preset
-from moe.parallel.compile import compile_blocks
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from experiments.timing import interleaved, timed  # noqa: E402
+from moe.experts import BACKENDS  # noqa: E402
+from moe.layer import MoELayer, update_routers  # noqa: E402
+from moe.model import MoETransformer, preset  # noqa: E402
+from moe.parallel.compile import compile_blocks  # noqa: E402
 
 ROUTERS = {
     "topk": ("topk", {"top_k": 2}),
@@ -91,6 +93,7 @@ def time_router(name: str, backend: str, compiled: bool, args, device: torch.dev
     idx = idx.to(device)
     inputs, targets = idx[:, :-1], idx[:, 1:]
     dtype = torch.bfloat16
+    last = []  # the latest step's output: its routings count the FLOPs, its loss is reported
 
     def step():
         with torch.autocast(device.type, dtype=dtype):
@@ -99,21 +102,16 @@ def time_router(name: str, backend: str, compiled: bool, args, device: torch.dev
         opt.step()
         opt.zero_grad(set_to_none=True)
         update_routers(model)
-        return out
+        last[:] = [out]
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t_first = time.perf_counter()
-    out = step()
-    first_loss = out.loss.item()
-    first_s = time.perf_counter() - t_first  # includes compiling and the kernels' first launch
+    _, first_s, _ = timed(step, sync)  # includes compiling and the kernels' first launch
+    first_loss = last[0].loss.item()
     for _ in range(args.warmup):
-        out = step()
+        step()
     sync()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        out = step()
-    sync()
-    step_s = (time.perf_counter() - t0) / args.steps
+    step_s = interleaved({"step": step}, 1, burst=args.steps, sync=sync)["step"].median("wall")
+    out = last[0]
     flops = step_flops(model, out.routings, args.batch, args.seq)
     result = {
         "router": router,

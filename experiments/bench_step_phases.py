@@ -7,8 +7,8 @@ measured in the same run.
     PYTHONPATH=.:kernels nice python experiments/bench_step_phases.py --sizes baby --compile   # adds compiled sessions
     PYTHONPATH=.:kernels nice python experiments/bench_step_phases.py --quick                  # smoke run, about 1 min
 
-Two measurements, interleaved (each round runs every session once, in an order shuffled per
-round; medians over rounds), wall and process CPU time (the machine is shared: CPU time is
+Two measurements through ``experiments/timing.py``, interleaved (each round runs every session
+once, in an order shuffled per round; medians over rounds), wall and process CPU time (the machine is shared: CPU time is
 what this process got, the steadier figure):
 
 1. ``steps``: ``moe.training.loop.train_step``, the whole step ``train()`` runs, in bursts;
@@ -29,21 +29,26 @@ Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import json
-import os
-import random
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import router_study  # noqa: E402  (the study's sizes, recipe, corpus and row config)
-from bench_study_shape import Clocks, medians, optimizer_variants  # noqa: E402
+from bench_study_shape import (  # noqa: E402
+    arguments,
+    finish,
+    medians,
+    optimizer_samples,
+    phases_table,
+    start,
+    stepping,
+    steps_table,
+    title,
+)
 
+from experiments.timing import Clocks, Phases, interleaved, interleaved_phases  # noqa: E402
 from moe.global_balance import global_batch_loads  # noqa: E402
 from moe.layer import update_routers  # noqa: E402
 from moe.parallel.state import clip_grad_norm_  # noqa: E402
@@ -75,7 +80,7 @@ def use_torch_adamw(s: Session) -> None:
     groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in s.optimizer.param_groups]
     o = s.cfg.optimizer
     s.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
-    s.place.strategy.attach(s.optimizer)
+    s.strategy.attach(s.optimizer)
     register_quantile_balancing_hook(s.optimizer, s.place.model)
 
 
@@ -83,55 +88,31 @@ def tokens_per_step(s: Session) -> int:
     return s.cfg.data.batch_size * s.cfg.data.seq_len
 
 
-def phased_step(s: Session, step: int) -> dict[str, tuple[float, float]]:
+def phased_step(s: Session, step: int, phases: Phases) -> None:
     """``train_step``'s work on one process (the plain strategy, one microbatch), in its order,
-    timed part by part."""
+    ``phases.end`` after each part."""
     cfg, place, device = s.cfg, s.place, s.info.device
-    clocks, laps = Clocks(), {}
     set_lr(s.optimizer, lr_at(step - 1, cfg.optimizer))
     idx_BT, targets_BT = local_batch(s.corpus, cfg.data, cfg.seed, step, device)
     s.entropy.pop()
     s.optimizer.zero_grad(set_to_none=True)
     tally = StepTally(place.num_moe_layers(), s.num_experts, device)
-    laps["data (lr, batch, zero_grad)"] = clocks.lap()
+    phases.end("data (lr, batch, zero_grad)")
     with global_batch_loads(place.model, [None]):
-        out = place.strategy._forward(idx_BT, targets_BT)
-        laps["forward"] = clocks.lap()
+        out = s.strategy._forward(idx_BT, targets_BT)
+        phases.end("forward")
         (out.loss + out.aux_loss).backward()
-        laps["backward"] = clocks.lap()
+        phases.end("backward")
     tally.add_output(out)
-    laps["router statistics (StepTally)"] = clocks.lap()
+    phases.end("router statistics (StepTally)")
     clip_grad_norm_(place.model, cfg.optimizer.grad_clip)
-    laps["clip"] = clocks.lap()
+    phases.end("clip")
     s.optimizer.step()
-    laps["AdamW"] = clocks.lap()
+    phases.end("AdamW")
     update_routers(place.model)
-    laps["router updates (balance)"] = clocks.lap()
+    phases.end("router updates (balance)")
     tally.finish(s.entropy.pop())
-    laps["logging (StepTally.finish)"] = clocks.lap()
-    return laps
-
-
-def interleaved(sessions: dict[str, Session], rounds: int, burst: int, warmup: int, fn) -> dict:
-    """name -> the laps of ``fn(session, step)`` over rounds (after ``warmup`` rounds)."""
-    step = dict.fromkeys(sessions, 0)
-    samples: dict[str, list] = {k: [] for k in sessions}
-    names = list(sessions)
-    for r in range(warmup + rounds):
-        random.shuffle(names)
-        for name in names:
-            for _ in range(burst):
-                step[name] += 1
-                laps = fn(sessions[name], step[name])
-                if r >= warmup:
-                    samples[name].append(laps)
-    return samples
-
-
-def timed_step(s: Session, step: int) -> tuple[float, float]:
-    clocks = Clocks()
-    train_step(s, step)
-    return clocks.lap()
+    phases.end("logging (StepTally.finish)")
 
 
 def add_ratios(steps: dict, tokens: int) -> dict:
@@ -167,9 +148,8 @@ def bench(
             }
         )
     tokens = tokens_per_step(next(iter(sessions.values())))
-    steps = add_ratios({k: medians(v) for k, v in interleaved(sessions, rounds, burst, 2, timed_step).items()}, tokens)
-    raw = interleaved(sessions, rounds, 1, 1, phased_step)
-    phases = {k: {p: medians([laps[p] for laps in v]) for p in v[0]} for k, v in raw.items()}
+    steps = add_ratios(medians(interleaved(stepping(sessions, train_step), rounds, warmup=2, burst=burst)), tokens)
+    phases = medians(interleaved_phases(stepping(sessions, phased_step), rounds, warmup=1))
     eager = {k: s for k, s in sessions.items() if k in labels}
     return {
         "tokens_per_step": tokens,
@@ -183,50 +163,26 @@ def bench_optimizer(sessions: dict[str, Session], rounds: int) -> dict:
     """The AdamW step alone, the loop's ``BlockedAdamW`` against torch's for-loop AdamW, on
     copies of each session's parameters and last gradients, interleaved; medians."""
     kept = ("BlockedAdamW (the loop's)", "AdamW for-loop (torch's CPU default)")
-    fns = {(k, v): fn for k, s in sessions.items() for v, fn in optimizer_variants(s).items() if v in kept}
-    samples: dict[tuple, list] = {key: [] for key in fns}
-    keys = list(fns)
-    for _ in range(rounds):
-        random.shuffle(keys)
-        for key in keys:
-            clocks = Clocks()
-            fns[key]()
-            samples[key].append(clocks.lap())
-    out: dict[str, dict] = {}
-    for (k, v), laps in samples.items():
-        out.setdefault(k, {})[v] = medians(laps)
+    out = medians(optimizer_samples(sessions, rounds, kept))
     for per in out.values():
         per["speedup_cpu"] = per[kept[1]]["cpu_s"] / per[kept[0]]["cpu_s"]
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> dict:
+    p = arguments(__doc__, "a smoke run: baby, 2 rounds", (10, "interleaved rounds of each measurement"), 2)
     p.add_argument("--sizes", nargs="+", default=["baby", "large"], choices=["baby", "large"])
     p.add_argument("--labels", nargs="+", default=LABELS, help="study rows (the first must be dense)")
-    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds of each measurement")
     p.add_argument("--optimizer-rounds", type=int, default=20, help="interleaved rounds of the AdamW-alone timing")
-    p.add_argument("--burst", type=int, default=2, help="consecutive steps of one session per round")
     p.add_argument("--compile", action="store_true", help="also time compiled sessions")
     p.add_argument("--torch-adamw", action="store_true", help="also time each row with torch's AdamW (the baseline)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: baby, 2 rounds")
-    p.add_argument("--label", default="", help="appended to the results' file names")
-    p.add_argument("--out-dir", default="experiments/results")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
+    args, head = start("bench_step_phases", p, argv)
     if args.quick:
         args.sizes, args.rounds = ["baby"], 2
     info = setup_distributed("cpu")
-    t0 = time.time()
+    clocks = Clocks()
     result = {
-        "date": dt.date.today().isoformat(),
-        "command": " ".join(["PYTHONPATH=.:kernels python experiments/bench_step_phases.py", *(argv or sys.argv[1:])]),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        **head,
         "rounds": args.rounds,
         "burst": args.burst,
         "sizes": {
@@ -236,39 +192,21 @@ def main(argv: list[str] | None = None) -> dict:
             for size in args.sizes
         },
     }
-    result["load_average"] = os.getloadavg()
-    result["seconds"] = time.time() - t0
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_step_phases-{result['date']}-cpu{result['threads']}{'-' + args.label if args.label else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
-    return result
+    return finish("bench_step_phases", result, args, markdown, clocks)
 
 
 def markdown(r: dict) -> str:
     lines = [
-        f"# bench_step_phases {r['date']} (torch {r['torch']}, {r['threads']} thread, load {r['load_average'][0]:.1f})",
+        title("bench_step_phases", r),
         "",
         f"`{r['command']}`; medians of {r['rounds']} interleaved rounds ({r['burst']} steps each for whole steps).",
     ]
     for size, b in r["sizes"].items():
         lines += ["", f"## {size} ({b['tokens_per_step']} tokens a step)", ""]
-        lines += ["| run | tokens/s (wall) | tokens/s (CPU) | vs dense, wall | vs dense, CPU | vs eager dense, CPU |"]
-        lines += ["|---|---:|---:|---:|---:|---:|"]
-        for k, v in b["steps"].items():
-            lines.append(
-                f"| {k} | {v['tokens_per_s_wall']:,.0f} | {v['tokens_per_s_cpu']:,.0f} | {v['wall_vs_dense']:.3f} "
-                f"| {v['cpu_vs_dense']:.3f} | {v['cpu_vs_eager_dense']:.3f} |"
-            )
-        names = list(b["phases"])
+        lines += steps_table(b["steps"], "vs")
         lines += ["", "Step phases, CPU ms (medians):", ""]
-        lines += ["| phase | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-        for phase in b["phases"][names[0]]:
-            lines.append(
-                f"| {phase} | " + " | ".join(f"{b['phases'][n][phase]['cpu_s'] * 1e3:.2f}" for n in names) + " |"
-            )
+        lines += phases_table(b["phases"])
+        names = list(b["phases"])
         totals = [sum(v["cpu_s"] for v in b["phases"][n].values()) * 1e3 for n in names]
         lines.append("| sum | " + " | ".join(f"{t:.2f}" for t in totals) + " |")
         if not b["optimizer"]:

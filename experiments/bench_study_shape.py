@@ -12,8 +12,9 @@ The shape: 4 blocks, d_model 128, 4 heads, T=64, batch 12 (768 tokens a step), b
 ``ec_threshold`` with capacity factor 2; the dense model a SwiGLU of width 512, the same
 multiply-adds per token.
 
-Three measurements, one torch thread, interleaved (each round runs every configuration's burst
-of steps or every phase once, in an order shuffled per round; medians over rounds):
+Three measurements, one torch thread, through ``experiments/timing.py`` (interleaved: each round
+runs every configuration's burst of steps or every phase once, in an order shuffled per round;
+medians over rounds):
 
 1. ``steps``: ``moe.training.loop.train_step``, the step ``train()`` runs (batch, forward,
    backward, clipping, AdamW, router updates, the step's metrics), on sessions built by
@@ -37,26 +38,33 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
-import random
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from causal_moe_kernels.reference import combine_rows, gather_rows, grouped_swiglu, sort_by_expert, token_slots
-from moe.layer import MoELayer, update_routers
-from moe.model import SwiGLU
-from moe.training.batches import local_batch
-from moe.training.config import TrainConfig
-from moe.training.distributed import setup_distributed
-from moe.training.loop import Session, prepare, train_step
-from moe.training.metrics import RouterEntropy, StepTally
-from moe.training.optim import BlockedAdamW, lr_at, set_lr
+# experiments/ importable when run as a script; appended, so that PYTHONPATH still chooses the moe it runs
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from causal_moe_kernels.reference import (  # noqa: E402
+    combine_rows,
+    gather_rows,
+    grouped_swiglu,
+    sort_by_expert,
+    token_slots,
+)
+from experiments.timing import Clocks, Phases, Samples, interleaved, interleaved_phases  # noqa: E402
+from moe.layer import MoELayer, update_routers  # noqa: E402
+from moe.model import SwiGLU  # noqa: E402
+from moe.training.batches import local_batch  # noqa: E402
+from moe.training.config import TrainConfig  # noqa: E402
+from moe.training.distributed import setup_distributed  # noqa: E402
+from moe.training.loop import Session, prepare, train_step  # noqa: E402
+from moe.training.metrics import RouterEntropy, StepTally  # noqa: E402
+from moe.training.optim import BlockedAdamW, lr_at, set_lr  # noqa: E402
 
 SHAPE = {"d_model": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 64}
 SEQ_LEN, BATCH = 64, 12
@@ -92,67 +100,42 @@ def run_config(name: str, compiled: bool) -> TrainConfig:
     )
 
 
-class Clocks:
-    """Wall and process CPU time since the last call."""
+def stepping(sessions: dict[str, Session], fn: Callable, first: int = 1) -> dict[str, Callable]:
+    """name -> ``fn(session, step, *args)`` at that session's next step (each session counts its
+    own steps from ``first``), ``args`` what the timing harness passes (``Phases``, or nothing)."""
 
-    def __init__(self) -> None:
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
+    def bind(s: Session, steps: itertools.count) -> Callable:
+        return lambda *args: fn(s, next(steps), *args)
 
-    def lap(self) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.process_time()
-        out = (wall - self.wall, cpu - self.cpu)
-        self.wall, self.cpu = wall, cpu
-        return out
+    return {name: bind(s, itertools.count(first)) for name, s in sessions.items()}
 
 
-def medians(samples: list[tuple[float, float]]) -> dict:
-    return {
-        "wall_s": statistics.median(w for w, _ in samples),
-        "cpu_s": statistics.median(c for _, c in samples),
-        "n": len(samples),
-    }
+def medians(samples: dict) -> dict:
+    """The timing harness's samples, nested in dicts, as ``{"wall_s", "cpu_s", "n"}``."""
+    return {k: v.medians() if isinstance(v, Samples) else medians(v) for k, v in samples.items()}
 
 
-def bench_steps(sessions: dict[str, Session], rounds: int, burst: int, warmup: int) -> dict:
-    """Median seconds per ``train_step`` of each session, interleaved in bursts."""
-    step = dict.fromkeys(sessions, 0)
-    samples: dict[str, list] = {k: [] for k in sessions}
-    names = list(sessions)
-    for r in range(warmup + rounds):
-        random.shuffle(names)
-        for name in names:
-            for _ in range(burst):
-                step[name] += 1
-                clocks = Clocks()
-                train_step(sessions[name], step[name])
-                if r >= warmup:
-                    samples[name].append(clocks.lap())
-    return {k: medians(v) for k, v in samples.items()}
-
-
-def phased_step(s: Session, step: int) -> dict[str, tuple[float, float]]:
-    """``train_step``'s work for one process, in its order, timed part by part."""
+def phased_step(s: Session, step: int, phases: Phases) -> None:
+    """``train_step``'s work for one process, in its order, ``phases.end`` after each part."""
     cfg, place, device = s.cfg, s.place, s.info.device
-    clocks, laps = Clocks(), {}
     set_lr(s.optimizer, lr_at(step - 1, cfg.optimizer))
     idx_BT, targets_BT = local_batch(s.corpus, cfg.data, cfg.seed, step, device)
     s.entropy.pop()
     s.optimizer.zero_grad(set_to_none=True)
     tally = StepTally(place.num_moe_layers(), s.num_experts, device)
-    laps["batch, zero_grad"] = clocks.lap()
+    phases.end("batch, zero_grad")
     out = place.model(idx_BT, targets_BT)
-    laps["forward (incl. entropy hooks)"] = clocks.lap()
+    phases.end("forward (incl. entropy hooks)")
     (out.loss + out.aux_loss).backward()
-    laps["backward"] = clocks.lap()
+    phases.end("backward")
     tally.add_output(out)
-    laps["StepTally.add_output"] = clocks.lap()
+    phases.end("StepTally.add_output")
     s.strategy.update(step)
-    laps["clip + AdamW"] = clocks.lap()
+    phases.end("clip + AdamW")
     update_routers(place.model)
-    laps["update_routers"] = clocks.lap()
+    phases.end("update_routers")
     tally.finish(s.entropy.pop())
-    laps["StepTally.finish (host reads)"] = clocks.lap()
-    return laps
+    phases.end("StepTally.finish (host reads)")
 
 
 def optimizer_variants(s: Session) -> dict[str, Callable[[], None]]:
@@ -176,25 +159,26 @@ def optimizer_variants(s: Session) -> dict[str, Callable[[], None]]:
     return {name: opt.step for name, opt in variants.items()}
 
 
+def optimizer_samples(sessions: dict[str, Session], rounds: int, kept: tuple[str, ...] | None = None) -> dict:
+    """name -> variant -> the samples of that AdamW step alone (``optimizer_variants``, those of
+    ``kept`` or all), every session's variants interleaved with each other."""
+    fns = {
+        (name, variant): fn
+        for name, s in sessions.items()
+        for variant, fn in optimizer_variants(s).items()
+        if kept is None or variant in kept
+    }
+    out: dict[str, dict] = {name: {} for name in sessions}
+    for (name, variant), samples in interleaved(fns, rounds).items():
+        out[name][variant] = samples
+    return out
+
+
 def bench_step_phases(sessions: dict[str, Session], rounds: int) -> dict:
-    step = dict.fromkeys(sessions, 10_000)
-    samples: dict[str, dict[str, list]] = {k: {} for k in sessions}
-    names = list(sessions)
-    for _ in range(rounds):
-        random.shuffle(names)
-        for name in names:
-            step[name] += 1
-            for phase, lap in phased_step(sessions[name], step[name]).items():
-                samples[name].setdefault(phase, []).append(lap)
-    opts = {name: optimizer_variants(s) for name, s in sessions.items()}
-    for _ in range(rounds):
-        random.shuffle(names)
-        for name in names:
-            for variant, fn in opts[name].items():
-                clocks = Clocks()
-                fn()
-                samples[name].setdefault(variant, []).append(clocks.lap())
-    return {k: {phase: medians(v) for phase, v in per.items()} for k, per in samples.items()}
+    phases = interleaved_phases(stepping(sessions, phased_step, 10_001), rounds)
+    for name, per in optimizer_samples(sessions, rounds).items():
+        phases[name].update(per)
+    return medians(phases)
 
 
 def layer_phase_fns(layer: MoELayer, dense: SwiGLU, x_BTD: torch.Tensor) -> dict[str, Callable[[], None]]:
@@ -260,17 +244,17 @@ def bench_layer_phases(rounds: int) -> dict:
     layer = MoELayer(SHAPE["d_model"], MOE["moe_d_ff"], MOE["num_experts"], router="topk", top_k=2)
     dense = SwiGLU(SHAPE["d_model"], 512)
     fns = layer_phase_fns(layer, dense, torch.randn(BATCH, SEQ_LEN, SHAPE["d_model"]))
-    samples: dict[str, list] = {k: [] for k in fns}
-    names = list(fns)
-    for _ in range(rounds):
-        random.shuffle(names)
-        for name in names:
-            for p in (*layer.parameters(), *dense.parameters()):
+    params = [*layer.parameters(), *dense.parameters()]
+
+    def fresh(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:  # every phase's backward writes fresh gradients: none kept from the last call
+            for p in params:
                 p.grad = None
-            clocks = Clocks()
-            fns[name]()
-            samples[name].append(clocks.lap())
-    return {k: medians(v) for k, v in samples.items()}
+            fn()
+
+        return run
+
+    return medians(interleaved({name: fresh(fn) for name, fn in fns.items()}, rounds))
 
 
 def add_step_ratios(steps: dict) -> dict:
@@ -290,21 +274,38 @@ def with_ratios(rows: dict, base: dict, key: str) -> dict:
     return {k: {**v, f"{key}_vs_dense": v[key] / base[key]} for k, v in rows.items()}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds of the step benchmark")
-    p.add_argument("--burst", type=int, default=3, help="consecutive steps of one configuration per round")
-    p.add_argument("--phase-rounds", type=int, default=40, help="rounds of the step and layer breakdowns")
-    p.add_argument("--no-compile", action="store_true", help="skip the compiled sessions")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 3 rounds, eager only")
+def arguments(doc: str, quick: str, rounds: tuple[int, str], burst: int) -> argparse.ArgumentParser:
+    """The options of a CPU step benchmark (this one and ``bench_step_phases.py``): its docstring
+    as the help, ``--quick`` (``quick`` says what it runs), ``--rounds`` (default and help),
+    ``--burst`` (default), ``--label`` and ``--out-dir``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument("--rounds", type=int, default=rounds[0], help=rounds[1])
+    p.add_argument("--burst", type=int, default=burst, help="consecutive steps of one configuration per round")
     p.add_argument("--label", default="", help="appended to the results' file names")
     p.add_argument("--out-dir", default="experiments/results")
-    return p.parse_args(argv)
+    return p
+
+
+def start(script: str, p: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
+    """The parsed options, one torch thread, and what a result starts with: the date, the
+    command, torch's version and threads."""
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    head = {
+        "date": dt.date.today().isoformat(),
+        "command": " ".join([f"PYTHONPATH=.:kernels nice python experiments/{script}.py", *(argv or sys.argv[1:])]),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    return args, head
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
+    p = arguments(__doc__, "a smoke run: 3 rounds, eager only", (15, "interleaved rounds of the step benchmark"), 3)
+    p.add_argument("--phase-rounds", type=int, default=40, help="rounds of the step and layer breakdowns")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled sessions")
+    args, head = start("bench_study_shape", p, argv)
     if args.quick:
         args.rounds, args.phase_rounds, args.no_compile = 3, 5, True
     info = setup_distributed("cpu")
@@ -314,19 +315,14 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for s in sessions.values():
         s.place.model.train()
-    t0 = time.time()
-    steps = add_step_ratios(bench_steps(sessions, args.rounds, args.burst, warmup=1 if args.quick else 2))
+    clocks = Clocks()
+    samples = interleaved(stepping(sessions, train_step), args.rounds, warmup=1 if args.quick else 2, burst=args.burst)
+    steps = add_step_ratios(medians(samples))
     eager = {k: s for k, s in sessions.items() if "compiled" not in k}
     phases = bench_step_phases(eager, args.phase_rounds)
     layer = bench_layer_phases(args.phase_rounds)
     result = {
-        "date": dt.date.today().isoformat(),
-        "command": " ".join(
-            ["PYTHONPATH=.:kernels nice python experiments/bench_study_shape.py", *(argv or sys.argv[1:])]
-        ),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "load_average": os.getloadavg(),
+        **head,
         "shape": {**SHAPE, **MOE, "seq_len": SEQ_LEN, "batch_size": BATCH, "dense_d_ff": 512},
         "routers": {k: {"router": r, "options": o} for k, (r, o) in ROUTERS.items()},
         "rounds": args.rounds,
@@ -335,32 +331,20 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": steps,
         "step_phases": phases,
         "layer_phases": with_ratios(layer, layer["dense SwiGLU 512 (baseline)"], "cpu_s"),
-        "seconds": time.time() - t0,
     }
-    write(result, Path(args.out_dir), args.label)
-    return result
+    return finish("bench_study_shape", result, args, markdown, clocks)
 
 
 def markdown(r: dict) -> str:
     lines = [
-        f"# bench_study_shape {r['date']} (torch {r['torch']}, {r['threads']} thread, load {r['load_average'][0]:.1f})",
+        title("bench_study_shape", r),
         "",
         f"`{r['command']}`; medians of {r['rounds']} interleaved rounds x {r['burst']} steps.",
         "",
-        "| run | tokens/s (wall) | tokens/s (CPU) | vs dense, wall | vs dense, CPU | vs eager dense, CPU |",
-        "|---|---:|---:|---:|---:|---:|",
+        *steps_table(r["steps"], "tokens_per_s_vs"),
     ]
-    for k, v in r["steps"].items():
-        lines.append(
-            f"| {k} | {v['tokens_per_s_wall']:,.0f} | {v['tokens_per_s_cpu']:,.0f} | {v['wall_tokens_per_s_vs_dense']:.3f} "
-            f"| {v['cpu_tokens_per_s_vs_dense']:.3f} | {v['cpu_tokens_per_s_vs_eager_dense']:.3f} |"
-        )
-    names = list(r["step_phases"])
     lines += ["", "Step phases, CPU ms (medians of " + str(r["phase_rounds"]) + "):", ""]
-    lines += ["| phase | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for phase in r["step_phases"]["dense"]:
-        cells = [f"{r['step_phases'][n][phase]['cpu_s'] * 1e3:.2f}" for n in names]
-        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    lines += phases_table(r["step_phases"])
     lines += ["", "One MoE layer (topk, N=768) forward+backward by phase, CPU ms and x dense SwiGLU 512:", ""]
     lines += ["| phase | ms | x dense |", "|---|---:|---:|"]
     for phase, v in r["layer_phases"].items():
@@ -368,12 +352,49 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(result: dict, out_dir: Path, label: str) -> None:
+def steps_table(steps: dict, ratio: str) -> list[str]:
+    """Markdown rows of whole steps: tokens/s and the ratios ``<clock>_<ratio>_dense`` and
+    ``cpu_<ratio>_eager_dense`` (``add_step_ratios``'s ``tokens_per_s_vs``, or ``vs``)."""
+    lines = [
+        "| run | tokens/s (wall) | tokens/s (CPU) | vs dense, wall | vs dense, CPU | vs eager dense, CPU |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for k, v in steps.items():
+        lines.append(
+            f"| {k} | {v['tokens_per_s_wall']:,.0f} | {v['tokens_per_s_cpu']:,.0f} | {v[f'wall_{ratio}_dense']:.3f} "
+            f"| {v[f'cpu_{ratio}_dense']:.3f} | {v[f'cpu_{ratio}_eager_dense']:.3f} |"
+        )
+    return lines
+
+
+def phases_table(phases: dict) -> list[str]:
+    """Markdown rows of CPU ms: a row per phase (those of the first run), a column per run."""
+    names = list(phases)
+    lines = ["| phase | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for phase in phases[names[0]]:
+        lines.append(f"| {phase} | " + " | ".join(f"{phases[n][phase]['cpu_s'] * 1e3:.2f}" for n in names) + " |")
+    return lines
+
+
+def title(script: str, r: dict) -> str:
+    """A result table's first line: the script, the date, torch, threads and load."""
+    return f"# {script} {r['date']} (torch {r['torch']}, {r['threads']} thread, load {r['load_average'][0]:.1f})"
+
+
+def finish(
+    script: str, result: dict, args: argparse.Namespace, markdown: Callable[[dict], str], clocks: Clocks
+) -> dict:
+    """``result`` with the load average and the seconds since ``clocks`` began, written to
+    ``<out-dir>/<script>-<date>-cpu<threads>[-<label>].{json,md}``; the table printed."""
+    result.update(load_average=os.getloadavg(), seconds=clocks.lap()[0])
+    table = markdown(result)
+    out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_study_shape-{result['date']}-cpu{result['threads']}{'-' + label if label else ''}"
+    stem = f"{script}-{result['date']}-cpu{result['threads']}{'-' + args.label if args.label else ''}"
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / f"{stem}.md").write_text(markdown(result))
-    print(markdown(result))
+    (out_dir / f"{stem}.md").write_text(table)
+    print(table)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The benchmarks' one timing harness: both clocks, warm-up, repeats, interleaving, medians and spread.
 
 Every benchmark times through this module (``Clocks`` for one lap, ``interleaved`` for variants
-compared with each other), so each reports the same statistics taken the same way:
+compared with each other, ``interleaved_phases`` for the named phases inside one call), so each
+reports the same statistics taken the same way:
 
 * both clocks at once: wall time (``time.perf_counter``: what a user waits; on a GPU, after the
   ``sync`` the caller passes) and process CPU time (``time.process_time``: what this process got,
@@ -49,6 +50,18 @@ class Clocks:
         return out
 
 
+class Phases(Clocks):
+    """Named laps of one call cut into phases: ``end(name)`` closes the phase begun at the last
+    ``end`` (or when it was made)."""
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        super().__init__(sync)
+        self.laps: dict[str, tuple[float, float]] = {}
+
+    def end(self, name: str) -> None:
+        self.laps[name] = self.lap()
+
+
 def timed(fn: Callable[[], object], sync: Callable[[], None] | None = None) -> tuple[object, float, float]:
     """One call of ``fn``: (its result, wall seconds, CPU seconds)."""
     clocks = Clocks(sync)
@@ -73,6 +86,20 @@ class Samples:
         values = self.of(clock)
         return min(values), max(values)
 
+    def medians(self) -> dict[str, float]:
+        """Both clocks' medians and the number of samples: ``{"wall_s", "cpu_s", "n"}``."""
+        return {"wall_s": self.median("wall"), "cpu_s": self.median("cpu"), "n": len(self.laps)}
+
+
+def _rounds(names: list, rounds: int, warmup: int, seed: int):
+    """(kept, name) for every call slot: ``warmup + rounds`` rounds, each every name once in an
+    order shuffled per round (``random.Random(seed)``); ``kept`` is False in the warm-up rounds."""
+    order, rng = list(names), random.Random(seed)
+    for r in range(warmup + rounds):
+        rng.shuffle(order)
+        for name in order:
+            yield r >= warmup, name
+
 
 def interleaved(
     fns: dict[str, Callable[[], object]],
@@ -89,17 +116,36 @@ def interleaved(
     if rounds < 1 or burst < 1 or warmup < 0:
         raise ValueError(f"need rounds >= 1, burst >= 1, warmup >= 0; got {rounds}, {burst}, {warmup}")
     samples = {name: Samples() for name in fns}
-    order, rng = list(fns), random.Random(seed)
-    for r in range(warmup + rounds):
-        rng.shuffle(order)
-        for name in order:
-            fn = fns[name]
-            clocks = Clocks(sync)
-            for _ in range(burst):
-                fn()
-            wall, cpu = clocks.lap()
-            if r >= warmup:
-                samples[name].laps.append((wall / burst, cpu / burst))
+    for kept, name in _rounds(list(fns), rounds, warmup, seed):
+        fn = fns[name]
+        clocks = Clocks(sync)
+        for _ in range(burst):
+            fn()
+        wall, cpu = clocks.lap()
+        if kept:
+            samples[name].laps.append((wall / burst, cpu / burst))
+    return samples
+
+
+def interleaved_phases(
+    fns: dict[str, Callable[[Phases], object]],
+    rounds: int,
+    *,
+    warmup: int = 0,
+    seed: int = 0,
+    sync: Callable[[], None] | None = None,
+) -> dict[str, dict[str, Samples]]:
+    """name -> phase -> its samples: the rounds of ``interleaved`` (one call a round), each call
+    handed a fresh ``Phases`` whose ``end(phase)`` it calls after each of its phases."""
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"need rounds >= 1, warmup >= 0; got {rounds}, {warmup}")
+    samples: dict[str, dict[str, Samples]] = {name: {} for name in fns}
+    for kept, name in _rounds(list(fns), rounds, warmup, seed):
+        phases = Phases(sync)
+        fns[name](phases)
+        if kept:
+            for phase, lap in phases.laps.items():
+                samples[name].setdefault(phase, Samples()).laps.append(lap)
     return samples
 
 

@@ -6,6 +6,7 @@ script that imports it (or the row runner) runs from the repository root as docu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -92,11 +93,46 @@ def test_clocks_lap_and_timed_read_both_clocks_after_the_sync(clocks):
     assert timing.timed(work) == ("out", 6.0, 3.0)
 
 
+def test_interleaved_phases_keep_each_phase_of_each_call_in_the_same_shuffled_rounds(clocks):
+    calls: list[str] = []
+
+    def phased(name: str, costs: dict[str, float]):
+        def run(phases: timing.Phases) -> None:
+            calls.append(name)
+            for phase, cost in costs.items():
+                clocks.wall += cost * len(calls)
+                phases.end(phase)
+
+        return run
+
+    fns = {"a": phased("a", {"fwd": 1.0, "bwd": 2.0}), "b": phased("b", {"fwd": 10.0})}
+    samples = timing.interleaved_phases(fns, 2, warmup=1, seed=3)
+    plain: list[str] = []
+    timing.interleaved({n: (lambda n=n: plain.append(n)) for n in "ab"}, 2, warmup=1, seed=3)
+    assert calls == plain  # the rounds and orders of ``interleaved``
+    # the k-th call (1-based, over all calls) costs its phases' costs times k; round 0 is dropped
+    ka, kb = [k + 1 for k, n in enumerate(calls) if n == "a"][1:], [k + 1 for k, n in enumerate(calls) if n == "b"][1:]
+    assert samples["a"]["fwd"].laps == [(1.0 * k, 0.5 * k) for k in ka]
+    assert samples["a"]["bwd"].of("wall") == [2.0 * k for k in ka]
+    assert set(samples["b"]) == {"fwd"} and samples["b"]["fwd"].of("cpu") == [5.0 * k for k in kb]
+    assert samples["a"]["bwd"].medians() == {"wall_s": 2.0 * sum(ka) / 2, "cpu_s": sum(ka) / 2, "n": 2}
+
+
 def test_interleaved_refuses_empty_rounds_and_bursts():
     with pytest.raises(ValueError, match="rounds >= 1"):
         timing.interleaved({"a": lambda: None}, 0)
     with pytest.raises(ValueError, match="burst >= 1"):
         timing.interleaved({"a": lambda: None}, 1, burst=0)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        timing.interleaved_phases({"a": lambda phases: None}, 0)
+
+
+def test_no_benchmark_reads_a_clock_or_shuffles_its_rounds_itself():
+    """Every benchmark times through the harness: none reads a clock or orders its rounds itself."""
+    own = re.compile(r"time\.(perf_counter|process_time|time|monotonic)\b|random\.shuffle")
+    benches = sorted((ROOT / "experiments").glob("bench_*.py"))
+    assert len(benches) >= 13
+    assert [f"{p.name}: {m.group()}" for p in benches for m in own.finditer(p.read_text())] == []
 
 
 SCRIPTS = sorted(str(p) for p in (ROOT / "experiments").glob("*.py") if "from experiments" in p.read_text())
