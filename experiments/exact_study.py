@@ -7,8 +7,9 @@ zero, and at what cost.
 
 The models: per router of the study (``router_study.ROUTERS``, causal and leaking sets), the
 study's row config (Shakespeare BPE, the baby size, seed 0, its recipe) trained ``--steps``
-steps (default 100: the recipe's 2,000 did not fit the shared machine), the recipe's schedule
-compressed to them (warmup the same 5% of the steps, cosine to a tenth), the same for every
+steps (default the recipe's 2,000: about 70 min of training for the twelve routers on 2 cores,
+5-9 min a model per process; fewer steps compress the recipe's schedule to them: warmup the
+same 5% of the steps, cosine to a tenth), the same for every
 router, by ``routing_agreement.train_all`` (``--workers`` processes of one thread), exported to
 ``runs/exact_study/<steps>-steps/<router>-s0/model.pt``; a later run loads them and trains none.
 
@@ -57,6 +58,7 @@ LABELS = routing_agreement.LABELS
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TRAINERS = ("as is", "replay", "exact", "exact + replay")
 FORWARD_REPEATS = 5
+RECIPE_STEPS = router_study.RECIPE["steps"]
 """Timed runs of each trainer forward (the least counts): one is tens of ms, too noisy alone."""
 DOCS = router_study.ROOT / "docs" / "studies.md"
 BEGIN, END = "<!-- exact_study table: written by experiments/exact_study.py -->", "<!-- /exact_study table -->"
@@ -119,7 +121,7 @@ def validation_windows(label: str, num_windows: int) -> torch.Tensor:
 def schedule(steps: int) -> dict:
     """The TrainConfig overrides of a row trained ``steps`` steps: the recipe's schedule compressed
     (warmup the same share of the steps), and a final evaluation of 8 windows (its summary's losses)."""
-    warmup = router_study.RECIPE["warmup_steps"] * steps // router_study.RECIPE["steps"]
+    warmup = router_study.RECIPE["warmup_steps"] * steps // RECIPE_STEPS
     return dict(steps=steps, warmup_steps=warmup, eval_windows=8, eval_batch_size=8)
 
 
@@ -144,7 +146,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--routers", nargs="+", default=LABELS, choices=LABELS)
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    p.add_argument("--steps", type=int, default=100, help="training steps per router (the recipe: 2,000)")
+    p.add_argument("--steps", type=int, default=RECIPE_STEPS, help="training steps per router (the recipe's 2,000)")
     p.add_argument("--windows", type=int, default=4, help="validation windows of 64 tokens")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per path (the least counts)")
     p.add_argument("--workers", type=int, default=2, help="processes (training, then measuring), one thread each")
@@ -173,8 +175,9 @@ def table_lines(rows: list[dict], windows: int, steps: int, stamp: str) -> list[
     positions = windows * 63
     return [
         f"max |Δ log p| over {positions} next tokens ({windows} validation windows of 64; mean in brackets); "
-        f"**0** = bit for bit the server's. Models trained {steps:,} steps each, seed 0 (the recipe's schedule "
-        "compressed to them; its 2,000 steps did not fit the session). Cost: CPU time of server + trainer over "
+        f"**0** = bit for bit the server's. Models trained {steps:,} steps each, seed 0 ("
+        + ("the recipe" if steps == RECIPE_STEPS else f"the recipe's schedule compressed from {RECIPE_STEPS:,} steps")
+        + "). Cost: CPU time of server + trainer over "
         "the normal pair's (in brackets: the server's / the trainer's alone, its least of 5 forwards), one thread, "
         "on a loaded shared "
         f"machine ({stamp}, torch {torch.__version__}).",
