@@ -45,6 +45,38 @@ def test_scatter_sum_equals_the_slot_ordered_loop(name):
         assert got[[2, 4]].abs().max() == 0, "tokens 2 and 4 have no row"
 
 
+def padded_sum(rows_AD, token_A, slot_A, num_slots, num_tokens):
+    """The reference's sum as first written: a zero [N, S, D] buffer, each row put at its
+    (token, slot), the slots added in order (zeros after a token's last row)."""
+    buf = rows_AD.new_zeros(num_tokens, num_slots, rows_AD.shape[1])
+    buf[token_A, slot_A] = rows_AD
+    out = buf[:, 0]
+    for s in range(1, num_slots):
+        out = out + buf[:, s]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("share", [0.05, 0.3, 0.7])
+def test_ragged_scatter_sum_is_the_padded_sum_bit_for_bit(dtype, share):
+    """Tokens with 0..E rows (expert threshold, expert choice): the same bits as the padded
+    layout, signed zeros included (a -0 row alone, or before zero padding, comes out as the
+    padding makes it)."""
+    gen = torch.Generator().manual_seed(int(share * 100))
+    n, e, d = 40, 6, 16
+    token_A, expert_A = (torch.rand(n, e, generator=gen) < share).nonzero(as_tuple=True)
+    order_A, _ = sort_by_expert(expert_A, e)
+    token_sorted_A = token_A[order_A]
+    slot_A, num_slots = token_slots(token_sorted_A, n)
+    rows_AD = torch.randn(len(token_sorted_A), d, generator=gen).to(dtype)
+    rows_AD[::3, : d // 2] = -0.0
+    got = scatter_sum(rows_AD, token_sorted_A, slot_A, num_slots, n)
+    want = padded_sum(rows_AD, token_sorted_A, slot_A, num_slots, n)
+    assert len(token_sorted_A) != n * num_slots, "the ragged branch runs"
+    assert torch.equal(torch.signbit(got), torch.signbit(want)), "signed zeros differ"
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_combine_rows_gradients_equal_autograd_through_the_loop(name):
     order_A, token_sorted_A, slot_A, num_slots = sorted_layout(name)
