@@ -15,14 +15,16 @@ Under ``torch.compile`` the sorted path cannot be traced without reading values 
 graph holds no data-dependent shape and no host read and the expert FLOPs are those of the
 sorted path. The operator returns, besides y, what its backward (a second operator, the same
 sums written out, expert by expert as eager autograd runs them) needs: the gathered rows
-[A, D], the gate and up projections [A, F], the expert rows [A, D] and the layout (sort order
-and slots), so the backward neither sorts nor gathers x again. These are marked
+[A, D], what eager autograd saves of the SwiGLU (the gate and up projections, the gate's silu
+and the product, [A, F] each), the expert rows [A, D] and the layout (sort order and slots),
+so the backward neither sorts, gathers nor recomputes. These are marked
 non-differentiable and get no zero-filled gradients.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -206,21 +208,31 @@ def _moe_ffn_op(
     w_gate_EDF: Tensor,
     w_up_EDF: Tensor,
     w_down_EFD: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(y_ND, x_AD, gate_AF, up_AF, rows_AD, order_A, slot_A) of the sorted path, rows in expert
-    order: y and what its backward needs, the layout included, so nothing is sorted twice."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y_ND, x_AD, gate_AF, silu_AF, up_AF, h_AF, rows_AD, order_A, slot_A) of the sorted path,
+    rows in expert order: y and what its backward needs (what eager autograd saves: the
+    gate, its silu, the up projection and their product), the layout included, so nothing is
+    sorted or recomputed twice. Each expert's products are written into its rows of [A, *]
+    buffers (no per-expert temporaries, no concatenation)."""
     n, e = x_ND.shape[0], w_gate_EDF.shape[0]
     order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, e)
     x_AD = x_ND.index_select(0, token_sorted_A)
-    gates, ups, rows = [], [], []
-    # expert by expert, as eager autograd runs it: slice-sized temporaries, no [A, F] ones
-    for x_e, wg, wu, wd in zip(x_AD.split(counts), w_gate_EDF.unbind(0), w_up_EDF.unbind(0), w_down_EFD.unbind(0)):
-        gates.append(x_e @ wg)
-        ups.append(x_e @ wu)
-        rows.append((F.silu(gates[-1]) * ups[-1]) @ wd)
-    gate_AF, up_AF, rows_AD = torch.cat(gates), torch.cat(ups), torch.cat(rows)
+    gate_AF, silu_AF, up_AF, h_AF = (x_AD.new_empty(x_AD.shape[0], w_gate_EDF.shape[-1]) for _ in range(4))
+    rows_AD = x_AD.new_empty(x_AD.shape[0], w_down_EFD.shape[-1])
+    for rows, wg, wu, wd in zip(_expert_rows(counts), w_gate_EDF.unbind(0), w_up_EDF.unbind(0), w_down_EFD.unbind(0)):
+        torch.mm(x_AD[rows], wg, out=gate_AF[rows])
+        torch.mm(x_AD[rows], wu, out=up_AF[rows])
+        torch.ops.aten.silu.out(gate_AF[rows], out=silu_AF[rows])
+        torch.mul(silu_AF[rows], up_AF[rows], out=h_AF[rows])
+        torch.mm(h_AF[rows], wd, out=rows_AD[rows])
     y_ND = weighted_sum(rows_AD, weight_A[order_A], token_sorted_A, slot_A, num_slots, n)
-    return y_ND, x_AD, gate_AF, up_AF, rows_AD, order_A, slot_A
+    return y_ND, x_AD, gate_AF, silu_AF, up_AF, h_AF, rows_AD, order_A, slot_A
+
+
+def _expert_rows(counts_E: list[int]) -> list[slice]:
+    """Each expert's rows of the expert-sorted order (an empty slice for an expert with none)."""
+    ends = list(itertools.accumulate(counts_E))
+    return [slice(end - c, end) for c, end in zip(counts_E, ends)]
 
 
 @_moe_ffn_op.register_fake
@@ -229,8 +241,7 @@ def _moe_ffn_fake(x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_dow
     return (
         x_ND.new_empty(x_ND.shape[0], w_down_EFD.shape[-1]),
         x_ND.new_empty(a, x_ND.shape[1]),
-        x_ND.new_empty(a, f),
-        x_ND.new_empty(a, f),
+        *(x_ND.new_empty(a, f) for _ in range(4)),
         x_ND.new_empty(a, w_down_EFD.shape[-1]),
         token_A.new_empty(a),
         token_A.new_empty(a),
@@ -249,40 +260,38 @@ def _moe_ffn_backward_op(
     w_down_EFD: Tensor,
     x_AD: Tensor,
     gate_AF: Tensor,
+    silu_AF: Tensor,
     up_AF: Tensor,
+    h_AF: Tensor,
     rows_AD: Tensor,
     order_A: Tensor,
     slot_A: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of y w.r.t. (x, weight, w_gate, w_up, w_down): the SwiGLU backward per expert
-    slice (autograd's own ``silu_backward``), the gradient of x summed per token in slot order
-    as the eager path does. The layout (order, slots) comes from the forward."""
+    slice (autograd's own ``silu_backward``, the products eager autograd forms, written into
+    [A, *] buffers), the gradient of x summed per token in slot order as the eager path does.
+    The layout (order, slots) and the activations come from the forward."""
     counts = torch.bincount(expert_A, minlength=w_gate_EDF.shape[0]).tolist()
     token_sorted_A = token_A[order_A]
     grad_rows_AD, grad_weight_sorted_A = combine_backward(grad_ND, rows_AD, weight_A[order_A], token_sorted_A)
     grad_weight_A = torch.empty_like(grad_weight_sorted_A)
     grad_weight_A[order_A] = grad_weight_sorted_A
-    grads = {"x": [], "gate": [], "up": [], "down": []}
-    for x_e, g_e, u_e, dr_e, wg, wu, wd in zip(
-        x_AD.split(counts),
-        gate_AF.split(counts),
-        up_AF.split(counts),
-        grad_rows_AD.split(counts),
-        w_gate_EDF.unbind(0),
-        w_up_EDF.unbind(0),
-        w_down_EFD.unbind(0),
-    ):
-        silu_e = F.silu(g_e)
-        dh_e = dr_e @ wd.T
-        du_e = dh_e * silu_e
-        dg_e = torch.ops.aten.silu_backward(dh_e * u_e, g_e)
-        grads["down"].append((silu_e * u_e).T @ dr_e)
-        grads["gate"].append(x_e.T @ dg_e)
-        grads["up"].append(x_e.T @ du_e)
-        grads["x"].append(dg_e @ wg.T + du_e @ wu.T)
+    dh_AF, du_AF, dg_AF = (torch.empty_like(gate_AF) for _ in range(3))
+    dx_AD = torch.empty_like(x_AD)
+    grad_gate, grad_up, grad_down = (w.new_empty(w.shape) for w in (w_gate_EDF, w_up_EDF, w_down_EFD))
+    for e, rows in enumerate(_expert_rows(counts)):
+        wg, wu, wd = w_gate_EDF[e], w_up_EDF[e], w_down_EFD[e]
+        torch.mm(grad_rows_AD[rows], wd.T, out=dh_AF[rows])
+        torch.mul(dh_AF[rows], silu_AF[rows], out=du_AF[rows])
+        torch.ops.aten.silu_backward.grad_input(dh_AF[rows] * up_AF[rows], gate_AF[rows], grad_input=dg_AF[rows])
+        torch.mm(h_AF[rows].T, grad_rows_AD[rows], out=grad_down[e])  # an expert with no rows: zeros
+        torch.mm(x_AD[rows].T, dg_AF[rows], out=grad_gate[e])
+        torch.mm(x_AD[rows].T, du_AF[rows], out=grad_up[e])
+        torch.mm(dg_AF[rows], wg.T, out=dx_AD[rows])
+        dx_AD[rows] += du_AF[rows] @ wu.T
     num_slots = int(slot_A.max()) + 1
-    grad_x_ND = scatter_sum(torch.cat(grads["x"]), token_sorted_A, slot_A, num_slots, x_ND.shape[0])
-    return (grad_x_ND, grad_weight_A, torch.stack(grads["gate"]), torch.stack(grads["up"]), torch.stack(grads["down"]))
+    grad_x_ND = scatter_sum(dx_AD, token_sorted_A, slot_A, num_slots, x_ND.shape[0])
+    return grad_x_ND, grad_weight_A, grad_gate, grad_up, grad_down
 
 
 @_moe_ffn_backward_op.register_fake
