@@ -256,6 +256,7 @@ def row_config(corpus: str, size: str, label: str, seed: int, quick: bool, path:
         log_every=0,
         progress=False,
         wandb_mode="disabled",
+        cpu_malloc_keep=True,
     )
     fields.update({k: v for k, v in overrides.items() if k != "model"})
     model.update(overrides.get("model", {}))  # e.g. shared experts: merged into the size's model
@@ -267,10 +268,16 @@ def row_config(corpus: str, size: str, label: str, seed: int, quick: bool, path:
     return fields
 
 
+SPEED_ONLY = ("cpu_malloc_keep",)
+"""Row fields that change how fast a row trains, never its numbers (the 15-step check in
+docs/benchmarks.md): not in its key, so rows stored before they were set keep theirs."""
+
+
 def row_key(spec: dict) -> str:
     """What determines a row: its corpus (by name: ``data_sha256`` guards what the name holds),
-    size, router, seed and config, but not where the corpus lies on this machine."""
-    fields = {**spec["fields"], "data": spec["corpus"]}
+    size, router, seed and config, but not where the corpus lies on this machine nor
+    :data:`SPEED_ONLY` settings."""
+    fields = {k: v for k, v in spec["fields"].items() if k not in SPEED_ONLY} | {"data": spec["corpus"]}
     return runner.config_key({k: spec[k] for k in ("corpus", "size", "router", "seed")} | {"fields": fields})
 
 

@@ -84,10 +84,44 @@ def test_the_trainer_fixes_the_cpu_mmap_threshold_unless_the_user_chose_one(monk
     assert memory.limit_cpu_malloc(cpu, 64) is None and libc.calls[-1] == (-3, 64 * 1024)
     with pytest.raises(ValueError, match="cpu_mmap_threshold_kib must be >= 0"):
         TrainConfig.flat(cpu_mmap_threshold_kib=-1)
+    libc.calls.clear()
+    train(TrainConfig.flat(steps=1, cpu_malloc_keep=True, **SMALL))  # keeping replaces the threshold
+    assert libc.calls == [(-3, 64 << 20), (-1, 1 << 30), (-2, 64 << 20)], libc.calls
     monkeypatch.setattr(memory, "glibc", lambda: None)  # another C library: a no-op, said once
     capsys.readouterr()
     train(TrainConfig.flat(steps=2, **{**SMALL, "log_every": 1}))
     assert capsys.readouterr().out.count("mmap threshold is left as it is") == 1
+
+
+RESIDENT_AFTER_FREE = """
+import sys, torch
+from moe.parallel.memory import current_bytes, limit_cpu_malloc
+cpu = torch.device("cpu")
+assert limit_cpu_malloc(cpu, 1024, keep_freed=sys.argv[1] == "keep") is None
+before = current_bytes(cpu)
+x = torch.ones(8 << 20)  # 32 MiB, every page touched
+del x
+print((current_bytes(cpu) - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_keeping_freed_memory_keeps_it_resident_and_the_threshold_returns_it():
+    """What the two CPU malloc settings do with a freed 32 MiB tensor, in fresh processes (the
+    settings are the process's): the trainer's 1 MiB threshold returns it (the resident set
+    follows the tensors), ``cpu_malloc_keep`` keeps it for the next step to reuse."""
+    kept = {}
+    for mode in ("threshold", "keep"):
+        done = subprocess.run(
+            [sys.executable, "-c", RESIDENT_AFTER_FREE, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, "PYTHONPATH": SOURCE_PATH},
+        )
+        kept[mode] = float(done.stdout)
+    assert kept["threshold"] < 4 and kept["keep"] > 28, kept
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path, monkeypatch):

@@ -9,7 +9,10 @@ Under FSDP2 on CPU the freed all-gather and reduce-scatter buffers are what glib
 dynamic mmap threshold grows to the largest block freed (up to 32 MiB), after which those
 buffers come from the heap and stay resident. :func:`limit_cpu_malloc` fixes the threshold
 (1 MiB in the trainer), so every larger tensor is its own mapping, returned when freed, and a
-CPU peak follows the tensors (docs/scaling.md has the measurement).
+CPU peak follows the tensors (docs/scaling.md has the measurement). The price is speed: every
+step's gradients and large temporaries are fresh mappings whose pages are faulted in and zeroed
+again; ``keep_freed`` (the trainer's ``cpu_malloc_keep``) keeps them instead
+(docs/benchmarks.md has that measurement).
 """
 
 from __future__ import annotations
@@ -65,8 +68,11 @@ def largest_peak_mib(device: torch.device, group=None) -> float:
 
 MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 """glibc reads this at startup; when it is set the user chose a threshold and it is kept."""
-M_MMAP_THRESHOLD = -3
-"""mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
+"""mallopt's parameter numbers (glibc's malloc.h)."""
+KEEP_FREED = ((M_MMAP_THRESHOLD, 64 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
+"""What :func:`limit_cpu_malloc` sets to keep freed memory: blocks below 64 MiB from the heap,
+which is not trimmed below 1 GiB free and grows 64 MiB at a time (address space, not pages)."""
 
 
 def glibc() -> ctypes.CDLL | None:
@@ -76,11 +82,14 @@ def glibc() -> ctypes.CDLL | None:
     return ctypes.CDLL("libc.so.6")
 
 
-def limit_cpu_malloc(device: torch.device, threshold_kib: int) -> str | None:
+def limit_cpu_malloc(device: torch.device, threshold_kib: int, keep_freed: bool = False) -> str | None:
     """On CPU, fix glibc's mmap threshold at ``threshold_kib`` KiB (``mallopt``), unless it is 0
-    or $MALLOC_MMAP_THRESHOLD_ is set (the user's choice wins). A no-op on CUDA; elsewhere than
-    glibc a no-op too, returned as the line to say (else None)."""
-    if device.type != "cpu" or threshold_kib == 0 or MMAP_THRESHOLD_ENV in os.environ:
+    or $MALLOC_MMAP_THRESHOLD_ is set (the user's choice wins). ``keep_freed`` instead keeps
+    freed memory in the process for reuse (:data:`KEEP_FREED`): a step's gradients and
+    temporaries then reuse pages already mapped instead of faulting fresh ones in, and the
+    resident set counts what the allocator keeps. A no-op on CUDA; elsewhere than glibc a no-op
+    too, returned as the line to say (else None)."""
+    if device.type != "cpu" or MMAP_THRESHOLD_ENV in os.environ or (threshold_kib == 0 and not keep_freed):
         return None
     libc = glibc()
     if libc is None:
@@ -88,6 +97,7 @@ def limit_cpu_malloc(device: torch.device, threshold_kib: int) -> str | None:
             f"malloc is not glibc's ({platform.system()}): its mmap threshold is left as it is, so "
             "peak_memory_mib also counts freed memory the allocator keeps"
         )
-    if libc.mallopt(M_MMAP_THRESHOLD, threshold_kib * 1024) != 1:
-        return f"glibc refused an mmap threshold of {threshold_kib} KiB: malloc is left as it is"
+    settings = KEEP_FREED if keep_freed else ((M_MMAP_THRESHOLD, threshold_kib * 1024),)
+    if not all(libc.mallopt(param, value) == 1 for param, value in settings):
+        return f"glibc refused the malloc settings {settings}: malloc is left as it is"
     return None

@@ -31,7 +31,8 @@ way). So initialisation, batches and (with the routers counting load-balancing f
 all data-parallel ranks) every step's loss match the single-process run to fp32 rounding.
 Clipping uses the whole model's norm. ``--microbatches M`` alone accumulates the gradients of
 M microbatches. On CPU the run first fixes glibc's mmap threshold (``--cpu-mmap-threshold-kib``,
-``moe.parallel.memory.limit_cpu_malloc``), so the peak_memory_mib it logs follows the tensors.
+``moe.parallel.memory.limit_cpu_malloc``), so the peak_memory_mib it logs follows the tensors,
+or keeps freed memory for speed (``--cpu-malloc-keep``).
 
 The loop itself is short: :func:`prepare` places the model once (``moe.training.placement``,
 which picks the step strategy: plain, pipelined, lossy data parallel, ...), :func:`train_step`
@@ -189,7 +190,9 @@ def prepare(cfg: TrainConfig, corpus: Corpus | None, info: DistInfo) -> Session:
         refuse_foreign(cfg.checkpoint.directory)
         refuse_foreign_metrics(cfg.logging.metrics_jsonl)
     on_rank0_for_all(lambda: check_outputs(cfg.checkpoint.directory, cfg.logging.metrics_jsonl))
-    malloc_note = limit_cpu_malloc(info.device, cfg.parallel.cpu_mmap_threshold_kib)  # before the big allocations
+    malloc_note = limit_cpu_malloc(  # before the big allocations
+        info.device, cfg.parallel.cpu_mmap_threshold_kib, cfg.parallel.cpu_malloc_keep
+    )
     corpus = corpus if corpus is not None else cfg.data.load()
     mcfg = model_config(cfg.model, corpus.vocab_size)
 
