@@ -133,6 +133,21 @@ def test_traced_operator_equals_the_eager_sorted_path():
         assert diff.max() <= 1e-12 * b.abs().max(), f"tensor {i}: max {diff.max():.3e} mean {diff.mean():.3e}"
 
 
+def test_traced_operator_takes_no_assignment():
+    """Traced, the layer calls the operator before looking at A (under
+    ``capture_dynamic_output_shape_ops`` A is nonzero's size, unknown until run time): with no
+    assignment it returns zeros and zero gradients, as the eager path does."""
+    n, d, f, e = 4, 8, 6, 3
+    leaves = [torch.randn(n, d), torch.randn(e, d, f), torch.randn(e, d, f), torch.randn(e, f, d)]
+    leaves = [t.requires_grad_(True) for t in leaves]
+    none = torch.zeros(0, dtype=torch.long)
+    weight = torch.zeros(0, requires_grad=True)
+    y = torch.ops.causal_moe_kernels.sorted_moe_ffn(leaves[0], none, none, weight, *leaves[1:])[0]
+    (y * torch.randn(n, d)).sum().backward()
+    assert y.shape == (n, d) and y.abs().max() == 0
+    assert all(t.grad is not None and t.grad.abs().max() == 0 for t in leaves)
+
+
 def test_operators_fake_kernels_match_real_ones_on_strided_experts():
     """The fake (meta) kernels the compiler plans with give the real outputs' shapes and strides,
     also for the experts of a transformers model: transposed views of its fused [E, 2F, D] and

@@ -178,12 +178,12 @@ def moe_ffn_reference(
     Dispatch sorts assignments by expert (stable), the experts run on contiguous slices,
     combine sums each token's rows in a fixed order. Tokens with no assignment get zeros.
     """
-    if token_A.numel() == 0:
-        return x_ND.new_zeros(x_ND.shape[0], w_down_EFD.shape[-1])
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # first: A may be a size only known at run time (nonzero's)
         return torch.ops.causal_moe_kernels.sorted_moe_ffn(
             x_ND, token_A, expert_A, weight_A, w_gate_EDF, w_up_EDF, w_down_EFD
         )[0]
+    if token_A.numel() == 0:
+        return x_ND.new_zeros(x_ND.shape[0], w_down_EFD.shape[-1])
     n = x_ND.shape[0]
     order_A, counts, token_sorted_A, slot_A, num_slots = _sorted_layout(token_A, expert_A, n, w_gate_EDF.shape[0])
     x_AD = gather_rows(x_ND, token_sorted_A, slot_A, num_slots)
@@ -289,7 +289,7 @@ def _moe_ffn_backward_op(
         torch.mm(x_AD[rows].T, du_AF[rows], out=grad_up[e])
         torch.mm(dg_AF[rows], wg.T, out=dx_AD[rows])
         dx_AD[rows] += du_AF[rows] @ wu.T
-    num_slots = int(slot_A.max()) + 1
+    num_slots = int(slot_A.max()) + 1 if slot_A.numel() else 1
     grad_x_ND = scatter_sum(dx_AD, token_sorted_A, slot_A, num_slots, x_ND.shape[0])
     return grad_x_ND, grad_weight_A, grad_gate, grad_up, grad_down
 
