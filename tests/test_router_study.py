@@ -139,6 +139,16 @@ def test_row_keys_do_not_depend_on_where_the_corpus_lies():
     assert study.row_key(spec) != study.row_key({**spec, "fields": {**fields, "lr": 2e-3}})
 
 
+def test_speed_only_settings_are_set_and_leave_a_rows_key_as_stored():
+    """Rows keep freed memory (faster, the same numbers), and a row stored before the setting
+    existed keeps its key: the registered rows already run are not planned again."""
+    fields = study.row_config("stdlib-bytes", "quick", "topk_aux", 0, True)
+    assert fields["cpu_malloc_keep"] is True and TrainConfig.flat(**fields).parallel.cpu_malloc_keep
+    spec = {"corpus": "stdlib-bytes", "size": "quick", "router": "topk_aux", "seed": 0, "fields": fields}
+    older = {**spec, "fields": {k: v for k, v in fields.items() if k not in study.SPEED_ONLY}}
+    assert study.row_key(spec) == study.row_key(older)
+
+
 def test_routers_that_are_not_batch_invariant_are_decoded_one_sequence_at_a_time():
     assert study.row_config("stdlib-bytes", "quick", "expert_choice_batch", 0, True)["causal_batch_size"] == 1
     for label in ("topk_aux", "expert_choice", "seq_topk", "dense"):
