@@ -102,7 +102,9 @@ class BlockedAdamW(torch.optim.AdamW):
     megabytes, out of cache and above the loop's malloc mmap threshold (``cpu_mmap_threshold_kib``),
     so every pass streams memory and every temporary is fresh, page-faulted memory. Blocked, a
     parameter's operations run on a cached block (docs/benchmarks.md: 2.7x faster for the study's
-    large MoE model, 2.35x for its baby one)."""
+    large MoE model, 2.35x for its baby one). Measured later on quiet cores, the page faults were
+    the whole gain: where freed memory is kept (``cpu_malloc_keep``) the two run alike (0.91-1.00x
+    of torch's for-loop)."""
 
     BLOCK = 1 << 17
     """Elements per block (512 KiB of fp32): fewer, longer blocks cost more memory traffic,
