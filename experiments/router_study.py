@@ -52,6 +52,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -220,7 +221,8 @@ def corpus_fields(corpus: str, quick: bool, path: str | None = None) -> dict:
     if not (out / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "moe.data", "prepare", str(texts), "--out", str(out)]
         cmd += ["--train-tokenizer", str(BPE_VOCAB), "--no-progress"]
-        subprocess.run(cmd, check=True, cwd=ROOT)
+        here = os.pathsep.join([str(ROOT), str(ROOT / "kernels")])  # this checkout's code, not an installed one
+        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": here})
     return {"data": str(out)}
 
 
