@@ -29,6 +29,13 @@ TINY = [
 """A run far too long to finish: only Ctrl-C ends it."""
 
 
+def sigint_as_at_a_terminal() -> None:
+    """A Popen ``preexec_fn``: the child starts with SIGINT at its default, as a command typed at a
+    terminal does, whatever this process inherited (a background job, a ``nohup`` or an ``&`` in
+    a script without job control, inherits SIG_IGN, and Python then leaves Ctrl-C ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt_when(proc: subprocess.Popen, ready, send, timeout_s: float = 240) -> tuple[str, str]:
     """Wait until ``ready()`` (or the process ended), then ``send()`` Ctrl-C; the process's output."""
     deadline = time.monotonic() + timeout_s
@@ -70,6 +77,7 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume_it_in_one_line(tmp_
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_as_at_a_terminal,
     )
     _, err = interrupt_when(proc, lambda: complete(ckpt, 4), lambda: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 130, err[-3000:]
@@ -94,6 +102,7 @@ def test_a_run_without_checkpoints_says_there_is_nothing_to_resume(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_as_at_a_terminal,
     )
 
     def two_steps_logged() -> bool:
