@@ -65,8 +65,11 @@ import torch
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-# this tree's code, whatever copy of the package is installed: a row records this tree's commit
-sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]
+SOURCE = [str(ROOT), str(ROOT / "kernels")]
+"""This tree's code (moe/ at the root, causal_moe_kernels under kernels/), first on the path of
+this process and of the subprocesses it starts, whatever copy of the package is installed: a
+row records this tree's commit."""
+sys.path[:0] = SOURCE
 from study_report import SMOKE, registration_lines, render  # noqa: E402
 from study_stats import StudyError, registered_verdict, require_scipy  # noqa: E402
 
@@ -221,8 +224,7 @@ def corpus_fields(corpus: str, quick: bool, path: str | None = None) -> dict:
     if not (out / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "moe.data", "prepare", str(texts), "--out", str(out)]
         cmd += ["--train-tokenizer", str(BPE_VOCAB), "--no-progress"]
-        here = os.pathsep.join([str(ROOT), str(ROOT / "kernels")])  # this checkout's code, not an installed one
-        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": here})
+        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(SOURCE)})
     return {"data": str(out)}
 
 
