@@ -23,6 +23,10 @@ beside the loop's ``BlockedAdamW``: the optimizer's effect as a ratio in the sam
 
 3. ``optimizer``: the AdamW step alone on copies of each eager row's parameters and gradients,
    ``BlockedAdamW`` against torch's for-loop AdamW (``--optimizer-rounds``).
+4. ``operators`` (``--profile-steps N``): ``torch.profiler`` over N more whole steps of each
+   eager row, after the timing: every operator's own CPU time and calls per step, and for each
+   MoE row the operators whose time grew most over the dense twin's (the profiler's own
+   overhead per call inflates both sides; read the differences, not the totals).
 
 Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``.
 """
@@ -135,6 +139,7 @@ def bench(
     rounds: int,
     burst: int,
     optimizer_rounds: int,
+    profile_steps: int,
     info,
 ) -> dict:
     modes = [False, True] if compiled else [False]
@@ -156,6 +161,7 @@ def bench(
         "steps": steps,
         "phases": phases,
         "optimizer": bench_optimizer(eager, optimizer_rounds) if optimizer_rounds else {},
+        "operators": operator_profile(eager, profile_steps) if profile_steps else {},
     }
 
 
@@ -169,6 +175,58 @@ def bench_optimizer(sessions: dict[str, Session], rounds: int) -> dict:
     return out
 
 
+def operator_profile(sessions: dict[str, Session], steps: int) -> dict:
+    """name -> operator -> ``{"cpu_ms", "calls"}`` per step: the operators' own (self) CPU time
+    and calls in ``steps`` whole steps of each session under ``torch.profiler`` (each session
+    continues from a step number of its own beyond the timed ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, step in stepping(sessions, train_step, first=10_000).items():
+        step()  # a warm step outside the profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        out[name] = {
+            e.key: {"cpu_ms": e.self_cpu_time_total / steps / 1e3, "calls": e.count / steps}
+            for e in prof.key_averages()
+            if e.self_cpu_time_total > 0
+        }
+    return out
+
+
+def operator_rows(ops: dict, top: int = 12) -> list[str]:
+    """Markdown: for each row after the first (the dense twin), its total own CPU ms and calls
+    per step against the dense twin's, then the ``top`` operators whose own time grew most."""
+    dense = next(iter(ops))
+
+    def total(name: str, field: str) -> float:
+        return sum(v[field] for v in ops[name].values())
+
+    lines = []
+    for name in ops:
+        if name == dense:
+            continue
+        a, b = ops[dense], ops[name]
+        lines += [
+            "",
+            f"{name} against {dense}: own CPU ms per step {total(dense, 'cpu_ms'):.1f} -> {total(name, 'cpu_ms'):.1f}, "
+            f"operator calls {total(dense, 'calls'):,.0f} -> {total(name, 'calls'):,.0f}",
+            "",
+            f"| operator | {dense} ms | {dense} calls | {name} ms | {name} calls | difference ms |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        zero = {"cpu_ms": 0.0, "calls": 0.0}
+        grown = sorted(set(a) | set(b), key=lambda k: a.get(k, zero)["cpu_ms"] - b.get(k, zero)["cpu_ms"])
+        for k in grown[:top]:
+            x, y = a.get(k, zero), b.get(k, zero)
+            lines.append(
+                f"| `{k}` | {x['cpu_ms']:.2f} | {x['calls']:.0f} | {y['cpu_ms']:.2f} | {y['calls']:.0f} "
+                f"| {y['cpu_ms'] - x['cpu_ms']:+.2f} |"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = arguments(__doc__, "a smoke run: baby, 2 rounds", (10, "interleaved rounds of each measurement"), 2)
     p.add_argument("--sizes", nargs="+", default=["baby", "large"], choices=["baby", "large"])
@@ -176,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--optimizer-rounds", type=int, default=20, help="interleaved rounds of the AdamW-alone timing")
     p.add_argument("--compile", action="store_true", help="also time compiled sessions")
     p.add_argument("--torch-adamw", action="store_true", help="also time each row with torch's AdamW (the baseline)")
+    p.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of each eager row (0: none)")
     args, head = start("bench_step_phases", p, argv)
     if args.quick:
         args.sizes, args.rounds = ["baby"], 2
@@ -187,7 +246,15 @@ def main(argv: list[str] | None = None) -> dict:
         "burst": args.burst,
         "sizes": {
             size: bench(
-                size, args.labels, args.compile, args.torch_adamw, args.rounds, args.burst, args.optimizer_rounds, info
+                size,
+                args.labels,
+                args.compile,
+                args.torch_adamw,
+                args.rounds,
+                args.burst,
+                args.optimizer_rounds,
+                args.profile_steps,
+                info,
             )
             for size in args.sizes
         },
@@ -209,6 +276,9 @@ def markdown(r: dict) -> str:
         names = list(b["phases"])
         totals = [sum(v["cpu_s"] for v in b["phases"][n].values()) * 1e3 for n in names]
         lines.append("| sum | " + " | ".join(f"{t:.2f}" for t in totals) + " |")
+        if b["operators"]:
+            lines += ["", "Operators under torch.profiler, own CPU time per step:"]
+            lines += operator_rows(b["operators"])
         if not b["optimizer"]:
             continue
         lines += ["", "AdamW alone, CPU ms (medians): the loop's BlockedAdamW against torch's for-loop AdamW:", ""]

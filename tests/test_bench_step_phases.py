@@ -56,3 +56,29 @@ def test_ratios_divide_each_variant_by_its_dense_row():
     assert r["topk_aux torch-AdamW compiled"]["cpu_vs_dense"] == pytest.approx(0.8)
     assert r["topk_aux torch-AdamW compiled"]["cpu_vs_eager_dense"] == pytest.approx(1.0)
     assert r["dense"]["tokens_per_s_cpu"] == pytest.approx(7680)
+
+
+def test_operator_profile_counts_each_step_once():
+    """Two profiled steps of a model are reported per step: the model's matmuls (each layer's
+    forward and backward) come out as whole calls per step, not twice as many."""
+    ops = bench.operator_profile({"topk": session()}, steps=2)["topk"]
+    per_step = ops["aten::mm"]["calls"]
+    assert per_step == int(per_step) and per_step > 0
+    one = bench.operator_profile({"topk": session()}, steps=1)["topk"]
+    assert one["aten::mm"]["calls"] == per_step
+
+
+def test_operator_rows_put_the_largest_growth_first():
+    ops = {
+        "dense": {"aten::mm": {"cpu_ms": 10.0, "calls": 60}, "aten::add": {"cpu_ms": 1.0, "calls": 20}},
+        "topk_aux": {
+            "aten::mm": {"cpu_ms": 12.0, "calls": 300},
+            "aten::add": {"cpu_ms": 0.5, "calls": 20},
+            "aten::topk": {"cpu_ms": 3.0, "calls": 8},
+        },
+    }
+    lines = bench.operator_rows(ops)
+    assert "own CPU ms per step 11.0 -> 15.5, operator calls 80 -> 328" in lines[1]
+    body = [line for line in lines if line.startswith("| `")]
+    assert [line.split("`")[1] for line in body] == ["aten::topk", "aten::mm", "aten::add"]
+    assert body[0].endswith("| +3.00 |") and body[2].endswith("| -0.50 |")
