@@ -7,9 +7,9 @@ measured in the same run.
     PYTHONPATH=.:kernels nice python experiments/bench_step_phases.py --sizes baby --compile   # adds compiled sessions
     PYTHONPATH=.:kernels nice python experiments/bench_step_phases.py --quick                  # smoke run, about 1 min
 
-Two measurements through ``experiments/timing.py``, interleaved (each round runs every session
-once, in an order shuffled per round; medians over rounds), wall and process CPU time (the machine is shared: CPU time is
-what this process got, the steadier figure):
+Measurements through ``experiments/timing.py``, interleaved (each round runs every session
+once, in an order shuffled per round; medians over rounds), wall and process CPU time (the
+machine is shared: CPU time is what this process got, the steadier figure):
 
 1. ``steps``: ``moe.training.loop.train_step``, the whole step ``train()`` runs, in bursts;
    tokens/s and the ratio to the dense row of the same mode (eager or compiled).
@@ -17,16 +17,17 @@ what this process got, the steadier figure):
    forward, backward, statistics (``StepTally.add_output``), clipping, the AdamW step, router
    updates (``update_routers``), logging (``StepTally.finish``: the host reads of the step's
    metrics).
-
-``--torch-adamw`` adds each row with torch's own AdamW (the loop's optimizer before issue 57)
-beside the loop's ``BlockedAdamW``: the optimizer's effect as a ratio in the same run.
-
 3. ``optimizer``: the AdamW step alone on copies of each eager row's parameters and gradients,
    ``BlockedAdamW`` against torch's for-loop AdamW (``--optimizer-rounds``).
 4. ``operators`` (``--profile-steps N``): ``torch.profiler`` over N more whole steps of each
    eager row, after the timing: every operator's own CPU time and calls per step, and for each
    MoE row the operators whose time grew most over the dense twin's (the profiler's own
    overhead per call inflates both sides; read the differences, not the totals).
+
+``--torch-adamw`` adds each row with torch's own AdamW (the loop's optimizer before issue 57)
+beside the loop's ``BlockedAdamW``: the optimizer's effect as a ratio in the same run.
+``--malloc-threshold`` runs every session at the trainer's default 1 MiB mmap threshold instead
+of the study's kept memory (``cpu_malloc_keep``), which moves the ratios (docs/benchmarks.md).
 
 Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``.
 """
@@ -68,11 +69,16 @@ CORPUS, SEED = "shakespeare-bpe", 6
 LABELS = ["dense", "topk_aux", "expert_threshold", "quantile"]
 
 
-def session(size: str, label: str, compiled: bool, info, torch_adamw: bool = False) -> Session:
+def session(
+    size: str, label: str, compiled: bool, info, torch_adamw: bool = False, malloc_kept: bool = True
+) -> Session:
     """A session of the study's row; ``torch_adamw``: with torch's own AdamW (the loop's before
-    issue 57) instead of the loop's ``BlockedAdamW``, the same groups and settings."""
+    issue 57) instead of the loop's ``BlockedAdamW``, the same groups and settings;
+    ``malloc_kept=False``: the trainer's default 1 MiB mmap threshold instead of the study's
+    kept memory (a process-wide setting: every session of a run the same)."""
     fields = router_study.row_config(CORPUS, size, label, SEED, quick=False)
-    s = prepare(TrainConfig.flat(**{**fields, "steps": 100_000, "compile": compiled}), None, info)
+    fields = {**fields, "steps": 100_000, "compile": compiled, "cpu_malloc_keep": malloc_kept}
+    s = prepare(TrainConfig.flat(**fields), None, info)
     s.place.model.train()
     if torch_adamw:
         use_torch_adamw(s)
@@ -140,14 +146,19 @@ def bench(
     burst: int,
     optimizer_rounds: int,
     profile_steps: int,
+    malloc_kept: bool,
     info,
 ) -> dict:
     modes = [False, True] if compiled else [False]
-    sessions = {f"{label}{' compiled' if c else ''}": session(size, label, c, info) for c in modes for label in labels}
+    sessions = {
+        f"{label}{' compiled' if c else ''}": session(size, label, c, info, malloc_kept=malloc_kept)
+        for c in modes
+        for label in labels
+    }
     if torch_adamw:
         sessions.update(
             {
-                f"{label} torch-AdamW{' compiled' if c else ''}": session(size, label, c, info, True)
+                f"{label} torch-AdamW{' compiled' if c else ''}": session(size, label, c, info, True, malloc_kept)
                 for c in modes
                 for label in labels
             }
@@ -235,6 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compile", action="store_true", help="also time compiled sessions")
     p.add_argument("--torch-adamw", action="store_true", help="also time each row with torch's AdamW (the baseline)")
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of each eager row (0: none)")
+    p.add_argument(
+        "--malloc-threshold",
+        action="store_true",
+        help="the trainer's default 1 MiB mmap threshold instead of the study's kept memory (cpu_malloc_keep)",
+    )
     args, head = start("bench_step_phases", p, argv)
     if args.quick:
         args.sizes, args.rounds = ["baby"], 2
@@ -254,6 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.burst,
                 args.optimizer_rounds,
                 args.profile_steps,
+                not args.malloc_threshold,
                 info,
             )
             for size in args.sizes
