@@ -41,9 +41,9 @@ folder of its own or without wandb installed, else offline unless $WANDB_API_KEY
 from moe.extras import MissingExtra
 
 try:
-    from moe.training import main
+    from moe.training.cli import script
 except MissingExtra as e:  # a core install without the [train] extra: one line, not a traceback
     raise SystemExit(f"error: {e}") from None
 
 if __name__ == "__main__":
-    main()
+    script()

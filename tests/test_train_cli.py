@@ -118,3 +118,46 @@ def test_a_gap_that_rounds_to_zero_is_printed_without_a_sign():
     )
     record.update({"eval/teacher_forced_loss": 2.07944, "eval/causal_loss": 2.07943, "eval/leakage_gap": -1e-5})
     assert log_line(record).endswith("eval tf 2.0794 causal 2.0794 gap 0.0000"), log_line(record)
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize("world_size, exits", [(None, False), ("1", False), ("2", True)])
+def test_a_finished_torchrun_worker_leaves_without_the_interpreters_teardown(monkeypatch, world_size, exits):
+    """``experiments/train.py``'s entry exits at once with status 0 after a finished run in a
+    torchrun worker (torch keeps gloo threads alive past destroy_process_group; their teardown
+    aborted finished ranks), and returns normally in a single process."""
+    import moe.training.cli as cli
+
+    ran, exit_codes = [], []
+
+    def fake_exit(code):
+        exit_codes.append(code)
+        raise _Exited
+
+    monkeypatch.setattr(cli, "main", lambda: ran.append(True))
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    if exits:
+        with pytest.raises(_Exited):
+            cli.script()
+    else:
+        cli.script()
+    assert ran == [True] and exit_codes == ([0] if exits else [])
+
+
+def test_a_failed_torchrun_worker_exits_with_its_status_not_zero(monkeypatch):
+    """A run that fails (here a user error: exit 2) never reaches the immediate exit 0."""
+    import moe.training.cli as cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli.os, "_exit", lambda code: pytest.fail(f"os._exit({code}) after a failed run"))
+    monkeypatch.setattr(cli.sys, "argv", ["train.py", "--steps", "0"])
+    with pytest.raises(SystemExit) as info:
+        cli.script()
+    assert info.value.code == 2
