@@ -18,7 +18,7 @@ machine is shared: CPU time is what this process got, the steadier figure):
    updates (``update_routers``), logging (``StepTally.finish``: the host reads of the step's
    metrics).
 3. ``optimizer``: the AdamW step alone on copies of each eager row's parameters and gradients,
-   ``BlockedAdamW`` against torch's for-loop AdamW (``--optimizer-rounds``).
+   ``BlockedAdamW`` against torch's for-loop AdamW and its fused one (``--optimizer-rounds``).
 4. ``operators`` (``--profile-steps N``): ``torch.profiler`` over N more whole steps of each
    eager row, after the timing: every operator's own CPU time and calls per step, and for each
    MoE row the operators whose time grew most over the dense twin's (the profiler's own
@@ -26,7 +26,9 @@ machine is shared: CPU time is what this process got, the steadier figure):
 
 ``--torch-adamw`` adds each row with torch's own AdamW (the loop's optimizer before issue 57)
 beside the loop's ``BlockedAdamW``: the optimizer's effect as a ratio in the same run.
-``--malloc-threshold`` runs every session at the trainer's default 1 MiB mmap threshold instead
+``--frozen-routing`` adds each MoE row with its routers frozen (:func:`freeze_routing`): the
+assignments of one earlier forward, no gate gradient, no aux loss; what the step would cost if
+routing cost nothing (its numbers are not the row's). ``--malloc-threshold`` runs every session at the trainer's default 1 MiB mmap threshold instead
 of the study's kept memory (``cpu_malloc_keep``), which moves the ratios (docs/benchmarks.md).
 
 Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``.
@@ -35,6 +37,7 @@ Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -58,6 +61,7 @@ from moe.global_balance import global_batch_loads  # noqa: E402
 from moe.layer import update_routers  # noqa: E402
 from moe.parallel.state import clip_grad_norm_  # noqa: E402
 from moe.routers.quantile_global import register_quantile_balancing_hook  # noqa: E402
+from moe.routing import Router, Routing  # noqa: E402
 from moe.training.batches import local_batch  # noqa: E402
 from moe.training.config import TrainConfig  # noqa: E402
 from moe.training.distributed import setup_distributed  # noqa: E402
@@ -125,11 +129,37 @@ def phased_step(s: Session, step: int, phases: Phases) -> None:
     phases.end("logging (StepTally.finish)")
 
 
+def freeze_routing(s: Session, step: int) -> None:
+    """Make every router of ``s`` return, from now on, the routing that its forward in training
+    step ``step`` gives (run here), detached: the same assignments and statistics, weights
+    without a gradient, no aux loss. The step then costs what it would if routing cost nothing
+    (the experts, the sorted layout and the optimizer as before): an accounting device for
+    ``--frozen-routing``, whose numbers are not the row's."""
+    routers = [m for m in s.place.model.modules() if isinstance(m, Router)]
+    frozen: dict[Router, Routing] = {}
+
+    def keep(router: Router, inputs, routing: Routing) -> None:
+        frozen[router] = replace(
+            routing,
+            weight=routing.weight.detach(),
+            aux_loss=torch.zeros_like(routing.aux_loss.detach()),
+            stats={k: v.detach() for k, v in routing.stats.items()},
+        )
+
+    handles = [r.register_forward_hook(keep) for r in routers]
+    train_step(s, step)
+    for h in handles:
+        h.remove()
+    for r in routers:
+        r.forward = lambda *args, _routing=frozen[r], **kwargs: _routing
+
+
 def add_ratios(steps: dict, tokens: int) -> dict:
     """tokens/s, and each run's tokens/s over the dense row of the same variant (``"topk_aux
-    torch-AdamW compiled"`` over ``"dense torch-AdamW compiled"``) and over eager dense's."""
+    torch-AdamW compiled"`` over ``"dense torch-AdamW compiled"``; the eager dense row where the
+    variant has no dense row of its own, as ``frozen-routing``) and over eager dense's."""
     for name, v in steps.items():
-        base = steps["dense" + name.removeprefix(name.split(" ")[0])]
+        base = steps.get("dense" + name.removeprefix(name.split(" ")[0]), steps["dense"])
         for c in ("wall", "cpu"):
             v[f"tokens_per_s_{c}"] = tokens / v[f"{c}_s"]
             v[f"{c}_vs_dense"] = base[f"{c}_s"] / v[f"{c}_s"]
@@ -147,6 +177,7 @@ def bench(
     optimizer_rounds: int,
     profile_steps: int,
     malloc_kept: bool,
+    frozen_routing: bool,
     info,
 ) -> dict:
     modes = [False, True] if compiled else [False]
@@ -155,6 +186,10 @@ def bench(
         for c in modes
         for label in labels
     }
+    if frozen_routing:
+        for label in labels[1:]:
+            sessions[f"{label} frozen-routing"] = session(size, label, False, info, malloc_kept=malloc_kept)
+            freeze_routing(sessions[f"{label} frozen-routing"], 9_999)
     if torch_adamw:
         sessions.update(
             {
@@ -177,12 +212,16 @@ def bench(
 
 
 def bench_optimizer(sessions: dict[str, Session], rounds: int) -> dict:
-    """The AdamW step alone, the loop's ``BlockedAdamW`` against torch's for-loop AdamW, on
-    copies of each session's parameters and last gradients, interleaved; medians."""
-    kept = ("BlockedAdamW (the loop's)", "AdamW for-loop (torch's CPU default)")
+    """The AdamW step alone, the loop's ``BlockedAdamW`` against torch's for-loop AdamW and its
+    fused one (one pass over memory, not bitwise the for-loop's), on copies of each session's
+    parameters and last gradients, interleaved; medians. ``speedup_cpu``: the for-loop's time
+    over ``BlockedAdamW``'s; ``fused_speedup_cpu``: ``BlockedAdamW``'s over the fused one's."""
+    kept = ("BlockedAdamW (the loop's)", "AdamW for-loop (torch's CPU default)", "AdamW fused")
     out = medians(optimizer_samples(sessions, rounds, kept))
-    for per in out.values():
+    for name, per in out.items():
         per["speedup_cpu"] = per[kept[1]]["cpu_s"] / per[kept[0]]["cpu_s"]
+        per["fused_speedup_cpu"] = per[kept[0]]["cpu_s"] / per[kept[2]]["cpu_s"]
+        per["parameters"] = sum(p.numel() for g in sessions[name].optimizer.param_groups for p in g["params"])
     return out
 
 
@@ -251,6 +290,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="the trainer's default 1 MiB mmap threshold instead of the study's kept memory (cpu_malloc_keep)",
     )
+    p.add_argument(
+        "--frozen-routing",
+        action="store_true",
+        help="also time each MoE row with its routing frozen (freeze_routing): the step if routing cost nothing",
+    )
     args, head = start("bench_step_phases", p, argv)
     if args.quick:
         args.sizes, args.rounds = ["baby"], 2
@@ -271,6 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.optimizer_rounds,
                 args.profile_steps,
                 not args.malloc_threshold,
+                args.frozen_routing,
                 info,
             )
             for size in args.sizes
@@ -298,11 +343,21 @@ def markdown(r: dict) -> str:
             lines += operator_rows(b["operators"])
         if not b["optimizer"]:
             continue
-        lines += ["", "AdamW alone, CPU ms (medians): the loop's BlockedAdamW against torch's for-loop AdamW:", ""]
-        lines += ["| run | BlockedAdamW | torch for-loop | speedup |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "AdamW alone, CPU ms (medians): the loop's BlockedAdamW against torch's for-loop and fused AdamW:",
+            "",
+        ]
+        lines += [
+            "| run | parameters | BlockedAdamW | torch for-loop | torch fused | for-loop / Blocked | Blocked / fused | Blocked, ns per parameter |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for k, per in b["optimizer"].items():
-            blocked, loop = (per[v]["cpu_s"] * 1e3 for v in per if v != "speedup_cpu")
-            lines.append(f"| {k} | {blocked:.2f} | {loop:.2f} | {per['speedup_cpu']:.2f}x |")
+            blocked, loop, fused = (per[v]["cpu_s"] * 1e3 for v in per if isinstance(per[v], dict))
+            lines.append(
+                f"| {k} | {per['parameters']:,} | {blocked:.2f} | {loop:.2f} | {fused:.2f} | {per['speedup_cpu']:.2f}x "
+                f"| {per['fused_speedup_cpu']:.2f}x | {blocked * 1e6 / per['parameters']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 

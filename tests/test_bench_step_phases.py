@@ -82,3 +82,34 @@ def test_operator_rows_put_the_largest_growth_first():
     body = [line for line in lines if line.startswith("| `")]
     assert [line.split("`")[1] for line in body] == ["aten::topk", "aten::mm", "aten::add"]
     assert body[0].endswith("| +3.00 |") and body[2].endswith("| -0.50 |")
+
+
+def test_frozen_routing_returns_one_forwards_routing_without_gradient():
+    """After ``freeze_routing`` every router gives the assignments of the forward it froze, to
+    any input, with no aux loss and no gradient into its gate; the rest of the step trains."""
+    from moe.routing import Router
+
+    s = session()
+    routers = [m for m in s.place.model.modules() if isinstance(m, Router)]
+    first = {r: None for r in routers}
+    handles = [r.register_forward_hook(lambda m, i, out: first.__setitem__(m, out)) for r in routers]
+    bench.freeze_routing(s, 1)
+    for h in handles:
+        h.remove()
+    expert_weights = [p for n, p in s.place.model.named_parameters() if "experts" in n]
+    before = [p.detach().clone() for p in expert_weights]
+    train_step(s, 2)
+    for r in routers:
+        x = torch.randn(2, 5, r.d_model)
+        again = r(x)
+        assert torch.equal(again.expert, first[r].expert) and torch.equal(again.token, first[r].token)
+        assert torch.equal(again.weight, first[r].weight) and not again.weight.requires_grad
+        assert float(again.aux_loss) == 0.0
+        assert all(p.grad is None or not p.grad.any() for p in r.gate.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, expert_weights))
+
+
+def test_a_variant_without_a_dense_row_of_its_own_divides_by_eager_dense():
+    steps = {"dense": {"wall_s": 0.1, "cpu_s": 0.1}, "topk_aux frozen-routing": {"wall_s": 0.2, "cpu_s": 0.125}}
+    r = bench.add_ratios(steps, 768)
+    assert r["topk_aux frozen-routing"]["cpu_vs_dense"] == pytest.approx(0.8)
