@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from moe.audit import AuditReport, AuditUsageError, audit, builtin_targets, summary_table
+from moe.audit.probes import DECODE_PREFIXES
 from moe.layer import MoELayer
 from moe.model import MoETransformer, preset
 from moe.routers import CapacityRouter, ExpertChoiceRouter, build_router
@@ -67,6 +68,24 @@ class SinglePositionLeak(PositionwiseMLP):
         leak = torch.zeros_like(y)
         leak[:, LEAK_TO] = 0.5 * x[:, LEAK_FROM]
         return y + leak
+
+
+class NextTokenLeak(PositionwiseMLP):
+    """Each position also reads the next one (an attention mask off by one): the commonest leak."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.net(x)
+        return torch.cat([y[:, :-1] + 0.5 * x[:, 1:], y[:, -1:]], dim=1)
+
+
+class LastPositionDoubled(PositionwiseMLP):
+    """Doubles the output of whatever position is last: causal in time and batch-invariant (no
+    output reads another position's value), yet a prefix alone doubles its own last position,
+    which the full sequence does not (a length-dependent rule, like pooling at the end)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.net(x)
+        return torch.cat([y[:, :-1], 2 * y[:, -1:]], dim=1)
 
 
 class PrefixMean(nn.Module):
@@ -174,6 +193,31 @@ def test_single_position_leak_is_located():
             assert p.leaks and p.first_leaking_position == LEAK_TO and p.leaking_positions == [LEAK_TO], report.table()
             if name != "adversarial_future":
                 assert p.fraction_affected == pytest.approx(1 / (T - 1)), report.table()
+
+
+def test_a_leak_from_the_next_position_is_found_at_every_cut():
+    """Output t reads input t + 1: every one of the T - 1 cuts moves, first at position 0, in the
+    random futures and the Jacobian (which must read the position right after the cut)."""
+    for seed in SEEDS[:2]:
+        report = audit(NextTokenLeak(seed=seed), example(seed), seed=seed, modes=("eval",))
+        assert report.probe("adversarial_future", "eval").leaks, report.table()
+        for name in ("random_future", "jacobian"):
+            p = report.probe(name, "eval")
+            assert p.leaks and p.leaking_positions == list(range(T - 1)), report.table()
+            assert p.fraction_affected == 1.0, report.table()
+        assert report.probe("jacobian", "eval").max_abs_delta == pytest.approx(0.5), report.table()
+
+
+def test_a_prefix_that_differs_only_at_its_last_position_is_not_decode_consistent():
+    """Nothing moves under future perturbations and other samples change nothing, but each prefix
+    alone gives its last position another output than the full sequence does: the decode probe
+    must compare that position too, and report it."""
+    report = audit(LastPositionDoubled(seed=0), example(0), seed=0)
+    assert not report.leaks and report.batch_invariant, report.table()
+    assert report.decode_differs_in == ["train", "eval"], report.table()
+    for mode in ("train", "eval"):  # each of the compared prefixes differs at its own last position
+        p = report.probe("decode_consistency", mode)
+        assert p.comparisons == len(p.leaking_positions) == DECODE_PREFIXES, report.table()
 
 
 def test_train_only_leak_is_reported_in_train_mode_only():

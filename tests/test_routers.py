@@ -400,3 +400,62 @@ def test_every_router_has_one_line_of_inheritance():
     for name, cls in moe.routing.registered_routers().items():
         chain = cls.__mro__[: cls.__mro__.index(moe.Router)]
         assert all(len(c.__bases__) == 1 for c in chain), f"{name}: {[c.__name__ for c in cls.__mro__]}"
+
+
+@pytest.mark.parametrize(
+    "factor,group,top_k,experts",
+    [("1.25", 10, 2, 4), ("1", 10, 1, 4), ("0.3", 7, 2, 3), ("2.5", 9, 1, 8), ("0.01", 16, 1, 4), ("8", 5, 2, 2)],
+)
+def test_capacity_per_group_is_the_ceiling_of_the_exact_product(factor, group, top_k, experts):
+    """C = ceil(cf * S * K / E) clamped to [1, S], the same from an int group size and from a
+    tensor of sizes, against the ceiling of the exact rational product (the cases include
+    products that are not whole: 6.25 -> 7, 1.4 -> 2, 2.8125 -> 3)."""
+    from fractions import Fraction
+
+    want = max(1, min(group, math.ceil(Fraction(factor) * group * top_k / experts)))
+    assert moe.routing.capacity_per_group(float(factor), group, top_k, experts) == want
+    sizes = torch.tensor([group, group + 1])
+    from_tensor = moe.routing.capacity_per_group(float(factor), sizes, top_k, experts)
+    other = max(1, min(group + 1, math.ceil(Fraction(factor) * (group + 1) * top_k / experts)))
+    assert from_tensor.tolist() == [want, other]
+
+
+def test_expert_choice_keeps_the_ceiling_of_a_fractional_capacity():
+    """cf 1.25, T 10, E 4: C = ceil(3.125) = 4 tokens per expert and sequence, each expert's four
+    highest-scoring tokens of its sequence (a float64 sort as the reference)."""
+    torch.manual_seed(0)
+    r = moe.build_router("expert_choice", d_model=8, num_experts=4, capacity_factor=1.25)
+    x = torch.randn(2, 10, 8)
+    out = r(x)
+    probs = torch.softmax(r.gate(x.reshape(20, 8)).double(), dim=-1).view(2, 10, 4)
+    chosen = out.mask()
+    for b in range(2):
+        for e in range(4):
+            top = set(torch.sort(probs[b, :, e], descending=True).indices[:4].tolist())
+            assert set(chosen[b, :, e].nonzero().flatten().tolist()) == top, (b, e)
+
+
+def test_dense_sums_the_weights_of_a_repeated_pair():
+    """A hand-built routing may name a (token, expert) pair twice; the data path adds both rows,
+    and so does :meth:`Routing.dense` (a fixed-size form's dropped duplicate, weight 0, adds
+    nothing and does not overwrite the kept one)."""
+    w = torch.tensor([0.25, 0.5, 0.125])
+    r = moe.Routing(
+        token=torch.tensor([0, 0, 1]),
+        expert=torch.tensor([1, 1, 0]),
+        weight=w,
+        num_tokens=2,
+        num_experts=2,
+        aux_loss=torch.zeros(()),
+    )
+    assert r.dense()[0].tolist() == [[0.0, 0.75], [0.125, 0.0]]
+    fixed = moe.Routing(
+        token=torch.tensor([0, 0]),
+        expert=torch.tensor([1, 1]),
+        weight=torch.tensor([0.5, 0.0]),
+        num_tokens=1,
+        num_experts=2,
+        aux_loss=torch.zeros(()),
+        valid=torch.tensor([True, False]),
+    )
+    assert fixed.dense()[0, 0].tolist() == [0.0, 0.5]
