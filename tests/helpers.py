@@ -212,3 +212,26 @@ def assert_cache_decoding_is_the_full_forward(model, idx_BT: torch.Tensor, tol: 
     assert (steps - full).abs().max() < tol, (
         f"max {(steps - full).abs().max():.3g}, mean {(steps - full).abs().mean():.3g}"
     )
+
+
+def study_row(
+    router: str, seed: int, causal: float, tf: float | None = None, corpus: str = "c", size: str = "s", dead: int = 0
+) -> dict:
+    """One stored row of the router study (the fields ``experiments/study_stats.py`` reads), with
+    the given losses (``tf``: the teacher-forced loss, default the causal one)."""
+    tf = causal if tf is None else tf
+    return {
+        "corpus": corpus,
+        "size": size,
+        "router": router,
+        "seed": seed,
+        "teacher_forced_loss": tf,
+        "causal_loss": causal,
+        "leakage_gap": causal - tf,
+        "max_vio": 0.1,
+        "active_experts_mean": 2.0,
+        "tokens_per_s": 1000.0,
+        "active_params": 1000,
+        "dead_experts": dead,
+        "config": {"data": {"batch_size": 12}, "eval": {"eval_batch_size": 64}},
+    }

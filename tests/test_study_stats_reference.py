@@ -13,6 +13,7 @@ import sys
 import pytest
 from extras import needs
 from helpers import ROOT
+from helpers import study_row as row
 
 sys.path.insert(0, str(ROOT / "experiments"))
 import study_stats as stats  # noqa: E402
@@ -39,24 +40,6 @@ def holm_reference(pvalues: list[float]) -> list[float]:
         i = ranked.index(p) + 1 + sum(1 for q in ranked if q == p) - 1  # ties: the last rank of equal p
         out.append(max(min(1.0, (m - j + 1) * ranked[j - 1]) for j in range(1, i + 1)))
     return out
-
-
-def row(router: str, seed: int, causal: float, tf: float) -> dict:
-    return {
-        "corpus": "c",
-        "size": "s",
-        "router": router,
-        "seed": seed,
-        "teacher_forced_loss": tf,
-        "causal_loss": causal,
-        "leakage_gap": causal - tf,
-        "max_vio": 0.1,
-        "active_experts_mean": 2.0,
-        "tokens_per_s": 1000.0,
-        "active_params": 1000,
-        "dead_experts": 0,
-        "config": {"data": {"batch_size": 12}, "eval": {"eval_batch_size": 64}},
-    }
 
 
 def test_the_teacher_forced_interval_is_that_of_the_teacher_forced_differences():

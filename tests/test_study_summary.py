@@ -13,32 +13,12 @@ import sys
 import pytest
 from extras import needs
 from helpers import ROOT
+from helpers import study_row as row
 
 sys.path.insert(0, str(ROOT / "experiments"))
 import study_stats as stats  # noqa: E402
 
 pytestmark = needs("scipy", "study")  # paired t-tests
-
-
-def row(
-    router: str, seed: int, causal: float, tf: float | None = None, corpus: str = "c", size: str = "s", dead: int = 0
-) -> dict:
-    tf = causal if tf is None else tf
-    return {
-        "corpus": corpus,
-        "size": size,
-        "router": router,
-        "seed": seed,
-        "teacher_forced_loss": tf,
-        "causal_loss": causal,
-        "leakage_gap": causal - tf,
-        "max_vio": 0.1,
-        "active_experts_mean": 2.0,
-        "tokens_per_s": 1000.0,
-        "active_params": 1000,
-        "dead_experts": dead,
-        "config": {"data": {"batch_size": 12}, "eval": {"eval_batch_size": 64}},
-    }
 
 
 def by_router(rows: list[dict], corpus: str = "c", size: str = "s") -> dict[str, dict]:
