@@ -28,8 +28,9 @@ machine is shared: CPU time is what this process got, the steadier figure):
 beside the loop's ``BlockedAdamW``: the optimizer's effect as a ratio in the same run.
 ``--frozen-routing`` adds each MoE row with its routers frozen (:func:`freeze_routing`): the
 assignments of one earlier forward, no gate gradient, no aux loss; what the step would cost if
-routing cost nothing (its numbers are not the row's). ``--malloc-threshold`` runs every session at the trainer's default 1 MiB mmap threshold instead
-of the study's kept memory (``cpu_malloc_keep``), which moves the ratios (docs/benchmarks.md).
+routing cost nothing (its numbers are not the row's). ``--malloc-threshold`` runs every session
+at the trainer's default 1 MiB mmap threshold instead of the study's kept memory
+(``cpu_malloc_keep``), which moves the ratios (docs/benchmarks.md).
 
 Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``.
 """
