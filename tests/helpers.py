@@ -104,6 +104,11 @@ def assignments(routing: moe.Routing) -> list[tuple[int, int]]:
     return sorted(zip(routing.token.tolist(), routing.expert.tolist()))
 
 
+def routed_weights(routing: moe.Routing) -> dict[tuple[int, int], float]:
+    """{(token, expert): combine weight} of a routing's kept assignments."""
+    return {(int(t), int(e)): float(w) for t, e, w in zip(routing.token, routing.expert, routing.weight.detach())}
+
+
 def hand_logits(*rows, batch: int = 1) -> torch.Tensor:
     """float64 [batch, T, E] from rows of E logits (for an :func:`identity_router`)."""
     x = torch.tensor(rows, dtype=torch.float64)

@@ -11,6 +11,7 @@ from helpers import SMALL_RUN
 
 from experiments import bench_step_phases as bench
 from experiments.timing import Phases
+from moe.routing import Router
 from moe.training.config import TrainConfig
 from moe.training.distributed import setup_distributed
 from moe.training.loop import prepare, train_step
@@ -87,8 +88,6 @@ def test_operator_rows_put_the_largest_growth_first():
 def test_frozen_routing_returns_one_forwards_routing_without_gradient():
     """After ``freeze_routing`` every router gives the assignments of the forward it froze, to
     any input, with no aux loss and no gradient into its gate; the rest of the step trains."""
-    from moe.routing import Router
-
     s = session()
     routers = [m for m in s.place.model.modules() if isinstance(m, Router)]
     first = {r: None for r in routers}

@@ -10,15 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assignments as pairs
-from helpers import identity_router
+from helpers import identity_router, routed_weights
 
 import moe
 from moe.routers.ec_threshold import population_cutoff
-
-
-def routed(routing: moe.Routing) -> dict[tuple[int, int], float]:
-    """{(token, expert): weight} of a routing."""
-    return {(int(t), int(e)): float(w) for t, e, w in zip(routing.token, routing.expert, routing.weight.detach())}
 
 
 # -- ec_threshold: the group statistic is the C-th best score of each group, C >= 2 -------------------
@@ -168,7 +163,7 @@ def test_token_rounding_up_keeps_a_count_already_a_tile_multiple():
         x = torch.stack(rows).view(1, -1, 2)
         assert torch.bincount(x.argmax(-1).view(-1), minlength=2).tolist() == list(counts)
         r = identity_router("token_rounding", 2, top_k=1, tile_size=tile, rounding="up").train()
-        got, want = routed(r(x)), rounded_up_reference(x.view(-1, 2), tile)
+        got, want = routed_weights(r(x)), rounded_up_reference(x.view(-1, 2), tile)
         assert set(got) == set(want)
         assert max(abs(got[p] - want[p]) for p in want) < 1e-12
 
@@ -218,7 +213,7 @@ def test_prefix_pool_reads_the_first_m_tokens_of_each_document_only():
     r = identity_router(
         "doc_pool", e, document_expert_pool=2, top_k=1, pool_from="prefix", pool_prefix=2, eos_token_id=EOS
     ).train()
-    got = routed(r(logits.view(1, t_len, e), token_ids_BT=torch.tensor([ids])))
+    got = routed_weights(r(logits.view(1, t_len, e), token_ids_BT=torch.tensor([ids])))
     want = prefix_pool_reference(logits, ids, pool=2, k=1, m=2)
     assert all(j in (0, 1) for _, j in want)  # the reference's pools: experts 0 and 1 throughout
     assert set(got) == set(want)
@@ -242,7 +237,7 @@ def test_replayed_empty_slot_is_outside_the_slot_softmax(name, options):
     x = torch.randn(1, 4, e, generator=gen, dtype=torch.float64)
     expert_NK = torch.tensor([[2, -1], [1, 3], [-1, 3], [2, 0]])
     routing = r.replay(r.score_logits(x.view(4, e)), x, (1, 4), expert_NK, decoding=False)
-    got = routed(routing)
+    got = routed_weights(routing)
     want = {}
     for n, slots in enumerate(expert_NK.tolist()):
         filled = [j for j in slots if j >= 0]

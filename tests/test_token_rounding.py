@@ -13,6 +13,7 @@ from helpers import (
     assert_cache_decoding_is_the_full_forward,
     assert_replay_is_the_recorded_forward,
     identity_router,
+    routed_weights,
     small_lm,
 )
 from helpers import assignments as pairs
@@ -39,10 +40,6 @@ def reference(logits_NE: torch.Tensor, k: int, tile: int, rounding: str) -> dict
         for i in ranked[: min(target * tile, n)]:
             kept[(i, j)] = weight[i][j] if j in picks[i] else probs[i][j]
     return kept
-
-
-def routed(routing: moe.Routing) -> dict[tuple[int, int], float]:
-    return {(int(t), int(e)): float(w) for t, e, w in zip(routing.token, routing.expert, routing.weight.detach())}
 
 
 def test_hand_case_rounds_each_experts_count_up_down_and_to_the_nearest_tile():
@@ -75,7 +72,7 @@ def test_training_routing_equals_the_reference_rule(rounding, seed):
     x = torch.randn(3, 9, 6, generator=gen, dtype=torch.float64)
     x[1, 4] = x[0, 2]  # a tie between two tokens: the earlier keeps its rank
     r = identity_router("token_rounding", 6, top_k=2, tile_size=4, rounding=rounding).train()
-    got, want = routed(r(x)), reference(x.reshape(-1, 6), 2, 4, rounding)
+    got, want = routed_weights(r(x)), reference(x.reshape(-1, 6), 2, 4, rounding)
     assert set(got) == set(want)
     assert max(abs(got[p] - want[p]) for p in want) < 1e-12
 
