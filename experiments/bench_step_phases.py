@@ -30,7 +30,11 @@ beside the loop's ``BlockedAdamW``: the optimizer's effect as a ratio in the sam
 assignments of one earlier forward, no gate gradient, no aux loss; what the step would cost if
 routing cost nothing (its numbers are not the row's). ``--malloc-threshold`` runs every session
 at the trainer's default 1 MiB mmap threshold instead of the study's kept memory
-(``cpu_malloc_keep``), which moves the ratios (docs/benchmarks.md).
+(``cpu_malloc_keep``), which moves the ratios (docs/benchmarks.md). ``--shrunk`` adds every row
+with its widths and batch shrunk (:data:`SHRUNK`: the same layers, routers, vocabulary and code
+paths, arithmetic made negligible): its step is the fixed cost of the step's operators
+(Python, dispatch, autograd, allocation), and the MoE rows' gap over the shrunk dense row is the
+part of the full-size gap that fewer operators could remove.
 
 Writes ``experiments/results/bench_step_phases-<date>-cpu1[-<label>].{json,md}``.
 """
@@ -72,17 +76,30 @@ from moe.training.optim import lr_at, set_lr  # noqa: E402
 
 CORPUS, SEED = "shakespeare-bpe", 6
 LABELS = ["dense", "topk_aux", "expert_threshold", "quantile"]
+SHRUNK = {"model": {"d_model": 16, "moe_d_ff": 16, "d_ff": 32, "max_seq_len": 8}, "seq_len": 8, "batch_size": 2}
+"""``--shrunk``: a row's model and batch with arithmetic made negligible (D 16, experts of width 16
+and the dense twin of 32, T 8, batch 2), every other field the row's."""
 
 
 def session(
-    size: str, label: str, compiled: bool, info, torch_adamw: bool = False, malloc_kept: bool = True
+    size: str,
+    label: str,
+    compiled: bool,
+    info,
+    torch_adamw: bool = False,
+    malloc_kept: bool = True,
+    shrunk: bool = False,
 ) -> Session:
     """A session of the study's row; ``torch_adamw``: with torch's own AdamW (the loop's before
     issue 57) instead of the loop's ``BlockedAdamW``, the same groups and settings;
     ``malloc_kept=False``: the trainer's default 1 MiB mmap threshold instead of the study's
-    kept memory (a process-wide setting: every session of a run the same)."""
+    kept memory (a process-wide setting: every session of a run the same); ``shrunk``: the
+    row's model and batch shrunk to :data:`SHRUNK`."""
     fields = router_study.row_config(CORPUS, size, label, SEED, quick=False)
     fields = {**fields, "steps": 100_000, "compile": compiled, "cpu_malloc_keep": malloc_kept}
+    if shrunk:
+        model = {k: v for k, v in SHRUNK["model"].items() if k in fields["model"]}
+        fields = {**fields, **SHRUNK, "model": {**fields["model"], **model}}
     s = prepare(TrainConfig.flat(**fields), None, info)
     s.place.model.train()
     if torch_adamw:
@@ -155,16 +172,19 @@ def freeze_routing(s: Session, step: int) -> None:
         r.forward = lambda *args, _routing=frozen[r], **kwargs: _routing
 
 
-def add_ratios(steps: dict, tokens: int) -> dict:
-    """tokens/s, and each run's tokens/s over the dense row of the same variant (``"topk_aux
-    torch-AdamW compiled"`` over ``"dense torch-AdamW compiled"``; the eager dense row where the
-    variant has no dense row of its own, as ``frozen-routing``) and over eager dense's."""
+def add_ratios(steps: dict, tokens: dict[str, int]) -> dict:
+    """tokens/s (``tokens``: each run's tokens a step), and each run's tokens/s over the dense
+    row of the same variant (``"topk_aux torch-AdamW compiled"`` over ``"dense torch-AdamW
+    compiled"``, ``"topk_aux shrunk"`` over ``"dense shrunk"``; the eager dense row where the
+    variant has no dense row of its own, as ``frozen-routing``) and over eager dense's of the
+    same widths."""
     for name, v in steps.items():
         base = steps.get("dense" + name.removeprefix(name.split(" ")[0]), steps["dense"])
+        eager = steps["dense shrunk" if name.endswith(" shrunk") else "dense"]
         for c in ("wall", "cpu"):
-            v[f"tokens_per_s_{c}"] = tokens / v[f"{c}_s"]
+            v[f"tokens_per_s_{c}"] = tokens[name] / v[f"{c}_s"]
             v[f"{c}_vs_dense"] = base[f"{c}_s"] / v[f"{c}_s"]
-        v["cpu_vs_eager_dense"] = steps["dense"]["cpu_s"] / v["cpu_s"]
+        v["cpu_vs_eager_dense"] = eager["cpu_s"] / v["cpu_s"]
     return steps
 
 
@@ -179,6 +199,7 @@ def bench(
     profile_steps: int,
     malloc_kept: bool,
     frozen_routing: bool,
+    shrunk: bool,
     info,
 ) -> dict:
     modes = [False, True] if compiled else [False]
@@ -199,12 +220,16 @@ def bench(
                 for label in labels
             }
         )
-    tokens = tokens_per_step(next(iter(sessions.values())))
+    if shrunk:
+        sessions.update(
+            {f"{label} shrunk": session(size, label, False, info, False, malloc_kept, True) for label in labels}
+        )
+    tokens = {name: tokens_per_step(s) for name, s in sessions.items()}
     steps = add_ratios(medians(interleaved(stepping(sessions, train_step), rounds, warmup=2, burst=burst)), tokens)
     phases = medians(interleaved_phases(stepping(sessions, phased_step), rounds, warmup=1))
     eager = {k: s for k, s in sessions.items() if k in labels}
     return {
-        "tokens_per_step": tokens,
+        "tokens_per_step": tokens[labels[0]],
         "steps": steps,
         "phases": phases,
         "optimizer": bench_optimizer(eager, optimizer_rounds) if optimizer_rounds else {},
@@ -296,6 +321,11 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="also time each MoE row with its routing frozen (freeze_routing): the step if routing cost nothing",
     )
+    p.add_argument(
+        "--shrunk",
+        action="store_true",
+        help="also time every row shrunk (SHRUNK: arithmetic made negligible): the step's fixed operator cost",
+    )
     args, head = start("bench_step_phases", p, argv)
     if args.quick:
         args.sizes, args.rounds = ["baby"], 2
@@ -317,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
                 args.profile_steps,
                 not args.malloc_threshold,
                 args.frozen_routing,
+                args.shrunk,
                 info,
             )
             for size in args.sizes
@@ -334,6 +365,7 @@ def markdown(r: dict) -> str:
     for size, b in r["sizes"].items():
         lines += ["", f"## {size} ({b['tokens_per_step']} tokens a step)", ""]
         lines += steps_table(b["steps"], "vs")
+        lines += fixed_cost_table(b["steps"])
         lines += ["", "Step phases, CPU ms (medians):", ""]
         lines += phases_table(b["phases"])
         names = list(b["phases"])
@@ -360,6 +392,29 @@ def markdown(r: dict) -> str:
                 f"| {per['fused_speedup_cpu']:.2f}x | {blocked * 1e6 / per['parameters']:.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def fixed_cost_table(steps: dict) -> list[str]:
+    """Markdown (``--shrunk`` runs only): each row's CPU ms per step at the study's widths and
+    shrunk, its gap over the dense row at each, and the shrunk gap's share of the full one."""
+    labels = [k.removesuffix(" shrunk") for k in steps if k.endswith(" shrunk")]
+    if not labels:
+        return []
+    ms = {k: v["cpu_s"] * 1e3 for k, v in steps.items()}
+    lines = [
+        "",
+        "The fixed cost (`--shrunk`: the same rows at D 16, T 8, batch 2), CPU ms per step:",
+        "",
+        "| row | study widths | gap over dense | shrunk | gap over dense, shrunk | shrunk gap / gap |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label in labels:
+        gap, fixed = ms[label] - ms["dense"], ms[f"{label} shrunk"] - ms["dense shrunk"]
+        share = f"{fixed / gap:.2f}" if label != "dense" and gap > 0 else "-"
+        lines.append(
+            f"| {label} | {ms[label]:.2f} | {gap:+.2f} | {ms[f'{label} shrunk']:.2f} | {fixed:+.2f} | {share} |"
+        )
+    return lines
 
 
 if __name__ == "__main__":

@@ -51,12 +51,39 @@ def test_torch_adamw_baseline_trains_to_the_same_bits():
 def test_ratios_divide_each_variant_by_its_dense_row():
     names = ["dense", "topk_aux", "dense torch-AdamW compiled", "topk_aux torch-AdamW compiled"]
     steps = {k: {"wall_s": w, "cpu_s": c} for k, w, c in zip(names, (0.1, 0.2, 0.05, 0.1), (0.1, 0.125, 0.08, 0.1))}
-    r = bench.add_ratios(steps, 768)
+    r = bench.add_ratios(steps, dict.fromkeys(names, 768))
     assert r["topk_aux"]["wall_vs_dense"] == pytest.approx(0.5)
     assert r["topk_aux"]["cpu_vs_dense"] == pytest.approx(0.8)
     assert r["topk_aux torch-AdamW compiled"]["cpu_vs_dense"] == pytest.approx(0.8)
     assert r["topk_aux torch-AdamW compiled"]["cpu_vs_eager_dense"] == pytest.approx(1.0)
     assert r["dense"]["tokens_per_s_cpu"] == pytest.approx(7680)
+
+
+def test_shrunk_rows_compare_with_the_shrunk_dense_row():
+    """A shrunk run (``--shrunk``) has its own tokens a step and is divided by the shrunk dense
+    row, never by the full-width one; the fixed-cost table takes each gap at its own widths."""
+    names = ["dense", "topk_aux", "dense shrunk", "topk_aux shrunk"]
+    steps = {k: {"wall_s": c, "cpu_s": c} for k, c in zip(names, (0.100, 0.125, 0.004, 0.009))}
+    r = bench.add_ratios(steps, {"dense": 768, "topk_aux": 768, "dense shrunk": 16, "topk_aux shrunk": 16})
+    assert r["topk_aux shrunk"]["cpu_vs_dense"] == pytest.approx(4 / 9)
+    assert r["topk_aux shrunk"]["cpu_vs_eager_dense"] == pytest.approx(4 / 9)
+    assert r["topk_aux shrunk"]["tokens_per_s_cpu"] == pytest.approx(16 / 0.009)
+    row = next(line for line in bench.fixed_cost_table(r) if line.startswith("| topk_aux |"))
+    assert row == "| topk_aux | 125.00 | +25.00 | 9.00 | +5.00 | 0.20 |"
+
+
+def test_shrunk_session_keeps_the_rows_layers_and_routers():
+    info = setup_distributed("cpu")
+    for label in ("dense", "expert_threshold"):
+        full, small = (bench.session("baby", label, False, info, shrunk=shrunk).place.model.cfg for shrunk in (0, 1))
+        assert (small.d_model, small.max_seq_len) == (16, 8)
+        assert (small.n_layers, small.num_experts, small.moe_every) == (full.n_layers, full.num_experts, full.moe_every)
+        assert (small.router, small.router_options, small.vocab_size) == (
+            full.router,
+            full.router_options,
+            full.vocab_size,
+        )
+    assert (small.moe_d_ff, bench.session("baby", "dense", False, info, shrunk=True).place.model.cfg.d_ff) == (16, 32)
 
 
 def test_operator_profile_counts_each_step_once():
@@ -110,5 +137,5 @@ def test_frozen_routing_returns_one_forwards_routing_without_gradient():
 
 def test_a_variant_without_a_dense_row_of_its_own_divides_by_eager_dense():
     steps = {"dense": {"wall_s": 0.1, "cpu_s": 0.1}, "topk_aux frozen-routing": {"wall_s": 0.2, "cpu_s": 0.125}}
-    r = bench.add_ratios(steps, 768)
+    r = bench.add_ratios(steps, dict.fromkeys(steps, 768))
     assert r["topk_aux frozen-routing"]["cpu_vs_dense"] == pytest.approx(0.8)
