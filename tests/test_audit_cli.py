@@ -207,9 +207,10 @@ def test_leaky_target_exits_1_and_writes_json(target_file, tmp_path, capsys):
     assert "leaky: LEAKS in eval mode" in out
     # The mechanism (probe, positions, the variant that showed it) and what to use instead.
     assert "found by random_future (eval): outputs at positions 0-14 moved (positions > 0 resampled)" in out, out
-    # A sequence mean: the Jacobian shows a differentiable path, so no router is advised.
+    # A sequence mean: the Jacobian shows a differentiable path and no forward moved an output
+    # without a gradient, so no layer is advised (the causal routers only for a router's softmax).
     assert "mechanism: the output at t reads later inputs through a differentiable path" in out, out
-    assert "ec_threshold" not in out and "capacity_scope" not in out, out
+    assert "MoELayer" not in out and "capacity_scope" not in out, out
     (entry,) = json.loads(out_json.read_text())["targets"]
     assert entry["name"] == "leaky" and entry["claimed_causal"] is None
     assert entry["leaks"] is True and entry["leaks_in"] == ["eval"] and entry["batch_invariant"] is True

@@ -22,6 +22,7 @@ from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for
 from torch import Tensor, nn
 
 from moe.audit import audit, cli
+from moe.audit.report import ProbeResult, moved_without_gradient
 from moe.routers import build_router
 
 B, T, D, E = 4, 16, 16, 4
@@ -78,6 +79,21 @@ class RollInTime(nn.Module):
         return x_BTD + 0.5 * torch.roll(x_BTD, -1, dims=1)
 
 
+class MixtureOfDepthsSoftmax(MixtureOfDepths):
+    """The Mixture-of-Depths block above with the chosen positions' weights a softmax over those
+    positions (as kyegomez/Mixture-of-Depths and BALM's expert-choice router normalise): a
+    differentiable path into later inputs among the chosen, and the discrete choice of positions
+    besides it."""
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        score_BT = x_BTD @ self.router
+        top_BK = score_BT.topk(x_BTD.shape[1] // 2, dim=1).indices
+        weight_BK = torch.softmax(score_BT.gather(1, top_BK), dim=1)
+        update_BTD = torch.zeros_like(x_BTD).scatter(1, top_BK[..., None].expand(-1, -1, x_BTD.shape[2]), 1.0)
+        weight_BT = torch.zeros_like(score_BT).scatter(1, top_BK, weight_BK)
+        return x_BTD + weight_BT[..., None] * update_BTD * torch.tanh(x_BTD @ self.block)
+
+
 def _router(name: str, **options) -> nn.Module:
     torch.manual_seed(0)
     return build_router(name, d_model=32, num_experts=E, capacity_factor=1.0, **options)
@@ -91,13 +107,57 @@ def test_advice_follows_the_mechanism():
     assert "mechanism: capacity kept by score" in score and 'capacity_scope="prefix"' in score, score
     assert "ec_threshold" not in score, score
     roll = audit(RollInTime(), example(), modes=("eval",)).summary()
-    assert "through a differentiable path" in roll and "not a routing decision" in roll, roll
-    assert "MoELayer" not in roll and "ec_threshold" not in roll, roll
+    # The audit cannot tell a roll from a router's softmax over the tokens (BALM's expert choice,
+    # Soft-MoE's dispatch): the causal routers are named for that case only, no layer advised.
+    assert "through a differentiable path" in roll and "make that computation causal" in roll, roll
+    assert "The audit cannot tell whether the path is a router's" in roll and "MoELayer" not in roll, roll
     # Opaque expert choice over positions: the audit cannot see how it routes, so both remedies,
     # each with its condition, and how to put either into the user's block.
     mod = audit(MixtureOfDepths(), example(), modes=("eval",)).summary()
     assert "the audit cannot tell how it is routed" in mod and "If experts or a block pick their top positions" in mod
     assert 'router="ec_threshold")' in mod and 'capacity_scope="prefix")' in mod, mod
+
+
+def test_a_softmax_over_chosen_positions_is_advised_as_routing_too():
+    """A nonzero Jacobian alone says "not a routing decision"; where forwards also moved outputs
+    whose gradient to every later input is zero, the choice of positions is a discrete leak
+    besides it, and the advice names the causal routers (found on kyegomez/Mixture-of-Depths and
+    BALM's expert-choice router, whose advice said a causal router would not help)."""
+    report = audit(MixtureOfDepthsSoftmax(), example(), modes=("eval",))
+    jac = report.probe("jacobian", "eval")
+    assert jac.leaks and jac.probed_positions == list(range(T - 1)), report.table()
+    summary = report.summary()
+    assert "The audit cannot tell whether the path is a router's" not in summary, summary
+    assert "outputs also moved where that gradient is zero (positions" in summary, summary
+    assert "If experts or a block pick their top positions" in summary, summary
+    assert 'moe.MoELayer(d_model, d_ff, num_experts, router="ec_threshold")' in summary, summary
+
+
+def test_moved_without_gradient_reads_each_mode_against_its_own_jacobian():
+    def probe(name: str, mode: str, moved: list[int], probed: list[int] = ()) -> ProbeResult:
+        return ProbeResult(
+            name,
+            mode,
+            bool(moved),
+            1.0,
+            None,
+            0.0,
+            compares_forwards=name != "jacobian",
+            leaking_positions=moved,
+            probed_positions=list(probed),
+            comparisons=1,
+        )
+
+    probes = [
+        probe("jacobian", "train", [1, 4], probed=[0, 1, 2, 3, 4, 5]),
+        probe("random_future", "train", [1, 3, 4, 9]),  # 3: probed, no gradient; 9: never probed
+        probe("jacobian", "eval", [], probed=[0, 1, 2, 3, 4, 5]),
+        probe("adversarial_future", "eval", [2]),
+        probe("random_future", "eval", []),
+    ]
+    assert moved_without_gradient(probes) == [2, 3]
+    assert moved_without_gradient(probes[:2]) == [3]
+    assert moved_without_gradient(probes[1:2] + probes[3:4]) == []  # no Jacobian read in train
 
 
 def _raises(x: Tensor) -> Tensor:

@@ -699,6 +699,7 @@ def jacobian(ctx: ProbeContext) -> ProbeResult:
         regime="deterministic" if ctx.regime == "deterministic" else "seeded",
         comparisons=len(ctx.cuts),
         leaking_outputs=outputs,
+        probed_positions=sorted({s for s in ctx.cuts if s + 1 < ctx.t}),
     )
 
 

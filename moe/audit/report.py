@@ -7,8 +7,12 @@ Plain-text helpers the audit's reports share: a yes / no word, an aligned table.
 What to do after an audit, by the mechanism its evidence shows (never one text for every leak).
 
 * a nonzero Jacobian d output[t] / d input[> t]: the output reads later inputs through a
-  differentiable path (a mean over the sequence, a roll or shift in time, unmasked attention): not
-  a routing decision, so a causal router would not remove it;
+  differentiable path (a mean over the sequence, a roll or shift in time, unmasked attention, or a
+  router's weights normalised over the tokens): make it causal; the audit cannot tell whether it
+  is a router's, so a causal router is named only as the remedy for that case. Where forwards also
+  moved outputs at positions whose gradient to later inputs is zero
+  (:func:`moved_without_gradient`), a discrete change comes with it (a router normalising its
+  weights over positions and picking positions gives both), and the remedies below apply as well;
 * a router of the target that claims the leak says its own mechanism: expert choice over
   positions (each expert takes its top tokens of the sequence or batch) -> ``ec_threshold`` /
   ``ec_predictor``; capacity kept by score (or GShard's choice order) -> ``priority="position"``
@@ -60,8 +64,9 @@ EXPERT_CHOICE, CAPACITY_BY_SCORE = "expert choice", "capacity by score"
 _FIX = {
     EXPERT_CHOICE: "expert choice over positions (each expert takes its top tokens of the group): use ec_threshold "
     "or ec_predictor (thresholds or a predictor learned from expert choice, causal at inference), or dropless topk",
-    CAPACITY_BY_SCORE: "capacity kept by score (a later, higher-scoring token takes an earlier token's slot): use "
-    'capacity with priority="position" and capacity_scope="prefix" (slots counted over the prefix), or dropless topk',
+    CAPACITY_BY_SCORE: "capacity kept by score or by choice order (a later token takes an earlier token's slot: with "
+    "a higher score, or with its first choice queued before the earlier token's second): use capacity with "
+    'priority="position" and capacity_scope="prefix" (slots counted over the prefix), or dropless topk',
 }
 _LAYER = {
     EXPERT_CHOICE: 'router="ec_threshold"',
@@ -87,21 +92,33 @@ def advice(report: Findings) -> list[str]:
     if report.leaks:
         continuous = [p for p in report.probes if p.name == "jacobian" and p.leaks]
         discrete = [p for p in report.probes if p.kind == "future" and p.compares_forwards and p.leaks]
-        if continuous:
+        beyond = moved_without_gradient(report.probes)
+        if continuous and not beyond:
             out.append(
                 "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
-                "d input[> t] is nonzero: a mean over the sequence, a shift or roll in time, unmasked attention); "
-                "not a routing decision: make that computation causal (a mask or a shift); a causal router would "
-                "not remove it"
+                "d input[> t] is nonzero: a mean over the sequence, a shift or roll in time, unmasked attention, or "
+                "weights normalised over the positions, as a router's softmax over the tokens); make that "
+                "computation causal (a mask or a shift). The audit cannot tell whether the path is a router's: "
+                "where it is one's weights over the tokens (expert choice), a causal router (ec_threshold, "
+                "ec_predictor or dropless topk) removes it, and any choice of positions that comes with it"
             )
-        routed = bool(discrete and (report.mechanisms or not continuous))
+        elif continuous:
+            out.append(
+                "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
+                "d input[> t] is nonzero), and outputs also moved where that gradient is zero (positions "
+                f"{_ranges(beyond)}): a discrete change besides it. A router whose weights are normalised over "
+                "positions (a softmax over the tokens) and that picks positions gives both: a causal router removes "
+                "both; otherwise make the differentiable computation causal (a mask or a shift) and see below"
+            )
+        routed = bool(discrete and (report.mechanisms or not continuous or beyond))
         if discrete and report.mechanisms:
             out += [f"mechanism: {_FIX[m]}" for m in report.mechanisms]
         elif routed:
             out.append(
-                "mechanism: which tokens are served depends on later tokens (a discrete change, no gradient path; "
-                "the audit cannot tell how it is routed). If experts or a block pick their top positions: "
-                f"{_FIX[EXPERT_CHOICE]}. If tokens pick experts under a capacity kept by score: {_FIX[CAPACITY_BY_SCORE]}"
+                "mechanism: which tokens are served depends on later tokens (a discrete change"
+                + ("" if beyond else ", no gradient path")
+                + "; the audit cannot tell how it is routed). If experts or a block pick their top positions: "
+                f"{_FIX[EXPERT_CHOICE]}. If tokens pick experts under a capacity: {_FIX[CAPACITY_BY_SCORE]}"
             )
         if routed:
             layers = " or ".join(
@@ -114,6 +131,21 @@ def advice(report: Findings) -> list[str]:
             "before every forward, so what one call leaves for the next is not counted as a leak (nothing to change)"
         )
     return out
+
+
+def moved_without_gradient(probes: list) -> list[int]:
+    """Output positions that a forward-comparing future probe moved although the Jacobian probe
+    of the same mode read no gradient from them to any later input: a discrete change (a routing
+    decision) where a differentiable path alone cannot account for it."""
+    out: set[int] = set()
+    for jac in probes:
+        if jac.name != "jacobian" or not jac.ran:
+            continue
+        smooth = set(jac.probed_positions) - set(jac.leaking_positions)
+        for p in probes:
+            if p.mode == jac.mode and p.kind == "future" and p.compares_forwards and p.leaks:
+                out |= smooth & set(p.leaking_positions)
+    return sorted(out)
 
 
 KINDS = ("future", "batch", "decode")
@@ -197,6 +229,9 @@ class ProbeResult:
     """Of the exact entries compared directly (routing decisions, integer and bool outputs: any
     change counts, so ``excess``, a float figure, says nothing of them), the share that changed,
     over all the probe's comparisons; None where none were compared."""
+    probed_positions: list[int] = field(default_factory=list)
+    """For ``jacobian``: the output positions s whose gradient to the later inputs it read (a
+    position among them not in ``leaking_positions`` has none)."""
     forwards: int = 0
     """Calls of the target this probe made."""
     seconds: float = 0.0
@@ -236,6 +271,7 @@ class ProbeResult:
             "inconclusive": self.inconclusive,
             "screened": self.screened,
             "changed_share": self.changed_share,
+            "probed_positions": self.probed_positions,
             "forwards": self.forwards,
             "seconds": round(self.seconds, 4),
         }
