@@ -21,7 +21,7 @@ import torch
 from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for the many tiny forwards)
 from torch import Tensor, nn
 
-from moe.audit import audit, cli
+from moe.audit import audit, cli, runner
 from moe.audit.report import ProbeResult, moved_without_gradient
 from moe.routers import build_router
 
@@ -172,6 +172,32 @@ def test_a_raise_is_reported_with_its_file_and_line():
     line = inspect.getsourcelines(_raises)[1] + 1
     report = audit(_raises, example())
     assert report.error.endswith(f"RuntimeError: kaboom (raised at {__file__}:{line}))"), report.error
+
+
+def _raises_with_a_tensor(x: Tensor) -> Tensor:
+    raise ValueError(f"found invalid values:\n{torch.full((32, 8), float('nan'))}")
+
+
+def test_a_target_error_is_one_line_on_stderr(capsys, tmp_path):
+    """A target's error text that prints a tensor (torch.distributions' argument check does)
+    stays one line, cut to ERROR_CHARS of the error's own text (fastmoe's NoisyGate in eval gave
+    35 lines)."""
+    report = audit(_raises_with_a_tensor, example())
+    assert "\n" not in report.error and report.error.count("nan") > 3, report.error
+    own = report.error.split("ValueError: ", 1)[1].rsplit(" (raised at ", 1)[0]
+    assert own.startswith("found invalid values: tensor([[nan, nan,") and own.endswith("…"), own
+    assert len(own) == runner.ERROR_CHARS, len(own)
+    (tmp_path / "t.py").write_text(
+        "import torch\n"
+        "class Block(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        raise ValueError(f'found invalid values:\\n{torch.full((32, 8), float(\"nan\"))}')\n"
+        "def f():\n"
+        "    return Block()\n"
+    )
+    assert cli.main(["--target", f"{tmp_path / 't.py'}:f", "--input", "float:2,8,4", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("moe-audit: error: f: NOT AUDITED: the target failed"), err
 
 
 def test_an_integer_output_says_which_probe_it_skips_and_why():

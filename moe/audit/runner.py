@@ -35,15 +35,28 @@ Draws = tuple[tuple[str, tuple[int, ...]], ...]
 """The random draws of one forward, in order: (aten op, shape of what it drew)."""
 
 
+ERROR_CHARS = 300
+"""How much of a target's own error message a report line keeps (:func:`one_line`)."""
+
+
+def one_line(text: str, limit: int = ERROR_CHARS) -> str:
+    """``text`` on one line (each run of whitespace one space: a tensor printed in an error
+    message spans many), cut to ``limit`` characters with an ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
+
+
 class TargetFailure(Exception):
-    """The target raised (or returned something unreadable) on one input shape."""
+    """The target raised (or returned something unreadable) on one input shape. The message is
+    one line: the error's own text through :func:`one_line`."""
 
     def __init__(self, shape: tuple[int, ...], error: BaseException) -> None:
         self.shape, self.error, self.where = shape, error, raise_site(error)
         if isinstance(error, AuditUsageError):  # the target ran; what it returned is not auditable: no site to show
-            super().__init__(f"input of shape {shape}: {error}")
+            super().__init__(f"input of shape {shape}: {one_line(str(error))}")
         else:
-            super().__init__(f"input of shape {shape}: {type(error).__name__}: {error} (raised at {self.where})")
+            text = one_line(str(error))
+            super().__init__(f"input of shape {shape}: {type(error).__name__}: {text} (raised at {self.where})")
 
 
 class TargetTimeout(Exception):
