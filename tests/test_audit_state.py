@@ -82,11 +82,20 @@ def test_a_bias_updated_in_the_forward_is_no_leak():
 
 
 def test_state_outside_buffers_is_stateful_not_a_leak():
+    """Its training forward moves a plain attribute: train mode is not audited, with why; eval
+    mode, which leaves it alone, still is (clean), and the verdict is no "clean" for the target."""
     report = audit(LossFreeBalancing(in_buffer=False), example(), name="bias outside buffers")
-    assert report.verdict == "NOT AUDITED" and not report.leaks_in, report.summary()
-    assert report.error.startswith("two identical calls differ by "), report.error
-    assert ": the target is stateful (its forward changes bias outside its buffers) in train mode" in report.error
+    assert report.error is None and report.audited_modes == ["eval"] and not report.leaks_in, report.summary()
+    assert report.verdict == "NOT AUDITED in train mode", report.summary()
+    why = report.modes_not_audited["train"]
+    assert why.startswith("two identical calls differ by "), why
+    assert why.endswith(": the target is stateful (its forward changes bias outside its buffers) in train mode")
+    assert {p.mode for p in report.probes} == {"eval"} and report.claimed_causal is None
+    assert "train mode: NOT AUDITED: two identical calls differ" in report.summary(), report.summary()
+    assert report.to_dict()["modes_not_audited"] == {"train": why}
     assert exit_code([report], user_target=True) == 2
+    only_train = audit(LossFreeBalancing(in_buffer=False), example(), modes=("train",))
+    assert only_train.verdict == "NOT AUDITED" and only_train.error == only_train.modes_not_audited["train"]
 
 
 class OwnRandomness(nn.Module):

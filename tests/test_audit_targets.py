@@ -310,7 +310,8 @@ class CausalWithNaN(NaNAndMeanLeak):
 def test_output_with_nothing_finite_is_not_audited():
     report = audit(AllNaN(), example(0))
     assert report.error is not None and "nothing to compare" in report.error, report.table()
-    assert f"{B * T * D} entries" in report.error and report.nonfinite == {"train": B * T * D}
+    assert f"{B * T * D} entries" in report.error and report.nonfinite == {"train": B * T * D, "eval": B * T * D}
+    assert report.verdict == "NOT AUDITED" and list(report.modes_not_audited) == ["train", "eval"]
 
 
 def test_finite_turning_infinite_under_a_future_perturbation_is_a_leak():

@@ -14,7 +14,8 @@ calls ``sys.exit`` at import, in its factory or in a forward, a name that is nei
 nor a factory, a malformed --input, an unknown --output field, no CUDA for --device cuda) or
 a target the audit could not run at all (it fails on the example, a forward runs past
 --forward-timeout, two identical calls differ because it is stateful, or no
-future-perturbation probe ran). Never a traceback.
+future-perturbation probe ran), or, with no leak found, in one of the modes (the others are
+reported, and a leak found in one is exit 1). Never a traceback.
 """
 
 from __future__ import annotations
@@ -197,13 +198,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def exit_code(reports: list[AuditReport], user_target: bool) -> int:
     """2 if a target could not be audited; else 1 for a false claim (either way), an INCONCLUSIVE
-    mode (no leak shown, none ruled out) or, for a user target, any leak; else 0. The built-in
-    suite's leaks are claimed, so only claims (and inconclusive modes) count there."""
+    mode (no leak shown, none ruled out) or, for a user target, any leak; else 2 if a mode of a
+    target could not be audited; else 0. The built-in suite's leaks are claimed, so only claims
+    (and inconclusive modes) count there."""
     if any(r.error for r in reports):
         return 2
     if any(r.false_claims or r.inconclusive_in for r in reports) or (user_target and any(r.leaks for r in reports)):
         return 1
-    return 0
+    return 2 if any(r.modes_not_audited for r in reports) else 0
 
 
 def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float) -> None:
@@ -212,6 +214,8 @@ def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float)
         if r.error:  # once, as the one-line error of exit 2: no table, no verdict
             print(f"moe-audit: error: {r.summary()}", file=sys.stderr)
             return
+        for mode, why in r.modes_not_audited.items():  # the others were audited: their report below
+            print(f"moe-audit: error: {r.name}: NOT AUDITED in {mode} mode: {why}", file=sys.stderr)
         if args.verbose:
             print(r.table(), end="\n\n")
         print(r.summary())
@@ -227,6 +231,8 @@ def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float)
     for r in reports:
         if r.error:
             print(f"NOT AUDITED: {r.name}: {r.error}")
+        for mode, why in r.modes_not_audited.items() if not r.error else ():
+            print(f"NOT AUDITED in {mode} mode: {r.name}: {why}")
     bad = [r for r in reports if r.false_claims]
     if bad:
         print(f"FALSE CLAIMS in {len(bad)} target(s):")
@@ -235,7 +241,7 @@ def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float)
     unsure = [r for r in reports if r.inconclusive_in and not r.false_claims]
     for r in unsure:
         print(f"INCONCLUSIVE: {r.name} in {', '.join(r.inconclusive_in)} mode (rerun with --verbose for the figures)")
-    if not bad and not unsure and not any(r.error for r in reports):
+    if not bad and not unsure and not any(r.error or r.modes_not_audited for r in reports):
         print("every claim holds (the suite's leaks are claimed by the routers that have them)")
 
 

@@ -16,9 +16,11 @@ data-dependent noise midway is audited again from the start of the mode by distr
 
 Before every forward the runner resets the target's buffers and seeds its generators; a forward
 of the example's shape (or a shorter one) that runs past ``forward_timeout`` stops the audit of
-the target (NOT AUDITED, with that reason; a pack of copies that does is re-run copy by copy),
-and so does a target whose identical calls differ because its forward changes attributes outside
-its buffers (:attr:`~moe.audit.comparator.Calibration.stateful`).
+the target (NOT AUDITED, with that reason; a pack of copies that does is re-run copy by copy).
+A mode in which the target fails on the example, or whose identical calls differ because its
+forward changes attributes outside its buffers (:attr:`~moe.audit.comparator.Calibration.stateful`),
+is not audited (``AuditReport.modes_not_audited``, with why) and the other modes still are: a
+leak found there stands; with no mode audited the target is NOT AUDITED.
 
 ``assert_causal``: the audit as one assertion in a project's own tests.
 
@@ -162,18 +164,22 @@ def audit(
     session = _Session(runner, sampler, trials, seed, suite, alpha, progress, start)
     with _rng_preserved(), at.state.preserved():
         unit_before = _one_forward_seconds(runner, at, example)
-        for mode in modes:  # the first mode that cannot be audited stops the audit (report.error)
+        for mode in modes:  # a mode that cannot be audited is reported, the others still are
             at.set_mode(mode)
             try:
-                report.error = _audit_one_mode(session, report, example, mode)
-            except TargetTimeout as e:
+                why = _audit_one_mode(session, report, example, mode)
+            except TargetTimeout as e:  # the time limit and sys.exit stop the whole audit
                 report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+                break
             except TargetExit as e:
                 report.error = f"{e} in {mode} mode"
-            except TargetFailure as e:
-                report.error = f"the target failed on the example in {mode} mode ({e})"
-            if report.error is not None:
                 break
+            except TargetFailure as e:
+                why = f"the target failed on the example in {mode} mode ({e})"
+            if why is not None:
+                report.modes_not_audited[mode] = why
+        if report.error is None and len(report.modes_not_audited) == len(modes):
+            report.error = "; ".join(report.modes_not_audited.values())
         _after_modes(session, at, report, example, agreement, unit_before)
     if report.error is None and not any(p.ran for p in report.probes if p.kind == "future" and p.compares_forwards):
         failures = [e for p in report.probes for e in p.errors]
@@ -455,7 +461,7 @@ def assert_causal(
     """Audit ``target`` on ``example`` (:func:`moe.audit.audit`; ``audit_options`` are its
     keyword arguments: ``modes``, ``seed``, ``quick``, ``output``, ``special_ids``, ...) and
     raise :class:`CausalityError` unless it is causal in every audited mode: no leak, no
-    INCONCLUSIVE mode, audited at all, and no false claim. ``batch_invariant`` /
+    INCONCLUSIVE mode, every mode audited, and no false claim. ``batch_invariant`` /
     ``decode_consistent``: also require that no sample's output depends on the other samples /
     that prefix-only forwards reproduce the full-sequence outputs. Returns the report."""
     __tracebackhide__ = True  # pytest shows the report, not this frame
@@ -464,6 +470,7 @@ def assert_causal(
     if report.error:
         problems.append(f"NOT AUDITED: {report.error}")
     else:
+        problems += [f"NOT AUDITED in {mode} mode: {why}" for mode, why in report.modes_not_audited.items()]
         if report.leaks:
             problems.append(f"leaks in {', '.join(report.leaks_in)} mode")
         if report.inconclusive_in:

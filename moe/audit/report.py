@@ -303,9 +303,13 @@ class AuditReport:
     """The level of each test a distribution comparison makes (its stages of more draws share
     ``per_comparison_alpha``, :data:`moe.audit.comparator.DRAWS`): a p-value at or below it counts."""
     error: str | None = None
-    """Why the target could not be audited (it failed on the example, a forward ran past the time
-    limit, two identical calls differ because it is stateful, or no future-perturbation probe
-    ran); None when it was. With an error, ``leaks`` means nothing."""
+    """Why the target could not be audited (in no mode: it failed on the example, two identical
+    calls differ because it is stateful; or a forward ran past the time limit, or no
+    future-perturbation probe ran); None when it was. With an error, ``leaks`` means nothing."""
+    modes_not_audited: dict[str, str] = field(default_factory=dict)
+    """Per mode that could not be audited (the target failed on the example there, or is stateful
+    there): why. The other modes were: a leak found in one stands; without one the verdict is
+    NOT AUDITED in those modes, never clean."""
     mechanisms: list[str] = field(default_factory=list)
     """Routing mechanisms the target's routers declare for the leaks they claim
     (:func:`moe.audit.report.router_mechanism`); empty for an opaque target."""
@@ -397,11 +401,16 @@ class AuditReport:
         return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.kind == "decode")]
 
     @property
+    def audited_modes(self) -> list[str]:
+        """The modes asked for, less those that could not be audited."""
+        return [m for m in self.modes if m not in self.modes_not_audited]
+
+    @property
     def claimed_causal(self) -> dict[str, bool] | None:
         """The causal claim per audited mode, or None without claims."""
         if self.claims is None:
             return None
-        return {m: self.claims.causal_train if m == "train" else self.claims.causal_eval for m in self.modes}
+        return {m: self.claims.causal_train if m == "train" else self.claims.causal_eval for m in self.audited_modes}
 
     @property
     def violations(self) -> list[str]:
@@ -454,6 +463,8 @@ class AuditReport:
             return "FALSE CLAIM"
         if self.claims is None and self.leaks:
             return "LEAKS"
+        if self.modes_not_audited and not self.leaks:
+            return f"NOT AUDITED in {', '.join(self.modes_not_audited)} mode"
         if self.inconclusive_in:
             return "INCONCLUSIVE"
         return "clean" if self.claims is None else "claims hold"
@@ -483,9 +494,11 @@ class AuditReport:
             found = f"LEAKS in {', '.join(self.leaks_in)} mode"
         elif self.inconclusive_in:
             found = f"INCONCLUSIVE in {', '.join(self.inconclusive_in)} mode (no leak shown, none ruled out)"
+        elif self.modes_not_audited:
+            found = f"no leak found in {', '.join(self.audited_modes)} mode; {self.verdict}"
         else:
             found = "no leak found"
-        claims = "" if self.claims is None else f" ({self.verdict})"
+        claims = "" if self.claims is None or self.verdict.startswith("NOT AUDITED") else f" ({self.verdict})"
         leaking = self.leaking_outputs
         where = (
             f" in {self.outputs[0]}"
@@ -509,7 +522,7 @@ class AuditReport:
         return [n for n in names if n in moved]
 
     def _outputs_section(self) -> list[str]:
-        out = []
+        out = [f"{mode} mode: NOT AUDITED: {why}" for mode, why in self.modes_not_audited.items()]
         if len(self.outputs) > 1:
             out.append(f"audited: {'; '.join(self.outputs)}")
         if self.outputs_not_audited:
@@ -721,6 +734,7 @@ class AuditReport:
             "claimed_causal_in": None if claimed is None else [m for m, c in claimed.items() if c],
             "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,
             "claimed_decode_consistent": None if self.claims is None else self.claims.decode_consistent,
+            "modes_not_audited": self.modes_not_audited,
             "leaks": None if self.error else self.leaks,
             "leaks_in": self.leaks_in,
             "inconclusive_in": self.inconclusive_in,
@@ -786,6 +800,8 @@ class AuditReport:
             )
             if self.inconclusive_in:
                 summary += f"; INCONCLUSIVE in {', '.join(self.inconclusive_in)}"
+            for mode, why in self.modes_not_audited.items():
+                summary += f"; NOT AUDITED in {mode}: {why}"
         if self.false_claims:
             summary += "\nFALSE CLAIMS: " + "; ".join(self.false_claims)
         return "\n".join([summary, *self._probe_notes(), format_table(head, rows)])
