@@ -94,6 +94,30 @@ class MixtureOfDepthsSoftmax(MixtureOfDepths):
         return x_BTD + weight_BT[..., None] * update_BTD * torch.tanh(x_BTD @ self.block)
 
 
+class SoftDispatch(nn.Module):
+    """Soft-MoE's dispatch in one slot: a softmax over the tokens of each sequence averages them
+    all, every output reads every position; continuous, no decision anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(D, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        slot_BD = torch.einsum("bt,btd->bd", torch.softmax(x_BTD @ self.router, dim=1), x_BTD)
+        return x_BTD + torch.tanh(slot_BD)[:, None]
+
+
+class ExpertChoiceOverTokens(SoftDispatch):
+    """BALM's expert-choice router with a shared path: the softmax over all tokens of the
+    sequence weights every token, and an expert doubles its top half of them; every output has a
+    gradient into every later input, and the top-half choice jumps besides."""
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        probs_BT = torch.softmax(x_BTD @ self.router, dim=1)
+        kept_BT = torch.zeros_like(probs_BT).scatter(1, probs_BT.topk(x_BTD.shape[1] // 2, dim=1).indices, 1.0)
+        return x_BTD + (probs_BT * (1 + kept_BT))[..., None] * torch.tanh(x_BTD)
+
+
 def _router(name: str, **options) -> nn.Module:
     torch.manual_seed(0)
     return build_router(name, d_model=32, num_experts=E, capacity_factor=1.0, **options)
@@ -128,8 +152,25 @@ def test_a_softmax_over_chosen_positions_is_advised_as_routing_too():
     assert jac.leaks and jac.probed_positions == list(range(T - 1)), report.table()
     summary = report.summary()
     assert "The audit cannot tell whether the path is a router's" not in summary, summary
-    assert "outputs also moved where that gradient is zero (positions" in summary, summary
+    assert "also moved where that gradient is zero or jumped on a straight path" in summary, summary
     assert "If experts or a block pick their top positions" in summary, summary
+    assert 'moe.MoELayer(d_model, d_ff, num_experts, router="ec_threshold")' in summary, summary
+
+
+def test_a_jump_on_the_path_to_another_future_tells_a_choice_behind_a_softmax():
+    """Where the Jacobian is nonzero at every position, the straight path from the example to a
+    random future tells the two apart: a softmax over the tokens alone never jumps; the top-k
+    choice behind one does (BALM's expert choice, advised before as "not a routing decision")."""
+    soft = audit(SoftDispatch(), example(), modes=("eval",))
+    jac = soft.probe("jacobian", "eval")
+    assert jac.leaking_positions == list(range(T - 1)) and jac.jump_positions == [], soft.table()
+    assert "The audit cannot tell whether the path is a router's" in soft.summary() and "MoELayer" not in soft.summary()
+    chosen = audit(ExpertChoiceOverTokens(), example(), modes=("eval",))
+    jac = chosen.probe("jacobian", "eval")
+    assert jac.leaking_positions == list(range(T - 1)) and jac.jump_positions, chosen.table()
+    assert set(jac.jump_positions) <= set(range(T // 2)), jac.jump_positions  # the path resamples the second half
+    summary = chosen.summary()
+    assert "jumped on a straight path to another future: a discrete change besides it" in summary, summary
     assert 'moe.MoELayer(d_model, d_ff, num_experts, router="ec_threshold")' in summary, summary
 
 
@@ -158,6 +199,8 @@ def test_moved_without_gradient_reads_each_mode_against_its_own_jacobian():
     assert moved_without_gradient(probes) == [2, 3]
     assert moved_without_gradient(probes[:2]) == [3]
     assert moved_without_gradient(probes[1:2] + probes[3:4]) == []  # no Jacobian read in train
+    probes[2].jump_positions = [7]
+    assert moved_without_gradient(probes) == [2, 3, 7]
 
 
 def _raises(x: Tensor) -> Tensor:
@@ -184,7 +227,7 @@ def test_a_target_error_is_one_line_on_stderr(capsys, tmp_path):
     35 lines)."""
     report = audit(_raises_with_a_tensor, example())
     assert "\n" not in report.error and report.error.count("nan") > 3, report.error
-    own = report.error.split("ValueError: ", 1)[1].rsplit(" (raised at ", 1)[0]
+    own = report.modes_not_audited["train"].split("ValueError: ", 1)[1].rsplit(" (raised at ", 1)[0]
     assert own.startswith("found invalid values: tensor([[nan, nan,") and own.endswith("…"), own
     assert len(own) == runner.ERROR_CHARS, len(own)
     (tmp_path / "t.py").write_text(

@@ -63,9 +63,12 @@ Shape legend: B batch, T sequence, F output features per position.
    or to leave them (the floods above). Random perturbations rarely move a token across
    a top-k or capacity cut-off: this probe covers that blind spot.
 3. ``jacobian`` (future, measured): |d output[s] / d input[> s]| for every probed s (continuous
-   leaks, e.g. statistics over the sequence; blind to discrete ones). Not run (and the report
-   says why) for an integer output, a target with no gradient path, or, in eval mode, a target
-   that computes other outputs with gradients enabled.
+   leaks, e.g. statistics over the sequence; blind to discrete ones). Where it finds a gradient,
+   it also walks a straight path of float inputs from the example to a random future and names
+   the outputs that jump on it (``jump_positions``: a discrete decision behind the gradient, as
+   a top-k over tokens behind a softmax over them). Not run (and the report says why) for an
+   integer output, a target with no gradient path, or, in eval mode, a target that computes
+   other outputs with gradients enabled.
 4. ``batch_interference`` (batch): change the other samples and watch one, change one and
    watch every other, run one alone. Reported as ``batch_invariant``, not as a future leak.
 5. ``decode_consistency`` (decode): the output at positions <= t from the prefix 0..t alone
@@ -683,6 +686,7 @@ def jacobian(ctx: ProbeContext) -> ProbeResult:
         largest, tolerance = max(largest, top), max(tolerance, tol)
         excess = max(excess, top / max(tol, torch.finfo(torch.float64).tiny))
     moved = sorted(moved)
+    jumps = _jumps(ctx) if moved else []
     return ProbeResult(
         name="jacobian",
         mode=ctx.mode,
@@ -700,7 +704,40 @@ def jacobian(ctx: ProbeContext) -> ProbeResult:
         comparisons=len(ctx.cuts),
         leaking_outputs=outputs,
         probed_positions=sorted({s for s in ctx.cuts if s + 1 < ctx.t}),
+        jump_positions=jumps,
     )
+
+
+JUMP_STEPS = 16
+"""Steps of the straight path on which :func:`_jumps` looks for a jump (and twice as many)."""
+
+
+def _jumps(ctx: ProbeContext) -> list[int]:
+    """Output positions that jump along a straight path of float inputs from the example to a
+    random future (positions past the middle cut resampled): the largest change between
+    neighbouring points of the path stays above 3/4 of itself when the steps halve, where a
+    continuous output's would halve. A discrete decision (a top-k over positions) behind a
+    nonzero Jacobian shows so; a softmax over the tokens alone does not. Only for float inputs
+    and a target that repeats itself under one seed; [] otherwise or if a forward fails."""
+    if not ctx.x.is_floating_point() or ctx.repeat_tolerance is None:
+        return []
+    cut = ctx.t // 2 - 1
+    future = ctx.with_future(cut, ctx.sampler.draw((ctx.b, ctx.t - cut - 1, *ctx.x.shape[2:]), ctx.gen(6))).x
+    path = []
+    try:
+        for k in range(2 * JUMP_STEPS + 1):
+            out = ctx.runner.forward(torch.lerp(ctx.x, future, k / (2 * JUMP_STEPS))).out.value_BTF
+            if out is None:
+                return []
+            path.append(out[:, : cut + 1].nan_to_num(0.0, 0.0, 0.0))
+    except TargetFailure:
+        return []
+    path_KBTF = torch.stack(path)
+    fine_T = path_KBTF.diff(dim=0).abs().amax((0, 1, 3))
+    coarse_T = path_KBTF[0::2].diff(dim=0).abs().amax((0, 1, 3))
+    scale = max(float(path_KBTF.abs().amax()), torch.finfo(torch.float64).tiny)
+    floor = scale * max(ctx.repeat_tolerance.values(), default=0.0)
+    return [t for t in range(cut + 1) if coarse_T[t] > floor and fine_T[t] > 0.75 * coarse_T[t]]
 
 
 def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> Tensor:

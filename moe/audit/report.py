@@ -105,8 +105,9 @@ def advice(report: Findings) -> list[str]:
         elif continuous:
             out.append(
                 "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
-                "d input[> t] is nonzero), and outputs also moved where that gradient is zero (positions "
-                f"{_ranges(beyond)}): a discrete change besides it. A router whose weights are normalised over "
+                "d input[> t] is nonzero), and outputs at positions "
+                f"{_ranges(beyond)} also moved where that gradient is zero or jumped on a straight path to another "
+                "future: a discrete change besides it. A router whose weights are normalised over "
                 "positions (a softmax over the tokens) and that picks positions gives both: a causal router removes "
                 "both; otherwise make the differentiable computation causal (a mask or a shift) and see below"
             )
@@ -135,12 +136,14 @@ def advice(report: Findings) -> list[str]:
 
 def moved_without_gradient(probes: list) -> list[int]:
     """Output positions that a forward-comparing future probe moved although the Jacobian probe
-    of the same mode read no gradient from them to any later input: a discrete change (a routing
-    decision) where a differentiable path alone cannot account for it."""
+    of the same mode read no gradient from them to any later input, and those that jumped on the
+    Jacobian probe's straight path to a random future: a discrete change (a routing decision)
+    where a differentiable path alone cannot account for it."""
     out: set[int] = set()
     for jac in probes:
         if jac.name != "jacobian" or not jac.ran:
             continue
+        out |= set(jac.jump_positions)
         smooth = set(jac.probed_positions) - set(jac.leaking_positions)
         for p in probes:
             if p.mode == jac.mode and p.kind == "future" and p.compares_forwards and p.leaks:
@@ -232,6 +235,10 @@ class ProbeResult:
     probed_positions: list[int] = field(default_factory=list)
     """For ``jacobian``: the output positions s whose gradient to the later inputs it read (a
     position among them not in ``leaking_positions`` has none)."""
+    jump_positions: list[int] = field(default_factory=list)
+    """For ``jacobian``, where it found a gradient: the output positions that jump along a
+    straight path from the example to a random future (:func:`moe.audit.probes._jumps`): a
+    discrete change besides the differentiable path."""
     forwards: int = 0
     """Calls of the target this probe made."""
     seconds: float = 0.0
@@ -272,6 +279,7 @@ class ProbeResult:
             "screened": self.screened,
             "changed_share": self.changed_share,
             "probed_positions": self.probed_positions,
+            "jump_positions": self.jump_positions,
             "forwards": self.forwards,
             "seconds": round(self.seconds, 4),
         }
