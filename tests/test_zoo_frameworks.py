@@ -3,7 +3,8 @@
 Versions read: megatron-core 0.16.1 (``megatron/core/transformer/moe/moe_utils.py``, ``router.py``),
 deepspeed 0.19.8 (``deepspeed/moe/sharded_moe.py``), fairscale 0.4.13
 (``fairscale/nn/moe/top2gate.py``), torchtitan 0.3.0 (``torchtitan/models/common/moe.py``).
-Each framework is skipped when not installed. The default suite audits the quick
+Each framework is skipped when not installed, and fails when installed but not importable (a
+requirement of its own missing). The default suite audits the quick
 deterministic configurations; every configuration is a ``slow`` test.
 """
 
@@ -16,7 +17,7 @@ from extras import reason
 from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for the many tiny forwards)
 
 from moe.audit.zoo import FRAMEWORKS, audit_framework, zoo_markdown
-from moe.audit.zoo.frameworks import installed
+from moe.audit.zoo.frameworks import unavailable
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,10 @@ def test_every_configuration_has_an_expectation_and_three_frameworks_at_least():
 
 def _check(name: str) -> None:
     fc = next(f for f in FRAMEWORKS if f.name == name)
-    if installed(fc.library) is None:
+    why = unavailable(fc.library)
+    if why is not None and "is not installed" in why:
         pytest.skip(reason(fc.library, "zoo-frameworks"))
+    assert why is None, why  # installed but broken (deepspeed without einops): a failure, never a skip
     row = audit_framework(fc)
     exp = EXPECTED[name]
     assert row.error is None, f"{name}: {row.error}"
@@ -177,6 +180,17 @@ def test_framework_configuration(name):
 def test_missing_framework_is_a_row_not_a_failure(monkeypatch):
     from moe.audit.zoo import run
 
-    monkeypatch.setattr(run, "installed", lambda library: None)
+    monkeypatch.setattr(run, "unavailable", lambda library: f"{library} is not installed (pip install ...)")
     row = run.audit_framework(FRAMEWORKS[0])
     assert row.report is None and "not installed" in row.error and "not run" in zoo_markdown([row])
+
+
+def test_an_installed_framework_that_cannot_be_imported_says_why(monkeypatch):
+    """deepspeed 0.19.8 imports einops at import time; without it the row (and the test's skip
+    reason) said "not installed", which hid that CI skipped every DeepSpeed row."""
+    from moe.audit.zoo import frameworks
+
+    monkeypatch.setattr(frameworks.importlib.metadata, "version", lambda library: "0.19.8")
+    monkeypatch.setitem(frameworks._IMPORT_NAME, "deepspeed", "a_module_that_does_not_exist_here")
+    why = frameworks.unavailable("deepspeed")
+    assert why.startswith("deepspeed is installed but cannot be imported (ModuleNotFoundError: No module named"), why

@@ -64,13 +64,18 @@ _IMPORT_NAME = {
 """The package each distribution installs."""
 
 
-def installed(library: str) -> str | None:
-    """The installed version of ``library``, None when it is missing or cannot be imported."""
+def unavailable(library: str) -> str | None:
+    """Why ``library`` cannot be used (None: it imports): not installed, or installed but failing
+    to import, with the error (a requirement of its own missing, as deepspeed's einops)."""
+    try:
+        importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{library} is not installed (pip install --no-deps {library}; see moe.audit.zoo.frameworks)"
     try:
         importlib.import_module(_IMPORT_NAME[library])
-        return importlib.metadata.version(library)
-    except Exception:  # not installed, or broken by a missing dependency: the row says so
-        return None
+    except Exception as e:  # broken by a missing dependency: the row says which
+        return f"{library} is installed but cannot be imported ({type(e).__name__}: {e}; docs/zoo.md gives its needs)"
+    return None
 
 
 def _dense(ids_BTK: Tensor, weights_BTK: Tensor) -> Tensor:

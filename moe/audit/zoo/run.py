@@ -5,6 +5,7 @@ Shape legend: B batch, T sequence, D hidden size.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import sys
 import time
@@ -29,7 +30,7 @@ from moe.audit.zoo.build import (
     reason,
     transformers_module,
 )
-from moe.audit.zoo.frameworks import FRAMEWORKS, FrameworkConfig, installed
+from moe.audit.zoo.frameworks import FRAMEWORKS, FrameworkConfig, unavailable
 
 MODES = ("train", "eval")
 """Both training-flag settings, each audited (the audit's public API takes them by name)."""
@@ -93,13 +94,13 @@ def audit_entry(entry: ZooEntry, modes: tuple[str, ...] = MODES, trials: int = 2
 
 
 def audit_framework(fc: FrameworkConfig, modes: tuple[str, ...] = MODES, trials: int = 2, seed: int = 0) -> ZooRow:
-    """Audit one training-framework router configuration (a row saying so when the framework
-    is not installed)."""
+    """Audit one training-framework router configuration (a row saying why when the framework
+    is not installed or cannot be imported)."""
     entry = ZooEntry(fc.library, fc.name, "router", fc.module)
-    version = installed(fc.library)
-    row = ZooRow(entry, fc.library, version or "not installed")
-    if version is None:
-        row.error = f"{fc.library} is not installed (pip install --no-deps {fc.library}; see moe.audit.zoo.frameworks)"
+    why = unavailable(fc.library)
+    row = ZooRow(entry, fc.library, "not available" if why else importlib.metadata.version(fc.library))
+    if why:
+        row.error = why
         return row
     start = time.perf_counter()
     built = Built(fc.make, fc.router_kind, fc.capacity, fc.train_noise, fc.note)
