@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from extras import EXTRA_IN_REASON, INSTALL
 from smoke import mark_smoke
 
@@ -9,6 +10,17 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 # Test tensors are tiny: one thread avoids thread start-up and contention costs that made
 # them several times slower on 2 shared cores.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this one process (a collective is then the identity), destroyed
+    after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

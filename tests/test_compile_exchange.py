@@ -5,23 +5,12 @@ code path is the same for any group size."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from test_compile import assert_close, recording_backend, run
 from torch._dynamo.utils import counters
 
 import moe
 from moe.parallel.exchange import ExpertParallel
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_compiled_expert_parallel_layer_breaks_only_around_the_exchange_and_equals_eager(world_of_one):
