@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe.data.byte_corpora import canary_tokens
-from moe.data.files import is_text, select_files
+from moe.data.files import MAX_UNDECODABLE, TEXT_SAMPLE_BYTES, is_text, select_files
 from moe.data.shards import check_vocabulary_fits, load_prepared, read_manifest
 
 
@@ -91,3 +91,18 @@ def test_a_byte_level_bpe_needs_257_tokens():
     assert train_bpe(["ab ab ab"], 257).get_vocab_size() == 257
     with pytest.raises(ValueError, match="at least 257 \\(256 bytes \\+ <\\|endoftext\\|>\\), got 256"):
         train_bpe(["ab ab ab"], 256)
+
+
+def test_a_character_cut_by_the_end_of_the_sample_is_not_undecodable(tmp_path):
+    """A sample of TEXT_SAMPLE_BYTES bytes: a quarter of them invalid (the most a text may hold),
+    the rest ASCII, the last three the start of a 4-byte character that the sample cuts. Those
+    three are valid UTF-8 the sample ends inside, so the file is text; one more invalid byte is
+    not."""
+    n = TEXT_SAMPLE_BYTES
+    cut = "\U0001f600".encode()[:3]
+    bad = int(MAX_UNDECODABLE * n)
+    sample = b"\xff" * bad + b"a" * (n - bad - 3) + cut
+    (tmp_path / "t").write_bytes(sample + b"\x80rest of the character and more")
+    assert is_text(tmp_path / "t")
+    (tmp_path / "u").write_bytes(b"\xff" + sample[1:-4] + b"\xff" + cut)
+    assert not is_text(tmp_path / "u")

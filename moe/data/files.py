@@ -63,9 +63,11 @@ def is_text(path: str | os.PathLike) -> bool:
         sample = fh.read(TEXT_SAMPLE_BYTES)
     if b"\x00" in sample:
         return False
-    # final=False: a character cut by the end of the sample is not counted as undecodable
-    decoded = codecs.getincrementaldecoder("utf-8")("ignore").decode(sample, final=False)
-    undecodable = len(sample) - len(decoded.encode("utf-8"))
+    # final=False: a character cut by the end of the sample stays in the decoder's buffer, and
+    # is not counted as undecodable
+    decoder = codecs.getincrementaldecoder("utf-8")("ignore")
+    decoded = decoder.decode(sample, final=False)
+    undecodable = len(sample) - len(decoded.encode("utf-8")) - len(decoder.getstate()[0])
     return undecodable <= MAX_UNDECODABLE * len(sample)
 
 
