@@ -157,6 +157,64 @@ def test_a_softmax_over_chosen_positions_is_advised_as_routing_too():
     assert 'moe.MoELayer(d_model, d_ff, num_experts, router="ec_threshold")' in summary, summary
 
 
+class IdsMixtureOfDepths(MixtureOfDepths):
+    """The Mixture-of-Depths block on token ids embedded by a plain function of the ids (a one-hot
+    projection in its own forward): no submodule reads them, so the Jacobian cannot run."""
+
+    def forward(self, ids_BT: Tensor) -> Tensor:
+        x_BTD = torch.nn.functional.one_hot(ids_BT, 32).float()[..., :D] + ids_BT[..., None] / 32
+        return super().forward(x_BTD)
+
+
+def test_no_gradient_path_is_claimed_only_where_the_jacobian_ran():
+    """Where the Jacobian did not run (here no submodule reads the ids), the advice may not say
+    "no gradient path": it said so for sramshetty/mixture-of-depths, whose fairscale embedding the
+    Jacobian did not read then."""
+    ran = audit(MixtureOfDepths(), example(), modes=("eval",)).summary()
+    assert "(a discrete change, no gradient path;" in ran, ran
+    report = audit(IdsMixtureOfDepths(), torch.randint(0, 32, (B, T), generator=torch.Generator()), modes=("eval",))
+    assert not report.probe("jacobian", "eval").ran and report.leaks, report.table()
+    summary = report.summary()
+    assert "no gradient path" not in summary and "the Jacobian did not run, see below" in summary, summary
+    assert summary.index("the Jacobian did not run, see below") < summary.index("jacobian/eval did not run"), summary
+
+
+class OwnEmbedding(nn.Module):
+    """An embedding of another library (fairscale's ParallelEmbedding): F.embedding on a weight of
+    its own, no nn.Embedding anywhere."""
+
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, d, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, ids_BT: Tensor) -> Tensor:
+        return torch.nn.functional.embedding(ids_BT, self.weight)
+
+
+class MeanOverTimeLM(nn.Module):
+    """Token ids through :class:`OwnEmbedding`, plus the mean over the whole sequence: a
+    differentiable leak the Jacobian reads at the embedding's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = OwnEmbedding(32, D)
+
+    def forward(self, ids_BT: Tensor) -> Tensor:
+        h_BTD = self.embed(ids_BT)
+        return h_BTD + h_BTD.mean(1, keepdim=True)
+
+
+def test_the_jacobian_reads_an_embedding_that_is_no_nn_embedding():
+    """sramshetty/mixture-of-depths (Meta's llama code) embeds through fairscale's
+    ParallelEmbedding: the Jacobian did not run there ("no gradient reaches the output from an
+    nn.Embedding"). Without an nn.Embedding, the first submodule reading the ids is read."""
+    ids = torch.randint(0, 32, (B, T), generator=torch.Generator().manual_seed(0))
+    report = audit(MeanOverTimeLM(), ids, modes=("eval",))
+    jac = report.probe("jacobian", "eval")
+    assert jac.ran and jac.leaks and jac.leaking_positions == list(range(T - 1)), report.table()
+    assert "through a differentiable path" in report.summary(), report.summary()
+
+
 def test_a_jump_on_the_path_to_another_future_tells_a_choice_behind_a_softmax():
     """Where the Jacobian is nonzero at every position, the straight path from the example to a
     random future tells the two apart: a softmax over the tokens alone never jumps; the top-k

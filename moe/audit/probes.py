@@ -779,7 +779,7 @@ def _why_no_gradient(ctx: ProbeContext) -> str:
     if ctx.base.value_BTF is None:
         return "the output is integer or bool: it has no gradient to read"
     if ctx.sampler.tokens:
-        return "no gradient reaches the output from an nn.Embedding reading the token ids"
+        return "no gradient reaches the output from an embedding reading the token ids (an nn.Embedding, or in a model without one any submodule)"
     return "the output has no gradient with respect to the input"
 
 

@@ -112,12 +112,13 @@ def advice(report: Findings) -> list[str]:
                 "both; otherwise make the differentiable computation causal (a mask or a shift) and see below"
             )
         routed = bool(discrete and (report.mechanisms or not continuous or beyond))
+        read = any(p.name == "jacobian" and p.ran for p in report.probes)
         if discrete and report.mechanisms:
             out += [f"mechanism: {_FIX[m]}" for m in report.mechanisms]
         elif routed:
             out.append(
                 "mechanism: which tokens are served depends on later tokens (a discrete change"
-                + ("" if beyond else ", no gradient path")
+                + ("" if continuous else ", no gradient path" if read else "; the Jacobian did not run, see below")
                 + "; the audit cannot tell how it is routed). If experts or a block pick their top positions: "
                 f"{_FIX[EXPERT_CHOICE]}. If tokens pick experts under a capacity: {_FIX[CAPACITY_BY_SCORE]}"
             )

@@ -502,7 +502,9 @@ class AuditTarget:
         """(value_BTF with its graph, the float input it is differentiated against), or None where
         the target is not differentiable. The target gets a non-leaf copy of the float input, so
         it may scale it in place. Token ids are differentiated at the output of the embedding
-        that reads them."""
+        that reads them: the first ``nn.Embedding`` to read them; in a module without one, the
+        first submodule that reads them as its first input and returns floats (an embedding of
+        another library, as fairscale's ``ParallelEmbedding``)."""
         b, t = x.shape[:2]
         if x.is_floating_point():
             wrt, given = _requiring_grad(x)
@@ -511,28 +513,37 @@ class AuditTarget:
         else:
             if self.module is None:
                 return None
-            seen: list[Tensor] = []
-
-            def leaf(_module: nn.Module, inputs: tuple, out: Tensor) -> Tensor | None:
-                reads_x = bool(inputs) and isinstance(inputs[0], Tensor) and inputs[0].shape == x.shape
-                if not seen and reads_x and torch.equal(inputs[0], x) and out.is_floating_point():
-                    seen.append(out.detach().requires_grad_(True))
-                    return seen[0].clone()
+            embeddings = [m for m in self.module.modules() if isinstance(m, nn.Embedding)]
+            # without an nn.Embedding, any submodule reading the ids (fairscale's ParallelEmbedding)
+            readers = embeddings or [m for m in self.module.modules() if m is not self.module]
+            value, wrt = self._differentiated_at_embedding(x, readers)
+            if wrt is None:
                 return None
-
-            handles = [m.register_forward_hook(leaf) for m in self.module.modules() if isinstance(m, nn.Embedding)]
-            try:
-                with torch.enable_grad():
-                    value = self._outputs(self._call(x), [], b, t, keep_graph=True).value_BTF
-            finally:
-                for h in handles:
-                    h.remove()
-            if not seen:
-                return None
-            wrt = seen[0]
         if value is None or not value.requires_grad:
             return None
         return value, wrt
+
+    def _differentiated_at_embedding(self, x: Tensor, readers: list[nn.Module]) -> tuple[Tensor | None, Tensor | None]:
+        """(value_BTF with its graph, the float output of the first of ``readers`` to read the
+        token ids ``x`` as its first input, made a leaf) or (None, None) if none of them did."""
+        seen: list[Tensor] = []
+
+        def leaf(_module: nn.Module, inputs: tuple, out: Any) -> Tensor | None:
+            reads_x = bool(inputs) and isinstance(inputs[0], Tensor) and inputs[0].shape == x.shape
+            floating = isinstance(out, Tensor) and out.is_floating_point()
+            if not seen and reads_x and floating and torch.equal(inputs[0], x):
+                seen.append(out.detach().requires_grad_(True))
+                return seen[0].clone()
+            return None
+
+        handles = [m.register_forward_hook(leaf) for m in readers]
+        try:
+            with torch.enable_grad():
+                value = self._outputs(self._call(x), [], x.shape[0], x.shape[1], keep_graph=True).value_BTF
+        finally:
+            for h in handles:
+                h.remove()
+        return (value, seen[0]) if seen else (None, None)
 
     def _outputs(self, out: Any, masks: list[tuple[str, Tensor]], b: int, t: int, keep_graph: bool) -> Outputs:
         """Every audited output side by side: float ones in ``value_BTF`` (float64, or with their
