@@ -38,6 +38,7 @@ finds batch interference or a prefix that decodes differently. Otherwise it retu
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import statistics
 import sys
@@ -50,11 +51,31 @@ import torch
 from torch import Tensor, nn
 
 from moe.agreement import agreement_figures
-from moe.audit.comparator import DRAWS, Comparator, Misaligned, Tally, calibrate, per_comparison_alpha, resolution_of
-from moe.audit.probes import Probe, ProbeContext, Sampler, calibration_inputs, check_flat_order, registered_probes
+from moe.audit.comparator import (
+    DRAWS,
+    Calibration,
+    Comparator,
+    Misaligned,
+    Tally,
+    calibrate,
+    difference,
+    per_comparison_alpha,
+    resolution_of,
+    spread,
+)
+from moe.audit.probes import (
+    MAX_CUTS,
+    Probe,
+    ProbeContext,
+    Sampler,
+    calibration_inputs,
+    check_flat_order,
+    probe_generator,
+    registered_probes,
+)
 from moe.audit.report import AuditReport, ProbeResult, router_mechanism
 from moe.audit.runner import Runner, TargetExit, TargetFailure, TargetTimeout, cost_clock
-from moe.audit.target import AuditTarget, AuditUsageError
+from moe.audit.target import AuditTarget, AuditUsageError, Outputs
 
 
 def target_agreement(at: AuditTarget, example: Tensor) -> dict[str, dict] | None:
@@ -330,6 +351,8 @@ def _after_modes(
     if report.error is None:
         _confirm_across_modes(session, at, report)
     if report.error is None:
+        _own_future(session, at, report, example)
+    if report.error is None:
         units = [u for u in (unit_before, _one_forward_seconds(session.runner, at, example)) if u > 0]
         report.forward_seconds = min(units, default=0.0)
         report.unit_forwards = UNIT_FORWARDS if units else 0
@@ -381,6 +404,51 @@ def _confirm_across_modes(session: _Session, at: AuditTarget, report: AuditRepor
         confirmed.forwards = result.forwards + session.runner.cost.forwards - forwards
         confirmed.seconds = result.seconds + time.perf_counter() - began
         report.probes[i] = confirmed
+
+
+def _own_future(session: _Session, at: AuditTarget, report: AuditReport, example: Tensor) -> None:
+    """In each mode that leaks and is not batch-invariant, judged by a fixed seed: the random
+    futures of ``random_future`` again (the same draws, every sample's positions after the cut
+    resampled), and for each sample whose earlier outputs one of them moved, the same future of
+    that sample alone, the other samples as in the example. ``report.own_future[mode]`` counts
+    both (``moved``: the (future, sample) pairs that moved; ``own_alone``: how many of them the
+    sample's own future alone moved); with ``own_alone`` 0 of at least ``OWN_FUTURE_LEAST``, the
+    leak reaches a sample only through the other samples' later positions."""
+    t, rest = example.shape[1], tuple(example.shape[2:])
+    for mode in report.leaks_in:
+        entry = session.tallies.get((mode, "random_future"))
+        batch = any(p.leaks for p in report.probes if p.mode == mode and p.kind == "batch")
+        if not batch or entry is None or entry[0].cal.regime == "distribution" or example.shape[0] < 2:
+            continue
+        cal, gen, moved, own = entry[0].cal, probe_generator(session.seed, 1), 0, 0
+        at.set_mode(mode)
+        try:
+            for _, cut in itertools.product(range(session.trials), spread(list(range(t - 1)), MAX_CUTS)):
+                future = session.sampler.draw((example.shape[0], t - cut - 1, *rest), gen)
+                every = example.clone()
+                every[:, cut + 1 :] = future
+                out = session.runner.forward(every).out
+                for b in range(example.shape[0]):
+                    if not _moved(cal, out, cut, b):
+                        continue
+                    alone = example.clone()
+                    alone[b, cut + 1 :] = future[b]
+                    moved, own = moved + 1, own + _moved(cal, session.runner.forward(alone).out, cut, b)
+        except TargetFailure:
+            continue
+        except TargetTimeout as e:
+            report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+            return
+        except TargetExit as e:
+            report.error = f"{e} in {mode} mode"
+            return
+        report.own_future[mode] = {"moved": moved, "own_alone": own}
+
+
+def _moved(cal: Calibration, out: Outputs, cut: int, b: int) -> bool:
+    """Whether sample ``b``'s outputs at positions <= cut differ from the example's beyond the mode's tolerances."""
+    _, flips_S, excess_S = difference(cal.base.out, out, cut + 1, (b,), cal.tolerances)
+    return bool(flips_S.sum()) or float(excess_S.max()) > 1
 
 
 def _dtype_notes(example: Tensor, at: AuditTarget) -> list[str]:

@@ -152,6 +152,9 @@ def moved_without_gradient(probes: list) -> list[int]:
     return sorted(out)
 
 
+OWN_FUTURE_LEAST = 3
+"""Fewer (random future, sample) pairs that moved a sample's earlier outputs decide nothing in
+:attr:`AuditReport.across_samples_in`."""
 KINDS = ("future", "batch", "decode")
 """What a probe's ``leaks`` means. future: an output at position <= t moved when only positions
 > t changed; batch: a sample's output moved when only other samples of the batch changed;
@@ -315,6 +318,13 @@ class AuditReport:
     """Why the target could not be audited (in no mode: it failed on the example, two identical
     calls differ because it is stateful; or a forward ran past the time limit, or no
     future-perturbation probe ran); None when it was. With an error, ``leaks`` means nothing."""
+    own_future: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per mode that leaks and is not batch-invariant (judged by a fixed seed,
+    :func:`moe.audit.engine._own_future`): ``moved``, the (random future, sample) pairs in which
+    resampling every sample's later positions moved that sample's earlier outputs, and
+    ``own_alone``, how many of them the sample's own resampled positions alone moved. None of at
+    least :data:`OWN_FUTURE_LEAST`: the leak reaches a sample only through the other samples'
+    later positions."""
     modes_not_audited: dict[str, str] = field(default_factory=dict)
     """Per mode that could not be audited (the target failed on the example there, or is stateful
     there): why. The other modes were: a leak found in one stands; without one the verdict is
@@ -376,6 +386,12 @@ class AuditReport:
     def leaks_in(self) -> list[str]:
         """Modes in which a future probe (random, adversarial, Jacobian) saw a leak."""
         return [m for m in self.modes if any(p.leaks for p in self.probes if p.mode == m and p.kind == "future")]
+
+    @property
+    def across_samples_in(self) -> list[str]:
+        """Modes whose leak reaches a sample only through the other samples' later positions
+        (:attr:`own_future`)."""
+        return [m for m, c in self.own_future.items() if c["own_alone"] == 0 and c["moved"] >= OWN_FUTURE_LEAST]
 
     @property
     def inconclusive_in(self) -> list[str]:
@@ -547,6 +563,14 @@ class AuditReport:
                 f"{', '.join(p.leaking_outputs)} at positions" if many and p.leaking_outputs else "outputs at positions"
             )
             out.append(f"found by {p.name} ({p.mode}): {what} {_ranges(p.leaking_positions)} moved{how}")
+        for mode in self.across_samples_in:
+            n = self.own_future[mode]["moved"]
+            out.append(
+                f"through other samples ({mode}): of the {n} random futures that moved a sample's earlier outputs, "
+                "the same future of that sample alone (the other samples as in the example) moved none: its earlier "
+                "outputs follow the other samples' later positions, as slots or capacity counted over the flattened "
+                "batch, sample after sample, make them (at batched decoding, those positions do not exist yet)"
+            )
         for p in self.probes:
             if p.kind == "future" and p.inconclusive and p.mode in self.inconclusive_in:
                 out += [
@@ -744,6 +768,7 @@ class AuditReport:
             "claimed_batch_invariant": None if self.claims is None else self.claims.batch_invariant,
             "claimed_decode_consistent": None if self.claims is None else self.claims.decode_consistent,
             "modes_not_audited": self.modes_not_audited,
+            "own_future": self.own_future,
             "leaks": None if self.error else self.leaks,
             "leaks_in": self.leaks_in,
             "inconclusive_in": self.inconclusive_in,
