@@ -230,8 +230,9 @@ def _snapshot(value: Any) -> Any:
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) or isinstance(b, Tensor):
-        both = isinstance(a, Tensor) and isinstance(b, Tensor)
-        return both and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(a, b) or bool(((a == b) | (a.isnan() & b.isnan())).all())  # NaN equals NaN here
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, dict) and isinstance(b, dict):
