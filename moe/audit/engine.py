@@ -189,11 +189,8 @@ def audit(
             at.set_mode(mode)
             try:
                 why = _audit_one_mode(session, report, example, mode)
-            except TargetTimeout as e:  # the time limit and sys.exit stop the whole audit
-                report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
-                break
-            except TargetExit as e:
-                report.error = f"{e} in {mode} mode"
+            except (TargetTimeout, TargetExit) as e:  # the time limit and sys.exit stop the whole audit
+                report.error = _stopped(e, mode)
                 break
             except TargetFailure as e:
                 why = f"the target failed on the example in {mode} mode ({e})"
@@ -393,13 +390,8 @@ def _confirm_across_modes(session: _Session, at: AuditTarget, report: AuditRepor
         forwards, began = session.runner.cost.forwards, time.perf_counter()
         try:
             confirmed = comparator.confirm(found[0], tally)
-        except TargetTimeout as e:
-            report.error = (
-                f"{e} in {result.mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
-            )
-            return
-        except TargetExit as e:
-            report.error = f"{e} in {result.mode} mode"
+        except (TargetTimeout, TargetExit) as e:
+            report.error = _stopped(e, result.mode)
             return
         confirmed.forwards = result.forwards + session.runner.cost.forwards - forwards
         confirmed.seconds = result.seconds + time.perf_counter() - began
@@ -436,13 +428,17 @@ def _own_future(session: _Session, at: AuditTarget, report: AuditReport, example
                     moved, own = moved + 1, own + _moved(cal, session.runner.forward(alone).out, cut, b)
         except TargetFailure:
             continue
-        except TargetTimeout as e:
-            report.error = f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
-            return
-        except TargetExit as e:
-            report.error = f"{e} in {mode} mode"
+        except (TargetTimeout, TargetExit) as e:
+            report.error = _stopped(e, mode)
             return
         report.own_future[mode] = {"moved": moved, "own_alone": own}
+
+
+def _stopped(e: TargetTimeout | TargetExit, mode: str) -> str:
+    """``report.error`` for a forward past the time limit or a ``sys.exit``: the audit stops."""
+    if isinstance(e, TargetTimeout):
+        return f"{e} in {mode} mode (the per-forward time limit, --forward-timeout); the audit stopped"
+    return f"{e} in {mode} mode"
 
 
 def _moved(cal: Calibration, out: Outputs, cut: int, b: int) -> bool:
