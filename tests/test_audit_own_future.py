@@ -57,11 +57,14 @@ def test_a_queue_over_the_flattened_batch_leaks_through_other_samples_only():
 
 
 def test_a_sample_that_leaks_through_its_own_future_is_not_called_so():
-    """Capacity kept by score over the whole batch: a sample's own later, higher-scoring tokens
-    take its earlier tokens' slots too."""
+    """Capacity kept by score over the whole batch, called as an opaque function (a target with
+    claims names its mechanism instead): a sample's own later, higher-scoring tokens take its
+    earlier tokens' slots too."""
     torch.manual_seed(0)
     router = build_router("capacity", d_model=32, num_experts=E, capacity_factor=1.0, priority="score", group="batch")
-    report = audit(router, torch.randn(B, T, 32, generator=torch.Generator().manual_seed(0)), modes=("eval",))
+    x = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(0))
+    assert audit(router, x, modes=("eval",)).own_future == {}  # it declares its claims
+    report = audit(lambda x_BTD: router(x_BTD).dense(), x, modes=("eval",))
     assert report.leaks and not report.batch_invariant, report.summary()
     counts = report.own_future["eval"]
     assert counts["own_alone"] > 0 and report.across_samples_in == [], counts

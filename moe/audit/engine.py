@@ -405,7 +405,11 @@ def _own_future(session: _Session, at: AuditTarget, report: AuditReport, example
     that sample alone, the other samples as in the example. ``report.own_future[mode]`` counts
     both (``moved``: the (future, sample) pairs that moved; ``own_alone``: how many of them the
     sample's own future alone moved); with ``own_alone`` 0 of at least ``OWN_FUTURE_LEAST``, the
-    leak reaches a sample only through the other samples' later positions."""
+    leak reaches a sample only through the other samples' later positions. Opaque targets only:
+    a target that declares claims (this package's routers, layers and models) has its routers
+    name their mechanism."""
+    if report.claims is not None:
+        return
     t, rest = example.shape[1], tuple(example.shape[2:])
     for mode in report.leaks_in:
         entry = session.tallies.get((mode, "random_future"))

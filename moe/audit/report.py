@@ -319,8 +319,8 @@ class AuditReport:
     calls differ because it is stateful; or a forward ran past the time limit, or no
     future-perturbation probe ran); None when it was. With an error, ``leaks`` means nothing."""
     own_future: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per mode that leaks and is not batch-invariant (judged by a fixed seed,
-    :func:`moe.audit.engine._own_future`): ``moved``, the (random future, sample) pairs in which
+    """Per mode that leaks and is not batch-invariant, for a target without claims (judged by a
+    fixed seed, :func:`moe.audit.engine._own_future`): ``moved``, the (random future, sample) pairs in which
     resampling every sample's later positions moved that sample's earlier outputs, and
     ``own_alone``, how many of them the sample's own resampled positions alone moved. None of at
     least :data:`OWN_FUTURE_LEAST`: the leak reaches a sample only through the other samples'
