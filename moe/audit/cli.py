@@ -231,7 +231,8 @@ def _print(reports: list[AuditReport], args: argparse.Namespace, elapsed: float)
     for r in reports:
         if r.error:
             print(f"NOT AUDITED: {r.name}: {r.error}")
-        for mode, why in r.modes_not_audited.items() if not r.error else ():
+            continue
+        for mode, why in r.modes_not_audited.items():
             print(f"NOT AUDITED in {mode} mode: {r.name}: {why}")
     bad = [r for r in reports if r.false_claims]
     if bad:

@@ -38,7 +38,6 @@ finds batch interference or a prefix that decodes differently. Otherwise it retu
 from __future__ import annotations
 
 import contextlib
-import itertools
 import random
 import statistics
 import sys
@@ -61,16 +60,14 @@ from moe.audit.comparator import (
     difference,
     per_comparison_alpha,
     resolution_of,
-    spread,
 )
 from moe.audit.probes import (
-    MAX_CUTS,
     Probe,
     ProbeContext,
     Sampler,
     calibration_inputs,
     check_flat_order,
-    probe_generator,
+    random_future,
     registered_probes,
 )
 from moe.audit.report import AuditReport, ProbeResult, router_mechanism
@@ -399,9 +396,9 @@ def _confirm_across_modes(session: _Session, at: AuditTarget, report: AuditRepor
 
 
 def _own_future(session: _Session, at: AuditTarget, report: AuditReport, example: Tensor) -> None:
-    """In each mode that leaks and is not batch-invariant, judged by a fixed seed: the random
-    futures of ``random_future`` again (the same draws, every sample's positions after the cut
-    resampled), and for each sample whose earlier outputs one of them moved, the same future of
+    """In each mode that leaks and is not batch-invariant, judged by a fixed seed: the variants of
+    :func:`~moe.audit.probes.random_future` again (the same draws, every sample's positions after
+    the cut resampled), and for each sample whose earlier outputs one of them moved, the same future of
     that sample alone, the other samples as in the example. ``report.own_future[mode]`` counts
     both (``moved``: the (future, sample) pairs that moved; ``own_alone``: how many of them the
     sample's own future alone moved); with ``own_alone`` 0 of at least ``OWN_FUTURE_LEAST``, the
@@ -410,26 +407,35 @@ def _own_future(session: _Session, at: AuditTarget, report: AuditReport, example
     name their mechanism."""
     if report.claims is not None:
         return
-    t, rest = example.shape[1], tuple(example.shape[2:])
     for mode in report.leaks_in:
         entry = session.tallies.get((mode, "random_future"))
         batch = any(p.leaks for p in report.probes if p.mode == mode and p.kind == "batch")
         if not batch or entry is None or entry[0].cal.regime == "distribution" or example.shape[0] < 2:
             continue
-        cal, gen, moved, own = entry[0].cal, probe_generator(session.seed, 1), 0, 0
+        cal, moved, own = entry[0].cal, 0, 0
+        ctx = ProbeContext(
+            at,
+            session.runner,
+            example,
+            session.sampler,
+            session.trials,
+            session.seed,
+            mode,
+            cal.base.out,
+            cal.tolerances,
+            cal.regime,
+            report.quick,
+        )
         at.set_mode(mode)
         try:
-            for _, cut in itertools.product(range(session.trials), spread(list(range(t - 1)), MAX_CUTS)):
-                future = session.sampler.draw((example.shape[0], t - cut - 1, *rest), gen)
-                every = example.clone()
-                every[:, cut + 1 :] = future
-                out = session.runner.forward(every).out
+            for every in random_future(ctx):
+                out = session.runner.forward(every.x).out
                 for b in range(example.shape[0]):
-                    if not _moved(cal, out, cut, b):
+                    if not _moved(cal, out, every.upto, b):
                         continue
                     alone = example.clone()
-                    alone[b, cut + 1 :] = future[b]
-                    moved, own = moved + 1, own + _moved(cal, session.runner.forward(alone).out, cut, b)
+                    alone[b, every.upto :] = every.x[b, every.upto :]
+                    moved, own = moved + 1, own + _moved(cal, session.runner.forward(alone).out, every.upto, b)
         except TargetFailure:
             continue
         except (TargetTimeout, TargetExit) as e:
@@ -445,9 +451,9 @@ def _stopped(e: TargetTimeout | TargetExit, mode: str) -> str:
     return f"{e} in {mode} mode"
 
 
-def _moved(cal: Calibration, out: Outputs, cut: int, b: int) -> bool:
-    """Whether sample ``b``'s outputs at positions <= cut differ from the example's beyond the mode's tolerances."""
-    _, flips_S, excess_S = difference(cal.base.out, out, cut + 1, (b,), cal.tolerances)
+def _moved(cal: Calibration, out: Outputs, upto: int, b: int) -> bool:
+    """Whether sample ``b``'s outputs at positions < upto differ from the example's beyond the mode's tolerances."""
+    _, flips_S, excess_S = difference(cal.base.out, out, upto, (b,), cal.tolerances)
     return bool(flips_S.sum()) or float(excess_S.max()) > 1
 
 

@@ -52,10 +52,10 @@ class TargetFailure(Exception):
 
     def __init__(self, shape: tuple[int, ...], error: BaseException) -> None:
         self.shape, self.error, self.where = shape, error, raise_site(error)
+        text = one_line(str(error))
         if isinstance(error, AuditUsageError):  # the target ran; what it returned is not auditable: no site to show
-            super().__init__(f"input of shape {shape}: {one_line(str(error))}")
+            super().__init__(f"input of shape {shape}: {text}")
         else:
-            text = one_line(str(error))
             super().__init__(f"input of shape {shape}: {type(error).__name__}: {text} (raised at {self.where})")
 
 
