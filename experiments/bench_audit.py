@@ -50,6 +50,7 @@ import moe.audit.engine as engine  # noqa: E402
 import moe.audit.runner as runner_module  # noqa: E402
 from experiments.timing import Clocks, interleaved, timed  # noqa: E402
 from moe.audit import audit  # noqa: E402
+from moe.audit.report import yes_no  # noqa: E402
 from moe.layer import MoELayer  # noqa: E402
 from moe.model import MoETransformer, preset  # noqa: E402
 
@@ -297,8 +298,8 @@ def print_rows(rows: list[dict]) -> None:
                 str(r["forwards"]),
                 *(f"{r['per_probe'].get(p, {}).get('forward_equivalents', 0):.0f}" for p in probes),
                 ",".join(v["leaks_in"]) or ("ERROR" if v["error"] else "-"),
-                "yes" if v["batch_invariant"] else "no",
-                "yes" if v["decode_consistent"] else "no",
+                yes_no(v["batch_invariant"]),
+                yes_no(v["decode_consistent"]),
             ]
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

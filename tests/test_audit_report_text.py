@@ -301,6 +301,27 @@ def test_a_target_error_is_one_line_on_stderr(capsys, tmp_path):
     assert err.count("\n") == 0 and err.startswith("moe-audit: error: f: NOT AUDITED: the target failed"), err
 
 
+@torch.jit.script
+def _top4(x: Tensor) -> Tensor:
+    return torch.topk(x, k=4, dim=1)[1]
+
+
+def _top4_of_the_prefix(x: Tensor) -> Tensor:
+    """Causal; a prefix shorter than 4 fails inside TorchScript (XMoE's _top_idx at length 1)."""
+    return x + _top4(x.cumsum(1)).sum().to(x.dtype) * 0
+
+
+def test_a_torchscript_error_is_one_line_that_leads_with_the_error_it_reports():
+    report = audit(_top4_of_the_prefix, example(), modes=("eval",))
+    decode = report.probe("decode_consistency", "eval")
+    assert decode.errors and all("\n" not in e for e in decode.errors), decode.errors
+    assert (
+        "RuntimeError: RuntimeError: selected index k out of range; The following operation failed"
+        in (decode.errors[0])
+    ), decode.errors[0]
+    assert runner.one_line("one line: RuntimeError: x") == "one line: RuntimeError: x"  # one line stays as it is
+
+
 def test_an_integer_output_says_which_probe_it_skips_and_why():
     report = audit(_integer_output, example(), modes=("eval",))
     assert report.error is None and report.leaks_in == [], report.summary()

@@ -1,5 +1,5 @@
 """``python -m moe.audit`` is ``moe-audit``."""
 
-from moe.audit.cli import main
+from moe.audit.cli import console_main
 
-raise SystemExit(main())
+raise SystemExit(console_main())

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from moe.audit import watchdog
 from moe.audit.engine import FORWARD_TIMEOUT_S, MODES, QUICK_MODES, TRIALS, audit
 from moe.audit.report import SUMMARY_LEGEND, AuditReport, reports_to_json, summary_table
 from moe.audit.runner import exit_text
@@ -141,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill, bf16; the bf16 ones run a copy of the model); the built-in suite never measures them",
     )
     return p
+
+
+def console_main() -> int:
+    """``moe-audit`` and ``python -m moe.audit``: :func:`main` under the watchdog that stops the
+    command when a forward never returns from native code (:mod:`moe.audit.watchdog`)."""
+    return watchdog.supervised(main)
 
 
 def main(argv: list[str] | None = None) -> int:

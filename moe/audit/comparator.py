@@ -118,7 +118,7 @@ import torch
 from torch import Tensor
 
 from moe.audit.report import ProbeResult
-from moe.audit.runner import Forward, Runner, TargetFailure, TargetTimeout
+from moe.audit.runner import Forward, Runner, TargetFailure, TargetTimeout, one_line
 from moe.audit.target import Outputs
 
 MAX_ROWS = 512
@@ -357,8 +357,9 @@ class Calibration:
     resolutions: dict[str, float]
     """Per float output: the least relative change that counts (:func:`resolution_of` of its dtype)."""
     stochastic: bool
-    """The target draws random numbers (with torch's generators) that change its output (not,
-    e.g., an attention kernel with a dropout argument of 0)."""
+    """The target draws random numbers (with torch's generators) that changed its output under
+    one of :data:`NOISE_SEEDS` other seeds (not, e.g., an attention kernel with a dropout argument
+    of 0)."""
     floors: dict[str, float]
     """Per float output: the largest relative change between two forwards of the example under
     the same seed."""
@@ -378,6 +379,8 @@ class Calibration:
     target's attributes outside its buffers (None: not so)."""
     updated_buffers: tuple[str, ...] = ()
     """Buffers the example's forward changed (restored before every forward: no leak by itself)."""
+    updated_parameters: tuple[str, ...] = ()
+    """Parameters the example's forward changed in place (restored likewise from then on)."""
 
     @property
     def tolerance(self) -> float:
@@ -394,11 +397,19 @@ class Calibration:
         return dataclasses.replace(self, regime="distribution", tolerances=dict(self.resolutions))
 
 
+NOISE_SEEDS = 8
+"""A target that draws random numbers is called random (the seeded or distribution regime) when
+its output under one of this many other seeds differs from the audit seed's. Noise that rarely
+changes the output (a drop path over two samples) can pass all of them: a target judged by a
+fixed seed that drew random numbers has every move it shows confirmed (:class:`Comparator`)."""
+
+
 def calibrate(runner: Runner, x: Tensor, probes_x: Iterable[Tensor] = ()) -> Calibration:
     """Measure the example's noise and pick the regime. ``probes_x``: other inputs of the
     example's shape; a stochastic target must draw the same noise shapes for them to be judged
     by a fixed seed. Raises :class:`TargetFailure` when the target cannot run the example."""
     base = runner.forward(x)
+    moved_parameters = tuple(runner.target.state.changed_parameters())  # restored before every forward from now on
     if runner.last_drew:  # its draws, recorded (a dispatch mode, slower: only for a target that draws)
         base = runner.forward(x, record=True)
     seconds = runner.last_seconds
@@ -407,12 +418,14 @@ def calibrate(runner: Runner, x: Tensor, probes_x: Iterable[Tensor] = ()) -> Cal
     resolutions = {p.name: resolution_of(p.dtype) for p in base.out.float_parts}
     t = x.shape[1]
     stochastic = False
-    if base.draws:
-        other = runner.forward(x, seed=runner.seed + 1).out
+    for seed in range(runner.seed + 1, runner.seed + 1 + (NOISE_SEEDS if base.draws else 0)):
+        other = runner.forward(x, seed=seed).out
         seconds = min(seconds, runner.last_seconds)
         _, flips_S, _ = difference(base.out, other, t, None)
         seeded = part_floors(base.out, other, t)
         stochastic = bool(flips_S.sum()) or any(seeded[k] > resolutions[k] for k in seeded)
+        if stochastic:
+            break
     before = runner.target.state.hidden_state()
     again = runner.forward(x).out
     seconds = min(seconds, runner.last_seconds)
@@ -441,6 +454,7 @@ def calibrate(runner: Runner, x: Tensor, probes_x: Iterable[Tensor] = ()) -> Cal
         seconds=seconds,
         stateful=_stateful(delta_S, flips_S, changed) if differs and changed else None,
         updated_buffers=updated,
+        updated_parameters=moved_parameters,
     )
 
 
@@ -778,7 +792,10 @@ class Tally:
 
     def fail(self, failure: TargetFailure) -> None:
         self.failures.append(
-            (failure.shape, f"{type(failure.error).__name__}: {failure.error} (raised at {failure.where})")
+            (
+                failure.shape,
+                f"{type(failure.error).__name__}: {one_line(str(failure.error))} (raised at {failure.where})",
+            )
         )
 
     def result(self, tolerance: float) -> ProbeResult:
@@ -906,6 +923,16 @@ class Comparator:
             self._judge_by_distribution(by_dist, tally, enough)
         return tally.result(self.cal.tolerance)
 
+    @property
+    def _rare_noise(self) -> bool:
+        """The target drew random numbers in calibration, yet none of the other seeds changed its
+        output: noise that rarely matters, or none. Every move it shows is confirmed before it
+        counts: a same-shape forward must have drawn what the example drew (else, and for a
+        variant compared with another input than the example, the mode is judged by distribution:
+        :class:`Misaligned`), another shape is judged by distribution, and a packed copy (whose
+        draws are not the example's) is run again alone."""
+        return bool(self.base.draws) and not self.cal.stochastic
+
     def _judge_one(self, v: Variant, tally: Tally) -> None:
         same_shape = tuple(v.x.shape) == tuple(self.x.shape)
         try:
@@ -916,7 +943,16 @@ class Comparator:
             return
         if self.cal.stochastic and same_shape and fwd.draws != self.base.draws:
             raise Misaligned
-        tally.add_diff(compare(ref, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances), 0, v)
+        d = compare(ref, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances)
+        if self._rare_noise and bool(d.moved_PS.any()):
+            if v.reference is not None:  # two forwards of other shapes: nothing to pair their noise with
+                raise Misaligned
+            if not same_shape:  # as the seeded regime judges another shape
+                self._tested(v, tally, DRAWS)
+                return
+            if self.runner.forward(v.x, record=True).draws != self.base.draws:
+                raise Misaligned
+        tally.add_diff(d, 0, v)
 
     def _packed_forwards(
         self, variants: list[Variant], size: int | None = None
@@ -959,7 +995,10 @@ class Comparator:
                     self._judge_one(v, tally)
                 continue
             for j, v in enumerate(chunk):
-                tally.add_diff(d, j, v)
+                if self._rare_noise and bool(d.moved_PS[j].any()):  # its copy drew other noise than the example
+                    self._judge_one(v, tally)
+                else:
+                    tally.add_diff(d, j, v)
             if stop_at_first and tally.moved:
                 return
 

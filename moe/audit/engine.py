@@ -178,7 +178,7 @@ def audit(
         for r in at.routers
         if getattr(r, "capacity_factor", None) is not None and getattr(r, "capacity_scope", "group") != "prefix"
     ]
-    runner = Runner(at, seed, forward_timeout)
+    runner = Runner(at, seed, forward_timeout, report.name)
     session = _Session(runner, sampler, trials, seed, suite, alpha, progress, start)
     with _rng_preserved(), at.state.preserved():
         unit_before = _one_forward_seconds(runner, at, example)
@@ -269,6 +269,7 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
     if cal.stateful:
         return f"{cal.stateful} in {mode} mode"
     report.updated_buffers += [b for b in cal.updated_buffers if b not in report.updated_buffers]
+    report.updated_parameters += [p for p in cal.updated_parameters if p not in report.updated_parameters]
     repeats = cal.tolerances if cal.regime != "distribution" else None
     ctx = ProbeContext(
         runner.target,
@@ -363,6 +364,8 @@ def _one_forward_seconds(runner: Runner, at: AuditTarget, example: Tensor) -> fl
         times = [runner.time_forward(example) for _ in range(UNIT_FORWARDS + 1)]
     except (TargetFailure, TargetTimeout, TargetExit):
         return 0.0
+    finally:
+        at.state.changed_parameters()  # one these forwards moved is restored before every later forward
     return statistics.median(times[1:])
 
 
@@ -549,9 +552,13 @@ def assert_causal(
             problems.append(f"leaks in {', '.join(report.leaks_in)} mode")
         if report.inconclusive_in:
             problems.append(f"INCONCLUSIVE in {', '.join(report.inconclusive_in)} mode")
-        if batch_invariant and not report.batch_invariant:
+        if batch_invariant and report.batch_invariant is None:
+            problems.append("batch invariance not tested: no forward of another batch ran")
+        elif batch_invariant and not report.batch_invariant:
             problems.append("not batch-invariant")
-        if decode_consistent and not report.decode_consistent:
+        if decode_consistent and report.decode_consistent is None:
+            problems.append("decode consistency not tested: no prefix-only forward ran")
+        elif decode_consistent and not report.decode_consistent:
             problems.append(f"prefix-only forwards differ in {', '.join(report.decode_differs_in)} mode")
         problems += [f"false claim: {c}" for c in report.false_claims]
     if problems:

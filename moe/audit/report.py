@@ -37,8 +37,9 @@ from typing import Protocol
 from moe.routing import Claims
 
 
-def yes_no(flag: bool) -> str:
-    return "yes" if flag else "no"
+def yes_no(flag: bool | None) -> str:
+    """yes / no, and "not tested" for None (a property no comparison could check)."""
+    return "not tested" if flag is None else "yes" if flag else "no"
 
 
 def format_table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -57,6 +58,7 @@ class Findings(Protocol):
     probes: list
     mechanisms: list[str]
     updated_buffers: list[str]
+    updated_parameters: list[str]
 
 
 EXPERT_CHOICE, CAPACITY_BY_SCORE = "expert choice", "capacity by score"
@@ -127,10 +129,13 @@ def advice(report: Findings) -> list[str]:
                 f"moe.MoELayer(d_model, d_ff, num_experts, {_LAYER[m]})" for m in report.mechanisms or _LAYER
             )
             out.append(f"in your own block: {layers} (docs/routers.md)")
-    if report.updated_buffers:
+    if report.updated_buffers or report.updated_parameters:
+        names = [f"{b} (buffer)" for b in report.updated_buffers] + [
+            f"{p} (parameter)" for p in report.updated_parameters
+        ]
         out.append(
-            f"state: its forward updates {', '.join(report.updated_buffers)}; the audit restores every buffer "
-            "before every forward, so what one call leaves for the next is not counted as a leak (nothing to change)"
+            f"state: its forward updates {', '.join(names)}; the audit restores them before every forward, so "
+            "what one call leaves for the next is not counted as a leak (nothing to change)"
         )
     return out
 
@@ -335,6 +340,9 @@ class AuditReport:
     updated_buffers: list[str] = field(default_factory=list)
     """Buffers the target's forwards change (the audit restores them before every forward: state
     carried from one call to the next, not a leak within a call)."""
+    updated_parameters: list[str] = field(default_factory=list)
+    """Parameters the target's forwards change in place (a balancing bias kept as a parameter):
+    restored before every forward once seen to change, as buffers are."""
     outputs: list[str] = field(default_factory=list)
     """The outputs audited, each with its shape (:mod:`moe.audit.target`)."""
     outputs_not_audited: list[str] = field(default_factory=list)
@@ -409,16 +417,27 @@ class AuditReport:
         return bool(self.leaks_in)
 
     @property
-    def batch_invariant(self) -> bool:
-        """No sample's output moved when only the other samples changed, in any mode."""
-        return not any(p.leaks for p in self.probes if p.kind == "batch")
+    def batch_invariant(self) -> bool | None:
+        """No sample's output moved when only the other samples changed, in any mode; None where
+        no batch probe made a comparison in any mode (every forward of another batch failed): not
+        tested, never a vacuous yes."""
+        if any(p.leaks for p in self.probes if p.kind == "batch"):
+            return False
+        return None if len(self.untested("batch")) == len(self.audited_modes) else True
 
     @property
-    def decode_consistent(self) -> bool:
-        """Prefix-only forwards reproduced the full-sequence outputs in every mode. A router whose
-        capacity is a function of T is decode-inconsistent without reading future *content*, so
-        this is reported beside ``leaks``, not inside it."""
-        return not self.decode_differs_in
+    def decode_consistent(self) -> bool | None:
+        """Prefix-only forwards reproduced the full-sequence outputs in every mode; None where no
+        prefix-only forward ran in any mode (the target rejects every shorter length): not tested,
+        never a vacuous yes. A router whose capacity is a function of T is decode-inconsistent
+        without reading future *content*, so this is reported beside ``leaks``, not inside it."""
+        if self.decode_differs_in:
+            return False
+        return None if len(self.untested("decode")) == len(self.audited_modes) else True
+
+    def untested(self, kind: str) -> list[str]:
+        """The audited modes in which no probe of ``kind`` ("batch", "decode") made a comparison."""
+        return [m for m in self.audited_modes if not any(p.ran for p in self.probes if p.mode == m and p.kind == kind)]
 
     @property
     def decode_differs_in(self) -> list[str]:
@@ -445,7 +464,7 @@ class AuditReport:
         for mode in self.leaks_in:
             if claimed.get(mode):
                 out.append(f"claims causal in {mode} mode but leaks")
-        if self.claims is not None and self.claims.batch_invariant and not self.batch_invariant:
+        if self.claims is not None and self.claims.batch_invariant and self.batch_invariant is False:
             out.append("claims batch-invariant but other samples change its outputs")
         if self.claims is not None and self.claims.decode_consistent:
             for mode in self.decode_differs_in:
@@ -462,10 +481,9 @@ class AuditReport:
         for mode, causal in claimed.items():
             if not causal and mode not in self.leaks_in:
                 out.append(f"claims a leak in {mode} mode; none found")
-        ran = {p.kind for p in self.probes if p.ran}
-        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant and "batch" in ran:
+        if self.claims is not None and not self.claims.batch_invariant and self.batch_invariant:
             out.append("claims batch interference; none found")
-        if self.claims is not None and not self.claims.decode_consistent and self.decode_consistent and "decode" in ran:
+        if self.claims is not None and not self.claims.decode_consistent and self.decode_consistent:
             out.append("claims decode inconsistency; none found")
         return out
 
@@ -668,20 +686,50 @@ class AuditReport:
         """The first mode's result of each probe name."""
         return list({p.name: p for p in reversed(probes)}.values())[::-1]
 
+    def _untested_why(self, kind: str) -> dict[str, str]:
+        """Per audited mode in which a probe of ``kind`` made no comparison: why (its first failure)."""
+        out = {}
+        for mode in self.untested(kind):
+            p = next((q for q in self.probes if q.mode == mode and q.kind == kind), None)
+            out[mode] = "it did not run" if p is None else p.skipped or (p.errors[0] if p.errors else "no comparison")
+        return out
+
+    def _untested_text(self, kind: str, what: str) -> str:
+        """ "not tested: no WHAT ran (mode: why; ...)" where no mode tested ``kind``, else "not
+        tested in MODE mode (why)" per mode that did not (none: "")."""
+        why = self._untested_why(kind)
+        if len(why) == len(self.audited_modes):
+            return f"not tested: no {what} ran ({'; '.join(f'{m}: {w}' for m, w in why.items())})"
+        return "; ".join(f"not tested in {m} mode ({w})" for m, w in why.items())
+
+    def _skipped_lengths_text(self) -> list[str]:
+        """The prefix lengths the decode probe could not run, per mode where it ran others."""
+        return [
+            f"prefix lengths {_ranges(p.skipped_lengths)} could not run ({p.mode})"
+            for p in self.probes
+            if p.kind == "decode" and p.ran and p.skipped_lengths
+        ]
+
     def _batch_text(self) -> str:
+        if self.batch_invariant is None:
+            return self._untested_text("batch", "forward of another batch")
         if self.batch_invariant:
             inconclusive = [
                 f"inconclusive: {p.name} ({p.mode}): {p.inconclusive[0]}"
                 for p in self.probes
                 if p.kind == "batch" and p.inconclusive
             ]
-            return "; ".join(["yes", *inconclusive[:1], *self._not_counted("batch")])
+            untested = self._untested_text("batch", "forward of another batch")
+            return "; ".join(["yes", *inconclusive[:1], *self._not_counted("batch"), *([untested] if untested else [])])
         p = next(q for q in self.probes if q.kind == "batch" and q.leaks)
         return f"no: {p.name} ({p.mode}) moved the outputs of a sample" + (f" ({p.found_by})" if p.found_by else "")
 
     def _decode_text(self) -> str:
+        untested = self._untested_text("decode", "prefix-only forward")
+        if self.decode_consistent is None:
+            return untested
         if self.decode_consistent:
-            return "yes"
+            return "; ".join(["yes", *self._skipped_lengths_text(), *([untested] if untested else [])])
         p = next(q for q in self.probes if q.kind == "decode" and q.leaks)
         where = f"prefix-only forwards differ at positions {_ranges(p.leaking_positions)} ({p.mode})"
         if p.mode in self.leaks_in:
@@ -782,6 +830,7 @@ class AuditReport:
             "routing_flips": self.routing_flips,
             "mechanisms": self.mechanisms,
             "updated_buffers": self.updated_buffers,
+            "updated_parameters": self.updated_parameters,
             "outputs": self.outputs,
             "outputs_not_audited": self.outputs_not_audited,
             "ids_tried": self.ids_tried,
@@ -898,7 +947,7 @@ def summary_table(reports: list[AuditReport]) -> str:
                 r.name,
                 _claimed(r.claimed_causal),
                 ",".join(r.leaks_in) or "-",
-                f"{'?' if claims is None else yes_no(claims.batch_invariant)}/{yes_no(r.batch_invariant)}",
+                f"{'?' if claims is None else yes_no(claims.batch_invariant)}/{_found(r, r.batch_invariant, 'yes', 'no')}",
                 _decode_cell(r),
                 r.verdict,
             )
@@ -911,12 +960,24 @@ def _decode_cell(r: AuditReport) -> str:
     decode consistency in eval, so "yes/same (eval)" where its training mode differs."""
     claimed = r.claimed_causal
     if r.claims is None or claimed is None:
-        return f"?/{'same' if r.decode_consistent else 'differs'}"
+        return f"?/{_found(r, r.decode_consistent, 'same', 'differs')}"
     covered = [m for m, c in claimed.items() if c] if r.claims.decode_consistent else list(r.modes)
     covered = covered or list(r.modes)
-    found = "differs" if any(m in r.decode_differs_in for m in covered) else "same"
+    consistent = (
+        False
+        if any(m in r.decode_differs_in for m in covered)
+        else None
+        if all(m in r.untested("decode") for m in covered)
+        else True
+    )
+    found = _found(r, consistent, "same", "differs")
     only = f" ({','.join(covered)})" if len(covered) < len(r.modes) else ""
     return f"{yes_no(r.claims.decode_consistent)}/{found}{only}"
+
+
+def _found(r: AuditReport, holds: bool | None, yes: str, no: str) -> str:
+    """A summary cell's finding: ``yes`` / ``no``, "untested" (None), "-" for a target not audited."""
+    return "-" if r.error else "untested" if holds is None else yes if holds else no
 
 
 def _claimed(claimed: dict[str, bool] | None) -> str:

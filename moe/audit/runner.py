@@ -1,15 +1,16 @@
 """The one place the audit calls its target. Before every forward: a fresh contiguous copy of
-the input, every buffer of the target back to its value at the start of the audit, and the
-random generators (torch's CPU and CUDA ones, those the target keeps as attributes, Python's
-``random`` and NumPy's global one when NumPy is loaded) seeded; the random draws it makes
-recorded when asked; a time limit per forward; its exceptions turned into
-:class:`TargetFailure` naming the input shape and where it raised.
+the input, every buffer of the target (and every parameter a forward was seen to change) back
+to its value at the start of the audit, and the random generators (torch's CPU and CUDA ones,
+those the target keeps as attributes, Python's ``random`` and NumPy's global one when NumPy is
+loaded) seeded; the random draws it makes recorded when asked; a time limit per forward; its
+exceptions turned into :class:`TargetFailure` naming the input shape and where it raised.
 
 Shape legend: B batch, T sequence, F output features per position.
 
 The time limit is a ``SIGALRM`` timer, so it holds only on POSIX and in the main thread (elsewhere
 forwards are not limited); it interrupts Python code (a loop that never ends) at once, a single
-long-running native op (one huge matmul) only when it returns to Python.
+long-running native op (one huge matmul) only when it returns to Python. Under ``moe-audit`` a
+forward that has not returned at twice its limit ends the command (:mod:`moe.audit.watchdog`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+import re
 import signal
 import sys
 import threading
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe.audit import watchdog
 from moe.audit.target import AuditTarget, AuditUsageError, Outputs, raise_site
 
 Draws = tuple[tuple[str, tuple[int, ...]], ...]
@@ -39,9 +42,18 @@ ERROR_CHARS = 300
 """How much of a target's own error message a report line keeps (:func:`one_line`)."""
 
 
+_ERROR_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception): \S")
+"""A line that names an error and says what it is (``RuntimeError: selected index k out of range``)."""
+
+
 def one_line(text: str, limit: int = ERROR_CHARS) -> str:
     """``text`` on one line (each run of whitespace one space: a tensor printed in an error
-    message spans many), cut to ``limit`` characters with an ellipsis."""
+    message spans many), cut to ``limit`` characters with an ellipsis. A text of several lines
+    whose last line names an error (a TorchScript traceback ends with the error it reports) leads
+    with that line, so the cut keeps what went wrong."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and _ERROR_LINE.match(lines[-1]):
+        text = f"{lines[-1]}; {' '.join(lines[:-1])}"
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
 
@@ -88,9 +100,11 @@ class _Expired(BaseException):
 
 
 @contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
+def time_limit(seconds: float | None, what: str = "a forward") -> Iterator[None]:
     """Raise :class:`_Expired` in the main thread when the block runs past ``seconds`` (None, 0,
-    another thread or no ``setitimer``: no limit). A timer already set outside is resumed after."""
+    another thread or no ``setitimer``: no limit). A timer already set outside is resumed after.
+    Under ``moe-audit``'s watchdog the block (``what``, for its error line) is also stopped with
+    the command when it outlives the limit in native code (:mod:`moe.audit.watchdog`)."""
     if not seconds or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
@@ -101,9 +115,11 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     previous = signal.signal(signal.SIGALRM, expire)
     outer, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
     start = time.monotonic()
+    watchdog.started(seconds, what)
     try:
         yield
     finally:
+        watchdog.ended()
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         if outer:
@@ -167,10 +183,11 @@ class Forward:
 class Runner:
     """Calls the target: the same ``seed`` before every forward unless another is given, so two
     forwards of the same shape see the same noise where the target draws it per position.
-    ``timeout``: seconds one forward may take (None: no limit); past it, :class:`TargetTimeout`."""
+    ``timeout``: seconds one forward may take (None: no limit); past it, :class:`TargetTimeout`.
+    ``name``: the audit's name for the target (the watchdog's error line)."""
 
-    def __init__(self, target: AuditTarget, seed: int, timeout: float | None = None) -> None:
-        self.target, self.seed, self.timeout = target, seed, timeout
+    def __init__(self, target: AuditTarget, seed: int, timeout: float | None = None, name: str = "") -> None:
+        self.target, self.seed, self.timeout, self.name = target, seed, timeout, name
         self.cost = Cost()
         self.last_seconds = 0.0
         """How long the last call took, on :func:`cost_clock`."""
@@ -179,10 +196,10 @@ class Runner:
         the target's own): it drew random numbers."""
 
     def _reset(self, seed: int) -> None:
-        """The target's buffers as at the start; every generator it may draw from seeded: the CPU
+        """The target's buffers (and the parameters a forward changed) as at the start; every generator it may draw from seeded: the CPU
         one, every CUDA one once CUDA is in use (seeding it before would queue a seed for whoever
         initialises CUDA later), its own, Python's and NumPy's."""
-        self.target.state.reset_buffers()
+        self.target.state.reset()
         torch.default_generator.manual_seed(seed)
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(seed)
@@ -205,7 +222,8 @@ class Runner:
         clock = cost_clock(x)
         start = clock()
         try:
-            with time_limit(self.timeout):
+            what = f"{self.name}: NOT AUDITED: " if self.name else ""
+            with time_limit(self.timeout, f"{what}a forward on an input of shape {tuple(x.shape)}"):
                 out = call(fresh)
                 if x.device.type == "cuda":  # the kernels ran when the clock stops, not just their launch
                     torch.cuda.synchronize(x.device)

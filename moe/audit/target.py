@@ -252,16 +252,24 @@ class TargetState:
         )
         """torch generators the target keeps as attributes: seeded before every forward like torch's own."""
         self._buffers: list[tuple[nn.Module, dict[str, Tensor], dict[int, Tensor]]] = []
+        self._parameters: list[tuple[str, Tensor, Tensor]] = []
+        """(name, parameter, its value at the start of the audit) of every parameter."""
+        self._restored: list[tuple[Tensor, Tensor]] = []
+        """(parameter, its value at the start) of those a forward was seen to change."""
 
-    def reset_buffers(self) -> None:
-        """Every buffer back to its value (and tensor object) from the start of the audit: run
-        before every forward, so state a forward leaves behind never reaches the next one."""
+    def reset(self) -> None:
+        """Every buffer back to its value (and tensor object) from the start of the audit, and
+        every parameter a forward was seen to change (:meth:`changed_parameters`) back to its
+        value: run before every forward, so state a forward leaves behind never reaches the next
+        one."""
         with torch.no_grad():
             for m, buffers, values in self._buffers:
                 for name, t in buffers.items():
                     m._buffers[name] = t
                     if t is not None:
                         t.copy_(values[id(t)])
+            for t, value in self._restored:
+                t.copy_(value)
 
     def changed_buffers(self) -> list[str]:
         """Names of the buffers whose value differs from the start of the audit."""
@@ -273,6 +281,15 @@ class TargetState:
                 if t is not None and (now is not t or not torch.equal(t, values[id(t)])):
                     out.append(f"{names[id(m)]}.{name}".lstrip("."))
         return out
+
+    def changed_parameters(self) -> list[str]:
+        """Names of the parameters whose value differs from the start of the audit (a forward
+        that updates one in place: a balancing bias kept as a parameter and moved in training).
+        From then on each is restored before every forward (:meth:`reset`), as buffers are."""
+        changed = [(name, t, value) for name, t, value in self._parameters if not _same(t.detach(), value)]
+        known = {id(t) for t, _ in self._restored}
+        self._restored += [(t, value) for _, t, value in changed if id(t) not in known]
+        return [name for name, _, _ in changed]
 
     def hidden_state(self) -> dict[str, Any]:
         """The target's own attributes outside parameters, buffers and submodules (tensors,
@@ -296,7 +313,8 @@ class TargetState:
         """Restore on exit, whatever the forwards did: every parameter and every buffer
         (persistent or not; the same tensor objects, with their values), buffers added or
         removed, the target's own generators and every training flag. Inside, the buffers'
-        saved values are what :meth:`reset_buffers` restores before every forward."""
+        saved values are what :meth:`reset` restores before every forward (of the parameters,
+        those a forward was seen to change)."""
         if self.module is None:
             yield
             return
@@ -306,11 +324,18 @@ class TargetState:
             values = {id(t): t.detach().clone() for t in (*params.values(), *buffers.values()) if t is not None}
             saved.append((m, m.training, params, buffers, set(m._non_persistent_buffers_set), values))
         self._buffers = [(m, buffers, values) for m, _, _, buffers, _, values in saved]
+        names = {id(m): n for n, m in self.module.named_modules()}
+        self._parameters = [
+            (f"{names[id(m)]}.{name}".lstrip("."), t, values[id(t)])
+            for m, _, params, _, _, values in saved
+            for name, t in params.items()
+            if t is not None
+        ]
         generator_states = [g.get_state() for g in self.generators]
         try:
             yield
         finally:
-            self._buffers = []
+            self._buffers, self._parameters, self._restored = [], [], []
             for g, state in zip(self.generators, generator_states):
                 g.set_state(state)
             with torch.no_grad():

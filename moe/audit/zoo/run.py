@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from moe.audit import AuditReport, AuditUsageError, audit
+from moe.audit.report import yes_no
 from moe.audit.zoo.build import (
     VOCAB,
     Built,
@@ -210,11 +211,15 @@ def _cells(r: ZooRow) -> list[str]:
     if rep is None or r.error is not None:
         return head + ["-", f"not run: {r.error}", "-", "-", r.regime or "-", f"{r.seconds:.1f}s"]
     dropped = "/".join(f"{r.dropped[m]:.0%}" for m in rep.modes if m in r.dropped) or "-"
-    decode = "yes" if rep.decode_consistent else "**no** (" + ", ".join(rep.decode_differs_in) + ")"
+    decode = (
+        "**no** (" + ", ".join(rep.decode_differs_in) + ")"
+        if rep.decode_consistent is False
+        else yes_no(rep.decode_consistent)
+    )
     return head + [
         dropped,
         "**" + ", ".join(rep.leaks_in) + "**" if rep.leaks else "none",
-        "yes" if rep.batch_invariant else "**no**",
+        "**no**" if rep.batch_invariant is False else yes_no(rep.batch_invariant),
         decode,
         r.regime or "-",
         f"{r.seconds:.1f}s",
@@ -236,7 +241,7 @@ def run_zoo(modes: tuple[str, ...], trials: int, seed: int, json_path: str | Non
     print(zoo_markdown(rows))
     ran = [r for r in rows if r.report is not None and r.error is None]
     leaky = [r.entry.name for r in ran if r.report.leaks]
-    mixing = [r.entry.name for r in ran if not r.report.batch_invariant]
+    mixing = [r.entry.name for r in ran if r.report.batch_invariant is False]
     print(
         f"\n{len(rows)} zoo entries ({len(ran)} audited, {len(rows) - len(ran)} could not run) in "
         f"{time.perf_counter() - start:.0f} s; leak: {', '.join(leaky) or 'none'}; "

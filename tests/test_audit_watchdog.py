@@ -1,0 +1,74 @@
+"""``moe-audit`` stops a forward that never returns to Python (fairseq's BASE layer loops forever
+in C++ with the GIL held when the experts do not divide the tokens), which the SIGALRM time
+limit cannot interrupt: the command's watchdog parent (moe.audit.watchdog) ends it at twice the
+limit, one line on stderr, exit 2. The stand-in here blocks SIGALRM and sleeps on short
+prefixes, as such a loop leaves the process: the signal never reaches Python."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from helpers import SUBPROCESS_ENV
+
+STUCK = """
+import signal
+import time
+
+import torch
+from torch import nn
+
+
+class Stuck(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[1] < 4:
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])
+            time.sleep(600)
+        return self.lin(x)
+
+
+class Leaks(nn.Module):
+    def forward(self, x):
+        return x + x.mean(1, keepdim=True)
+
+
+stuck, leaks = Stuck, Leaks
+"""
+
+
+def _audit(target: str, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "moe.audit", "--target", target, "--input", "float:2,8,8", "--no-progress", *flags],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        timeout=300,
+    )
+    return done, time.perf_counter() - start
+
+
+def test_a_forward_stuck_where_the_alarm_cannot_reach_ends_the_command_at_twice_its_limit(tmp_path):
+    (tmp_path / "targets.py").write_text(STUCK)
+    done, seconds = _audit(f"{tmp_path / 'targets.py'}:stuck", "--forward-timeout", "1", "--modes", "eval")
+    assert done.returncode == 2, done.stdout + done.stderr
+    line = (
+        "moe-audit: error: stuck: NOT AUDITED: a forward on an input of shape (2, 1, 8) did not return within 1 s "
+        "(--forward-timeout), nor in the 1 s after: native code the time limit cannot interrupt; moe-audit stopped"
+    )
+    assert done.stderr.strip() == line
+    assert seconds < 120  # not the 600 s the forward sleeps
+
+
+def test_the_watched_command_exits_with_the_audits_own_code(tmp_path):
+    (tmp_path / "targets.py").write_text(STUCK)
+    done, _ = _audit(f"{tmp_path / 'targets.py'}:leaks", "--modes", "eval", "--quick")
+    assert done.returncode == 1 and "LEAKS in eval mode" in done.stdout, done.stdout + done.stderr
+    done, _ = _audit(f"{tmp_path / 'targets.py'}:missing")
+    assert done.returncode == 2 and "moe-audit: error:" in done.stderr, done.stderr
