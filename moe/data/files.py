@@ -15,7 +15,10 @@ is skipped, and a file's own path is kept before the links to it. Skipped, and c
   every ``.py`` file at any depth, ``tests/*`` everything under ``tests``);
 * files that are not text (:func:`is_text`: a NUL byte, or more than a quarter of the bytes
   not UTF-8, in the first :data:`TEXT_SAMPLE_BYTES`), unless their suffix is one the caller
-  reads as structured data (``prepare``'s ``.jsonl`` and ``.parquet``).
+  reads as structured data (``prepare``'s ``.jsonl`` and ``.parquet``);
+* prepared directories (``python -m moe.data prepare``'s output, a ``manifest.json`` of format
+  ``moe.data.shards``) skipped whole: their files are token ids and a tokenizer, not text. A
+  path that is itself one is refused.
 
 A path naming one file selects that file, text or not as the rule says.
 """
@@ -24,10 +27,13 @@ from __future__ import annotations
 
 import codecs
 import fnmatch
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moe.data.shards import FORMAT, MANIFEST
 
 CACHE_DIRS = frozenset(
     {
@@ -71,6 +77,15 @@ def is_text(path: str | os.PathLike) -> bool:
     return undecodable <= MAX_UNDECODABLE * len(sample)
 
 
+def is_prepared_output(folder: Path) -> bool:
+    """Whether ``folder`` holds a ``manifest.json`` of a prepared directory (format
+    ``moe.data.shards``; another tool's ``manifest.json`` does not count)."""
+    try:
+        return json.loads((folder / MANIFEST).read_bytes()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # no manifest, not JSON, not a JSON object
+        return False
+
+
 @dataclass
 class FileSelection:
     """The files of a path by the module's rule, and what was left out (relative paths)."""
@@ -89,6 +104,8 @@ class FileSelection:
     """Links that point at nothing."""
     empty: list[str] = field(default_factory=list)
     """Files of 0 bytes."""
+    prepared_dirs: list[str] = field(default_factory=list)
+    """Prepared directories skipped whole (:func:`is_prepared_output`)."""
 
     def left_out(self) -> dict:
         """What was left out, as a manifest records it (``FileSelection([], **left_out)`` reads it back)."""
@@ -99,6 +116,7 @@ class FileSelection:
             "already_read": self.already_read,
             "broken_links": self.broken_links,
             "empty": self.empty,
+            "prepared_dirs": self.prepared_dirs,
         }
 
     def skipped(self) -> str:
@@ -117,6 +135,11 @@ class FileSelection:
         if self.cache_dirs:
             kinds = ", ".join(sorted({Path(d).name for d in self.cache_dirs}))
             parts.append(f"{_count(len(self.cache_dirs), 'cache folder')} ({kinds})")
+        if self.prepared_dirs:
+            n = len(self.prepared_dirs)
+            parts.append(
+                f"{n:,} prepared director{'y' if n == 1 else 'ies'} (token ids, not text: {_names(self.prepared_dirs)})"
+            )
         if self.excluded:
             parts.append(f"{_count(self.excluded, 'file')} by --include / --exclude")
         return "skipped " + "; ".join(parts) if parts else ""
@@ -143,6 +166,11 @@ def select_files(
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"data path {str(p)!r} does not exist")
+    if p.is_dir() and is_prepared_output(p):
+        raise ValueError(
+            f"{str(p)!r} is a prepared directory (its {MANIFEST}): its files are token ids, not text; "
+            "train on it with --data, or give the text it was prepared from"
+        )
     if p.is_file():
         candidates, sel = [p], FileSelection([])
     else:
@@ -200,6 +228,9 @@ def _walk(root: Path, include: Sequence[str], exclude: Sequence[str]) -> tuple[l
                 if d in CACHE_DIRS:
                     sel.cache_dirs.append((here / d).relative_to(root).as_posix())
             dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in CACHE_DIRS]
+            for d in [d for d in dirnames if is_prepared_output(here / d)]:
+                sel.prepared_dirs.append((here / d).relative_to(root).as_posix())
+                dirnames.remove(d)
             for d in dirnames:  # os.walk does not descend into links: they wait for the real folders
                 if (here / d).is_symlink():
                     links.append(here / d)
@@ -224,4 +255,5 @@ def _walk(root: Path, include: Sequence[str], exclude: Sequence[str]) -> tuple[l
                     sel.already_read.append(f"{link.relative_to(root).as_posix()}/ -> {read}/")
             links = []
     sel.cache_dirs.sort()
+    sel.prepared_dirs.sort()
     return [f for _, f in sorted(found)], sel
