@@ -82,8 +82,15 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    model = load_export(args.export)
-    corpus = load_corpus(args.data)
+    if args.prompt == "" or args.prompt_tokens < 1:
+        p.error("the prompt is empty: give --prompt some text, or --prompt-tokens of at least 1")
+    if args.num_samples < 1:
+        p.error(f"--num-samples must be >= 1, got {args.num_samples}")
+    try:
+        model = load_export(args.export)
+        corpus = load_corpus(args.data)
+    except (ValueError, OSError) as e:  # a missing or unreadable model file or --data path, said in one line
+        p.error(str(e))
     if model.vocab_size < corpus.vocab_size or (
         isinstance(model, MoETransformer) and model.vocab_size != corpus.vocab_size
     ):
@@ -98,15 +105,18 @@ def main(argv: list[str] | None = None) -> list[str]:
         prompt, where = default_prompt(corpus, args.prompt_tokens, eot_id)
         where = f"of the validation split, {where}"
     prompt_BT = torch.as_tensor(prompt, dtype=torch.long).view(1, -1).expand(args.num_samples, -1)
-    with torch.no_grad():
-        out_BS = model.generate(
-            prompt_BT,
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
-            recompute=model.decode_support() is not None,
-        )
+    try:
+        with torch.no_grad():
+            out_BS = model.generate(
+                prompt_BT,
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                seed=args.seed,
+                recompute=model.decode_support() is not None,
+            )
+    except ValueError as e:  # a sampling option out of range: --max-new-tokens, --temperature, --top-k
+        p.error(str(e))
     print(f"--- prompt: {len(prompt):,} tokens {where} ---")
     print(corpus.decode(prompt))
     note = cropped(len(prompt), args.max_new_tokens, model.max_seq_len)
