@@ -1,8 +1,11 @@
-"""experiments/generate.py on what a user may hand it by mistake: a model path that is missing,
-a folder (a run's checkpoint directory), a text file, a file cut short or another torch file;
-a --data path that is missing or empty; an empty prompt; sampling options out of range. Each
-is one ``generate.py: error: ...`` line (after the usage) naming what is wrong and exit status 2, never a
-traceback."""
+"""experiments/generate.py on a user's text and on what a user may hand it by mistake.
+
+The default prompt is the corpus's own text: on a short corpus, whose validation split is 20
+short stretches of the stream, it never joins two of them. A model path that is missing, a
+folder (a run's checkpoint directory), a text file, a file cut short or another torch file; a
+--data path that is missing or empty; an empty prompt; sampling options out of range: each is
+one ``generate.py: error: ...`` line (after the usage) naming what is wrong and exit status 2,
+never a traceback."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 from helpers import ROOT
 
+from moe.data import load_corpus, split_ranges
 from moe.model import MoETransformer, preset
 
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -66,4 +70,34 @@ def test_a_wrong_input_is_one_line_and_exit_2(files, capsys, args, message):
 
 def test_the_same_files_sample_when_right(files, capsys):
     texts = generate.main([str(files / "model.pt"), "--data", str(files / "text.txt"), "--max-new-tokens", "3"])
-    assert len(texts) == 1 and capsys.readouterr().out.startswith("--- prompt: 32 tokens of the validation split")
+    assert len(texts) == 1 and capsys.readouterr().out.startswith("--- prompt: 11 tokens of the validation split")
+
+
+def test_the_default_prompt_is_the_corpus_text_never_two_stretches_joined(files, capsys):
+    lines = "".join(f"{i:03d} Zeile 行 سطر\n" for i in range(186))  # 21 bytes; numbered: a join shows
+    (files / "lines.txt").write_text(lines, encoding="utf-8")
+    data = lines.encode() + b"\n"  # the byte corpus: the file and a newline
+    corpus = load_corpus(str(files / "lines.txt"))
+    _, val_ranges = split_ranges(len(data), 0.1)
+    stretch = [b - a for a, b in val_ranges]
+    assert corpus.val.numel() == sum(stretch) == 390 and set(stretch) == {19, 20}  # 3,907 bytes: 390 val
+    for tokens, header in [
+        (16, "--- prompt: 16 tokens of the validation split, from the start of a line ---"),
+        (32, "tokens of the validation split, from the start of a line, to the end of its stretch of the corpus"),
+    ]:
+        generate.main(
+            [
+                str(files / "model.pt"),
+                "--data",
+                str(files / "lines.txt"),
+                "--prompt-tokens",
+                str(tokens),
+                "--max-new-tokens",
+                "3",
+            ]
+        )
+        first, out = capsys.readouterr().out.split("\n", 1)
+        prompt = out.split("\n--- sample: 3 new tokens ---\n")[0]
+        assert header in first and int(first.split()[2]) <= min(tokens, 20), first
+        # a character cut by the prompt's end decodes as U+FFFD; the rest is the file's text, in one piece
+        assert prompt.rstrip("\ufffd") in lines and len(prompt.rstrip("\ufffd")) > 6, (first, prompt)
