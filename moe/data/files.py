@@ -13,8 +13,8 @@ is skipped, and a file's own path is kept before the links to it. Skipped, and c
 * files that ``include`` globs do not match, or ``exclude`` globs do (``fnmatch`` patterns
   matched against the path relative to the folder, where ``*`` also crosses ``/``: ``*.py`` is
   every ``.py`` file at any depth, ``tests/*`` everything under ``tests``);
-* files that are not text (:func:`is_text`: a NUL byte, or more than a quarter of the bytes
-  not UTF-8, in the first :data:`TEXT_SAMPLE_BYTES`), unless their suffix is one the caller
+* files that are not text (:func:`is_text`: a UTF-16 / UTF-32 byte order mark, a NUL byte, or
+  more than a quarter of the bytes not UTF-8, in the first :data:`TEXT_SAMPLE_BYTES`), unless their suffix is one the caller
   reads as structured data (``prepare``'s ``.jsonl`` and ``.parquet``);
 * prepared directories (``python -m moe.data prepare``'s output, a ``manifest.json`` of format
   ``moe.data.shards``) skipped whole: their files are token ids and a tokenizer, not text. A
@@ -63,18 +63,33 @@ NAMES_SHOWN = 5
 
 
 def is_text(path: str | os.PathLike) -> bool:
-    """Whether the file reads as text: no NUL byte, and at most :data:`MAX_UNDECODABLE` of
-    its bytes outside valid UTF-8, in its first :data:`TEXT_SAMPLE_BYTES` bytes."""
+    """Whether the file reads as text: no UTF-16 / UTF-32 byte order mark, no NUL byte, and at
+    most :data:`MAX_UNDECODABLE` of its bytes outside valid UTF-8, in its first
+    :data:`TEXT_SAMPLE_BYTES` bytes."""
+    return not_text_because(path) is None
+
+
+def not_text_because(path: str | os.PathLike) -> str | None:
+    """Why the file is not text by :func:`is_text`'s rule, in words that say what to do (None
+    when it is text)."""
     with open(path, "rb") as fh:
         sample = fh.read(TEXT_SAMPLE_BYTES)
+    if sample.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "is not text (a UTF-16 or UTF-32 byte order mark: convert it to UTF-8, iconv -f UTF-16 -t UTF-8)"
     if b"\x00" in sample:
-        return False
+        return "is not text (a NUL byte: binary, or UTF-16 without a byte order mark)"
     # final=False: a character cut by the end of the sample stays in the decoder's buffer, and
     # is not counted as undecodable
     decoder = codecs.getincrementaldecoder("utf-8")("ignore")
     decoded = decoder.decode(sample, final=False)
     undecodable = len(sample) - len(decoded.encode("utf-8")) - len(decoder.getstate()[0])
-    return undecodable <= MAX_UNDECODABLE * len(sample)
+    if undecodable <= MAX_UNDECODABLE * len(sample):
+        return None
+    return (
+        f"is not text ({undecodable:,} of its first {len(sample):,} bytes are not UTF-8, more than "
+        f"{MAX_UNDECODABLE:.0%}: if it is text in another encoding, Latin-1 say, convert it to UTF-8, "
+        "iconv -f latin1 -t utf-8)"
+    )
 
 
 def is_prepared_output(folder: Path) -> bool:
@@ -185,8 +200,7 @@ def select_files(
         else:
             sel.not_text.append(rel)
     if not sel.files and p.is_file():
-        why = "is empty" if sel.empty else "is not text (a NUL byte, or mostly not UTF-8)"
-        raise ValueError(f"data file {str(p)!r} {why}")
+        raise ValueError(f"data file {str(p)!r} {'is empty' if sel.empty else not_text_because(p)}")
     if not sel.files:
         why = sel.skipped()
         raise ValueError(f"data directory {str(p)!r} holds no text files" + (f" ({why})" if why else ""))
