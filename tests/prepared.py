@@ -61,6 +61,14 @@ def documents(directory: Path) -> list[list[int]]:
     return docs
 
 
+def decoded(directory: Path) -> list[str]:
+    """The text of each document of a prepared directory, through its tokenizer (needs ``tokenizers``)."""
+    from moe.data.tokenizer import load_tokenizer_file
+
+    tok = load_tokenizer_file(str(directory / read_manifest(directory)["tokenizer"]))
+    return [tok.decode(ids, skip_special_tokens=False) for ids in documents(directory)]
+
+
 LINKED = {
     "files": ["a.txt", "out/o.txt", "sub/b.txt"],
     "already_read": [

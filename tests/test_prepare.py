@@ -15,7 +15,7 @@ from extras import need
 
 need("tokenizers", "data")
 
-from prepared import LINKED, documents, prepare, sentences, stream, write_linked_folder, write_texts  # noqa: E402
+from prepared import LINKED, decoded, prepare, sentences, stream, write_linked_folder, write_texts  # noqa: E402
 
 import moe.data.documents as documents_module  # noqa: E402
 import moe.data.prepare as prepare_module  # noqa: E402
@@ -32,11 +32,6 @@ def trained(tmp_path_factory):
     docs = write_texts(tmp / "texts")
     assert prepare(tmp / "texts", "--out", tmp / "out", "--train-tokenizer", 300, "--shard-tokens", 1000) == 0
     return tmp / "texts", docs, tmp / "out"
-
-
-def decoded(directory: Path) -> list[str]:
-    tok = load_tokenizer_file(str(directory / read_manifest(directory)["tokenizer"]))
-    return [tok.decode(ids, skip_special_tokens=False) for ids in documents(directory)]
 
 
 def test_trained_bpe_shards_decode_to_the_input_documents(trained):

@@ -6,7 +6,7 @@
 
 Bad input is one line on stderr and exit status 2 (nothing is left behind looking complete).
 What a folder held that was not read (links to files already read, links to nothing, empty
-files, files that are not text, cache folders, files left out by ``--include`` / ``--exclude``)
+files, files that are not text, cache folders, prepared directories, files left out by ``--include`` / ``--exclude``)
 is said in one line, and listed in the manifest; so is why a trained tokenizer has fewer tokens
 than ``--train-tokenizer`` asked for, and how many bytes of which files were not UTF-8 (replaced
 by U+FFFD, ``not_utf8`` in the manifest; ``--encoding-errors strict`` refuses them instead).

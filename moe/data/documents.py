@@ -6,9 +6,10 @@ out are skipped: ``moe.data.files``). By suffix: ``.jsonl`` holds one JSON objec
 document; ``.parquet`` (through ``pyarrow``) one document per row of its text column; any
 other file is UTF-8 text and is one document (bytes that are not UTF-8 are replaced by U+FFFD
 and counted per file, :class:`NotUTF8`, or refused with ``errors="strict"``), read in pieces of
-about :data:`PIECE_BYTES` cut after a line end, so a large file never sits in memory whole
-(the tokens may differ from encoding the file in one call only where a piece boundary splits
-a run of whitespace).
+about :data:`PIECE_BYTES` cut after a line end, or inside a longer line before a space between
+two words, else between two characters, so a large file never sits in memory whole, even as one
+line (the tokens may differ from encoding the file in one call only where a piece boundary splits
+a run of whitespace, or a run of characters without a space).
 """
 
 from __future__ import annotations
@@ -110,14 +111,32 @@ def _text_pieces(f: Path, not_utf8: NotUTF8) -> Iterator[Piece]:
     with f.open("rb") as fh:
         chunk: list[bytes] = []
         size = 0
-        for line in fh:
+        # lines of at most PIECE_BYTES: a longer one (a file without line ends, or with lone CRs)
+        # comes in parts, and the piece is cut inside it (_cut)
+        for line in iter(lambda: fh.readline(PIECE_BYTES), b""):
             chunk.append(line)
             size += len(line)
             if size >= PIECE_BYTES:
-                yield Piece(not_utf8.decode(b"".join(chunk), f), False, size)
-                chunk, size = [], 0
+                data = b"".join(chunk)
+                cut = size if len(line) < PIECE_BYTES or line.endswith(b"\n") else _cut(data)
+                yield Piece(not_utf8.decode(data[:cut], f), False, cut)
+                chunk, size = [data[cut:]], size - cut
         # the last piece ends the document (possibly empty, after a piece that filled up)
         yield Piece(not_utf8.decode(b"".join(chunk), f), True, size)
+
+
+def _cut(data: bytes) -> int:
+    """Where to cut a piece that ends inside a line: before the last space between two
+    non-spaces in its second half (the byte-level pre-tokenizer splits there anyway: the same
+    tokens as the line read whole), else before its last character (never inside one)."""
+    i = len(data) - 1
+    while (i := data.rfind(b" ", len(data) // 2, i)) > 0:
+        if not data[i - 1 : i].isspace() and not data[i + 1 : i + 2].isspace():
+            return i
+    i = len(data) - 1
+    while i > 0 and data[i] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+        i -= 1
+    return i or len(data)  # no character start at all (not UTF-8): the whole piece
 
 
 def _jsonl_pieces(f: Path, text_field: str, not_utf8: NotUTF8) -> Iterator[Piece]:

@@ -13,9 +13,12 @@ is skipped, and a file's own path is kept before the links to it. Skipped, and c
 * files that ``include`` globs do not match, or ``exclude`` globs do (``fnmatch`` patterns
   matched against the path relative to the folder, where ``*`` also crosses ``/``: ``*.py`` is
   every ``.py`` file at any depth, ``tests/*`` everything under ``tests``);
-* files that are not text (:func:`is_text`: a NUL byte, or more than a quarter of the bytes
-  not UTF-8, in the first :data:`TEXT_SAMPLE_BYTES`), unless their suffix is one the caller
-  reads as structured data (``prepare``'s ``.jsonl`` and ``.parquet``).
+* files that are not text (:func:`is_text`: a UTF-16 / UTF-32 byte order mark, a NUL byte, or
+  more than a quarter of the bytes not UTF-8, in the first :data:`TEXT_SAMPLE_BYTES`), unless their suffix is one the caller
+  reads as structured data (``prepare``'s ``.jsonl`` and ``.parquet``);
+* prepared directories (``python -m moe.data prepare``'s output, a ``manifest.json`` of format
+  ``moe.data.shards``) skipped whole: their files are token ids and a tokenizer, not text. A
+  path that is itself one is refused.
 
 A path naming one file selects that file, text or not as the rule says.
 """
@@ -24,10 +27,13 @@ from __future__ import annotations
 
 import codecs
 import fnmatch
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moe.data.shards import FORMAT, MANIFEST
 
 CACHE_DIRS = frozenset(
     {
@@ -57,18 +63,42 @@ NAMES_SHOWN = 5
 
 
 def is_text(path: str | os.PathLike) -> bool:
-    """Whether the file reads as text: no NUL byte, and at most :data:`MAX_UNDECODABLE` of
-    its bytes outside valid UTF-8, in its first :data:`TEXT_SAMPLE_BYTES` bytes."""
+    """Whether the file reads as text: no UTF-16 / UTF-32 byte order mark, no NUL byte, and at
+    most :data:`MAX_UNDECODABLE` of its bytes outside valid UTF-8, in its first
+    :data:`TEXT_SAMPLE_BYTES` bytes."""
+    return not_text_because(path) is None
+
+
+def not_text_because(path: str | os.PathLike) -> str | None:
+    """Why the file is not text by :func:`is_text`'s rule, in words that say what to do (None
+    when it is text)."""
     with open(path, "rb") as fh:
         sample = fh.read(TEXT_SAMPLE_BYTES)
+    if sample.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "is not text (a UTF-16 or UTF-32 byte order mark: convert it to UTF-8, iconv -f UTF-16 -t UTF-8)"
     if b"\x00" in sample:
-        return False
+        return "is not text (a NUL byte: binary, or UTF-16 without a byte order mark)"
     # final=False: a character cut by the end of the sample stays in the decoder's buffer, and
     # is not counted as undecodable
     decoder = codecs.getincrementaldecoder("utf-8")("ignore")
     decoded = decoder.decode(sample, final=False)
     undecodable = len(sample) - len(decoded.encode("utf-8")) - len(decoder.getstate()[0])
-    return undecodable <= MAX_UNDECODABLE * len(sample)
+    if undecodable <= MAX_UNDECODABLE * len(sample):
+        return None
+    return (
+        f"is not text ({undecodable:,} of its first {len(sample):,} bytes are not UTF-8, more than "
+        f"{MAX_UNDECODABLE:.0%}: if it is text in another encoding, Latin-1 say, convert it to UTF-8, "
+        "iconv -f latin1 -t utf-8)"
+    )
+
+
+def is_prepared_output(folder: Path) -> bool:
+    """Whether ``folder`` holds a ``manifest.json`` of a prepared directory (format
+    ``moe.data.shards``; another tool's ``manifest.json`` does not count)."""
+    try:
+        return json.loads((folder / MANIFEST).read_bytes()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # no manifest, not JSON, not a JSON object
+        return False
 
 
 @dataclass
@@ -89,6 +119,8 @@ class FileSelection:
     """Links that point at nothing."""
     empty: list[str] = field(default_factory=list)
     """Files of 0 bytes."""
+    prepared_dirs: list[str] = field(default_factory=list)
+    """Prepared directories skipped whole (:func:`is_prepared_output`)."""
 
     def left_out(self) -> dict:
         """What was left out, as a manifest records it (``FileSelection([], **left_out)`` reads it back)."""
@@ -99,6 +131,7 @@ class FileSelection:
             "already_read": self.already_read,
             "broken_links": self.broken_links,
             "empty": self.empty,
+            "prepared_dirs": self.prepared_dirs,
         }
 
     def skipped(self) -> str:
@@ -117,6 +150,11 @@ class FileSelection:
         if self.cache_dirs:
             kinds = ", ".join(sorted({Path(d).name for d in self.cache_dirs}))
             parts.append(f"{_count(len(self.cache_dirs), 'cache folder')} ({kinds})")
+        if self.prepared_dirs:
+            n = len(self.prepared_dirs)
+            parts.append(
+                f"{n:,} prepared director{'y' if n == 1 else 'ies'} (token ids, not text: {_names(self.prepared_dirs)})"
+            )
         if self.excluded:
             parts.append(f"{_count(self.excluded, 'file')} by --include / --exclude")
         return "skipped " + "; ".join(parts) if parts else ""
@@ -143,6 +181,11 @@ def select_files(
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"data path {str(p)!r} does not exist")
+    if p.is_dir() and is_prepared_output(p):
+        raise ValueError(
+            f"{str(p)!r} is a prepared directory (its {MANIFEST}): its files are token ids, not text; "
+            "train on it with --data, or give the text it was prepared from"
+        )
     if p.is_file():
         candidates, sel = [p], FileSelection([])
     else:
@@ -157,8 +200,7 @@ def select_files(
         else:
             sel.not_text.append(rel)
     if not sel.files and p.is_file():
-        why = "is empty" if sel.empty else "is not text (a NUL byte, or mostly not UTF-8)"
-        raise ValueError(f"data file {str(p)!r} {why}")
+        raise ValueError(f"data file {str(p)!r} {'is empty' if sel.empty else not_text_because(p)}")
     if not sel.files:
         why = sel.skipped()
         raise ValueError(f"data directory {str(p)!r} holds no text files" + (f" ({why})" if why else ""))
@@ -200,6 +242,9 @@ def _walk(root: Path, include: Sequence[str], exclude: Sequence[str]) -> tuple[l
                 if d in CACHE_DIRS:
                     sel.cache_dirs.append((here / d).relative_to(root).as_posix())
             dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in CACHE_DIRS]
+            for d in [d for d in dirnames if is_prepared_output(here / d)]:
+                sel.prepared_dirs.append((here / d).relative_to(root).as_posix())
+                dirnames.remove(d)
             for d in dirnames:  # os.walk does not descend into links: they wait for the real folders
                 if (here / d).is_symlink():
                     links.append(here / d)
@@ -224,4 +269,5 @@ def _walk(root: Path, include: Sequence[str], exclude: Sequence[str]) -> tuple[l
                     sel.already_read.append(f"{link.relative_to(root).as_posix()}/ -> {read}/")
             links = []
     sel.cache_dirs.sort()
+    sel.prepared_dirs.sort()
     return [f for _, f in sorted(found)], sel

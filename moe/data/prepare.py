@@ -3,7 +3,8 @@
 The input is streamed (``moe.data.documents``): pieces of documents are grouped into batches
 of about :data:`BATCH_CHARS` characters, encoded in order (in ``workers`` processes, at most
 two batches per worker in flight, so memory stays flat however large the input), each
-document followed by the end-of-document token, and appended to shards of ``shard_tokens``
+document followed by the end-of-document token (a special token's text inside a document is
+encoded as text, never as the token), and appended to shards of ``shard_tokens``
 tokens. The output is the same for any number of workers and, shard boundaries aside, any
 shard size.
 
@@ -101,9 +102,11 @@ class Encoder:
     dtype: str
 
     def __call__(self, batch: list[Piece]) -> np.ndarray:
-        encodings = load_tokenizer_file(self.tokenizer_file).encode_batch(
-            [p.text for p in batch], add_special_tokens=False
-        )
+        tokenizer = load_tokenizer_file(self.tokenizer_file)
+        # A special token's text in a document ("<|endoftext|>" in a file that talks about it) is
+        # text: encoded as its bytes / subwords, never as the token (a document boundary).
+        tokenizer.encode_special_tokens = True
+        encodings = tokenizer.encode_batch([p.text for p in batch], add_special_tokens=False)
         parts = []
         for piece, enc in zip(batch, encodings):
             parts.append(np.asarray(enc.ids, dtype=DTYPES[self.dtype]))

@@ -21,6 +21,8 @@ EOT = "<|endoftext|>"
 BYTE_ALPHABET = 256
 MIN_BPE_VOCAB = BYTE_ALPHABET + 1
 """The smallest byte-level BPE: the 256 bytes and the end-of-document token."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "*.model")
+"""What a Hugging Face tokenizer folder holds, one at least (a folder without any is no tokenizer)."""
 
 
 def _tokenizers():
@@ -93,6 +95,11 @@ def load_tokenizer(path: str | Path):
             tokenizer = tk.Tokenizer.from_file(str(file))
         except Exception as e:  # the library raises a bare Exception for a malformed file
             raise ValueError(f"tokenizer {str(file)!r} does not load: {str(e).splitlines()[0]}") from None
+    elif not any(next(p.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise ValueError(
+            f"tokenizer folder {str(p)!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+            "--tokenizer takes a tokenizer; to train one on the input, --train-tokenizer V"
+        )
     else:
         tokenizer = _converted(p)
     if eos is None and tokenizer.token_to_id(EOT) is not None:
@@ -112,7 +119,8 @@ def _converted(folder: Path):
     try:
         hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as e:  # transformers raises many kinds for a folder it cannot read
-        raise ValueError(f"tokenizer folder {str(folder)!r} does not load: {str(e).splitlines()[0]}") from None
+        why = " ".join(line.strip() for line in str(e).splitlines())  # its first line alone can end in "one of:"
+        raise ValueError(f"tokenizer folder {str(folder)!r} does not load: {why}") from None
     if not getattr(hf, "is_fast", False):
         raise ValueError(f"tokenizer folder {str(folder)!r} has no fast (tokenizers) form")
     return hf.backend_tokenizer

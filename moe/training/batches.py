@@ -81,6 +81,18 @@ def check_vocabulary(corpus: Corpus, *ids: Tensor, where: str) -> None:
 
 
 def check_eval_windows(corpus: Corpus, seq_len: int, num_windows: int) -> None:
-    """:func:`check_vocabulary` on the validation windows an evaluation reads (``moe.eval.evaluate``)."""
-    offsets_W = eval_offsets(corpus.val.numel(), seq_len, num_windows)
+    """ValueError naming the corpus when its validation split holds fewer than ``num_windows``
+    windows of ``seq_len`` + 1 tokens (saying about how large a corpus would); then
+    :func:`check_vocabulary` on the validation windows an evaluation reads (``moe.eval.evaluate``)."""
+    n_val = corpus.val.numel()
+    available = (n_val - 1) // seq_len  # eval_offsets' windows: T apart, each reading T + 1 tokens
+    if available < num_windows:
+        total = corpus.train.numel() + n_val
+        needed = -(-total * (num_windows * seq_len + 1) // n_val)  # the same split, scaled up
+        raise ValueError(
+            f"the corpus {corpus.source} has {n_val:,} val tokens, {available:,} windows of seq_len {seq_len}, "
+            f"fewer than the {num_windows:,} of --eval-windows: use more data (about {needed:,} tokens in all), "
+            "a smaller --eval-windows or a larger --val-fraction"
+        )
+    offsets_W = eval_offsets(n_val, seq_len, num_windows)
     check_vocabulary(corpus, *windows(corpus.val, offsets_W, seq_len), where="the validation windows")

@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -283,8 +284,17 @@ def export_model(
 
 def load_export(path: str | Path) -> nn.Module:
     """The model of an :func:`export_model` file, in eval mode: a ``MoETransformer``, or the
-    swapped Hugging Face model (``HFCausalLM``, the ``[hf]`` extra) a ``--hf-model`` run trained."""
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    swapped Hugging Face model (``HFCausalLM``, the ``[hf]`` extra) a ``--hf-model`` run trained.
+    ValueError in one line naming ``path`` when it is missing, a folder, or not such a file."""
+    p, what = Path(path), "the model.pt that a run with --export-model writes"
+    if not p.is_file():
+        raise ValueError(f"model file {str(p)!r} {'is a folder' if p.is_dir() else 'does not exist'}: pass {what}")
+    try:
+        saved = torch.load(p, map_location="cpu", weights_only=False)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as e:  # not a torch.save file, or cut short
+        raise ValueError(f"{str(p)!r} does not load as a model ({str(e).splitlines()[0]}): pass {what}") from None
+    if not (isinstance(saved, dict) and "model" in saved and ("model_config" in saved or saved.get("hf"))):
+        raise ValueError(f"{str(p)!r} holds no model and its config: pass {what}")
     if saved.get("hf") is not None:
         from moe.integrations.hf import hf_model_from_config  # the [hf] extra, imported only when asked for
 
