@@ -704,11 +704,11 @@ class AuditReport:
 
     def _skipped_lengths_text(self) -> list[str]:
         """The prefix lengths the decode probe could not run, per mode where it ran others."""
-        return [
-            f"prefix lengths {_ranges(p.skipped_lengths)} could not run ({p.mode})"
-            for p in self.probes
-            if p.kind == "decode" and p.ran and p.skipped_lengths
-        ]
+        modes: dict[str, list[str]] = {}  # the same lengths in several modes: one line
+        for p in self.probes:
+            if p.kind == "decode" and p.ran and p.skipped_lengths:
+                modes.setdefault(_ranges(p.skipped_lengths), []).append(p.mode)
+        return [f"prefix lengths {lengths} could not run ({', '.join(m)})" for lengths, m in modes.items()]
 
     def _batch_text(self) -> str:
         if self.batch_invariant is None:
