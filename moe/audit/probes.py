@@ -668,7 +668,7 @@ def jacobian(ctx: ProbeContext) -> ProbeResult:
     for r, (k, i, s) in enumerate(rows):
         g_RBTF[r, :, s, parts[k].start : parts[k].stop] = w_CBF[i, :, parts[k].start : parts[k].stop]
     try:
-        g_RBT = _gradient_rows(value_BTF, wrt, g_RBTF)
+        g_RBT, injected = _gradient_rows(value_BTF, wrt, g_RBTF)
     except RuntimeError as e:  # e.g. a saved tensor changed in place: not differentiable as run
         return _jacobian_skipped(ctx, f"its graph cannot be differentiated ({type(e).__name__}: {e})")
     future = [float(g_RBT[r, :, s + 1 :].amax()) if s + 1 < ctx.t else 0.0 for r, (_, _, s) in enumerate(rows)]
@@ -705,7 +705,16 @@ def jacobian(ctx: ProbeContext) -> ProbeResult:
         leaking_outputs=outputs,
         probed_positions=sorted({s for s in ctx.cuts if s + 1 < ctx.t}),
         jump_positions=jumps,
+        note=INJECTED if injected else None,
     )
+
+
+INJECTED = (
+    "its backward adds a gradient of its own (nonzero for a zero output gradient: an auxiliary loss attached in "
+    "backward, as DeepSeek-MoE's AddAuxiliaryLoss or Megatron-Core's MoEAuxLossAutoScaler); that part is "
+    "subtracted, the Jacobian read is the outputs' own"
+)
+"""The Jacobian probe's note where the target's backward is not linear in the output's gradient."""
 
 
 JUMP_STEPS = 16
@@ -740,10 +749,16 @@ def _jumps(ctx: ProbeContext) -> list[int]:
     return [t for t in range(cut + 1) if coarse_T[t] > floor and fine_T[t] > 0.75 * coarse_T[t]]
 
 
-def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> Tensor:
-    """|d (sum g_RBTF[r] * value_BTF) / d wrt| per row r, the largest over its trailing axes:
-    float64 [R, B, T]. One batched backward (``is_grads_batched``), or one per row where the
-    target's ops cannot be batched."""
+def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> tuple[Tensor, bool]:
+    """(|d (sum g_RBTF[r] * value_BTF) / d wrt| per row r, the largest over its trailing axes:
+    float64 [R, B, T]; whether the backward gave a gradient for a zero output gradient). The
+    vector-Jacobian product is linear in the output's gradient, so a backward that hands out a
+    gradient of its own (an auxiliary loss attached to the output by an autograd function that
+    passes the output through and gives the loss a gradient of ones, batch statistics that reach
+    every position) shows as the product of a zero row, which is subtracted from every row. One
+    batched backward (``is_grads_batched``), or one per row where the target's ops cannot be
+    batched."""
+    g_RBTF = torch.cat([g_RBTF, torch.zeros_like(g_RBTF[:1])])
     try:
         (g,) = torch.autograd.grad(value_BTF, wrt, g_RBTF, retain_graph=True, allow_unused=True, is_grads_batched=True)
         grads = [g] if g is not None else None
@@ -756,9 +771,11 @@ def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> Tensor:
                 break
             grads.append(g[None])
     if grads is None:
-        return torch.zeros(g_RBTF.shape[0], *wrt.shape[:2], dtype=torch.float64)
-    g = torch.cat(grads).detach().double().abs().nan_to_num(0.0, 0.0, 0.0)
-    return g.reshape(*g.shape[:3], -1).amax(-1)
+        return torch.zeros(g_RBTF.shape[0] - 1, *wrt.shape[:2], dtype=torch.float64), False
+    g = torch.cat(grads).detach().double()
+    own = g[-1:].nan_to_num(0.0, 0.0, 0.0)
+    g = (g[:-1] - own).abs().nan_to_num(0.0, 0.0, 0.0)
+    return g.reshape(*g.shape[:3], -1).amax(-1), bool(own.any())
 
 
 def _jacobian_skipped(ctx: ProbeContext, why: str) -> ProbeResult:

@@ -244,6 +244,9 @@ class ProbeResult:
     probed_positions: list[int] = field(default_factory=list)
     """For ``jacobian``: the output positions s whose gradient to the later inputs it read (a
     position among them not in ``leaking_positions`` has none)."""
+    note: str | None = None
+    """What the reader of its figures must know (the Jacobian's: a gradient the target's own
+    backward added, subtracted)."""
     jump_positions: list[int] = field(default_factory=list)
     """For ``jacobian``, where it found a gradient: the output positions that jump along a
     straight path from the example to a random future (:func:`moe.audit.probes._jumps`): a
@@ -289,6 +292,7 @@ class ProbeResult:
             "changed_share": self.changed_share,
             "probed_positions": self.probed_positions,
             "jump_positions": self.jump_positions,
+            "note": self.note,
             "forwards": self.forwards,
             "seconds": round(self.seconds, 4),
         }
@@ -654,9 +658,11 @@ class AuditReport:
         )
 
     def _probe_notes(self) -> list[str]:
-        """Probes that did not run (and why), or whose forwards failed (the first failure)."""
+        """Probes' notes, probes that did not run (and why), or whose forwards failed (the first failure)."""
         out = []
         for p in self.probes:
+            if p.note:
+                out.append(f"{p.name}/{p.mode}: {p.note}")
             if p.skipped:
                 out.append(f"{p.name}/{p.mode} did not run: {p.skipped}")
             elif p.errors:
