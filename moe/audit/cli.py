@@ -21,6 +21,7 @@ reported, and a leak found in one is exit 1). Never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -285,7 +286,8 @@ def _audit_builtins(args: argparse.Namespace, modes: tuple[str, ...]) -> list[Au
 
 
 def _audit_user_target(args: argparse.Namespace, modes: tuple[str, ...]) -> AuditReport:
-    module, name = load_target(args.target)
+    with contextlib.redirect_stdout(sys.stderr):  # what the target prints as it loads: stdout is the report's
+        module, name = load_target(args.target)
     example, vocab = (
         parse_input(args.input, args.seed) if args.input else _default_input(module, args.seed, args.target)
     )

@@ -2,8 +2,9 @@
 the input, every buffer of the target (and every parameter a forward was seen to change) back
 to its value at the start of the audit, and the random generators (torch's CPU and CUDA ones,
 those the target keeps as attributes, Python's ``random`` and NumPy's global one when NumPy is
-loaded) seeded; the random draws it makes recorded when asked; a time limit per forward; its
-exceptions turned into :class:`TargetFailure` naming the input shape and where it raised.
+loaded) seeded; the random draws it makes recorded when asked; a time limit per forward; what
+it prints sent to stderr; its exceptions turned into :class:`TargetFailure` naming the input
+shape and where it raised.
 
 Shape legend: B batch, T sequence, F output features per position.
 
@@ -223,7 +224,11 @@ class Runner:
         start = clock()
         try:
             what = f"{self.name}: NOT AUDITED: " if self.name else ""
-            with time_limit(self.timeout, f"{what}a forward on an input of shape {tuple(x.shape)}"):
+            # what the target prints goes to stderr: stdout is the report's (a JSON or a table a script reads)
+            with (
+                contextlib.redirect_stdout(sys.stderr),
+                time_limit(self.timeout, f"{what}a forward on an input of shape {tuple(x.shape)}"),
+            ):
                 out = call(fresh)
                 if x.device.type == "cuda":  # the kernels ran when the clock stops, not just their launch
                     torch.cuda.synchronize(x.device)
