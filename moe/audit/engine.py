@@ -67,6 +67,7 @@ from moe.audit.probes import (
     Sampler,
     calibration_inputs,
     check_flat_order,
+    path_changes,
     random_future,
     registered_probes,
 )
@@ -294,11 +295,22 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
         results = _run_probes(comparator, ctx, session)
     if comparator.unpacked:
         report.notes.append(f"{mode} mode: perturbed copies stopped sharing forwards: {comparator.unpacked}")
+    _read_the_path(ctx, results)
     report.probes += results
     report.regimes[mode] = cal.regime
     if ctx.sampler.tokens:
         report.ids_tried = ctx.ids_tried
     return None
+
+
+def _read_the_path(ctx: ProbeContext, results: list[ProbeResult]) -> None:
+    """Where a forward probe moved earlier outputs and the Jacobian read no gradient to later
+    inputs, how the outputs move on a straight path to another future
+    (:func:`~moe.audit.probes.path_changes`): jumps are a discrete change (a choice of tokens),
+    smooth moves a statistic computed without gradient; into the Jacobian's result."""
+    jacobian = next((r for r in results if r.name == "jacobian" and r.ran and not r.leaks), None)
+    if jacobian is not None and any(r.leaks for r in results if r.kind == "future" and r.compares_forwards):
+        jacobian.jump_positions, jacobian.smooth_positions = path_changes(ctx)
 
 
 def _run_probes(comparator: Comparator, ctx: ProbeContext, session: _Session) -> list[ProbeResult]:

@@ -686,7 +686,7 @@ def jacobian(ctx: ProbeContext) -> ProbeResult:
         largest, tolerance = max(largest, top), max(tolerance, tol)
         excess = max(excess, top / max(tol, torch.finfo(torch.float64).tiny))
     moved = sorted(moved)
-    jumps = _jumps(ctx) if moved else []
+    jumps = path_changes(ctx)[0] if moved else []
     return ProbeResult(
         name="jacobian",
         mode=ctx.mode,
@@ -718,18 +718,20 @@ INJECTED = (
 
 
 JUMP_STEPS = 16
-"""Steps of the straight path on which :func:`_jumps` looks for a jump (and twice as many)."""
+"""Steps of the straight path on which :func:`path_changes` looks for a jump (and twice as many)."""
 
 
-def _jumps(ctx: ProbeContext) -> list[int]:
-    """Output positions that jump along a straight path of float inputs from the example to a
-    random future (positions past the middle cut resampled): the largest change between
-    neighbouring points of the path stays above 3/4 of itself when the steps halve, where a
-    continuous output's would halve. A discrete decision (a top-k over positions) behind a
-    nonzero Jacobian shows so; a softmax over the tokens alone does not. Only for float inputs
-    and a target that repeats itself under one seed; [] otherwise or if a forward fails."""
+def path_changes(ctx: ProbeContext) -> tuple[list[int], list[int]]:
+    """(output positions that jump, positions that move smoothly) along a straight path of float
+    inputs from the example to a random future (positions past the middle cut resampled): a jump's
+    largest change between neighbouring points of the path stays above 3/4 of itself when the
+    steps halve, where a continuous output's would halve. A discrete decision (a top-k over
+    positions) behind a nonzero Jacobian shows so; a softmax over the tokens alone does not; and
+    a statistic of later positions computed without gradient (under ``torch.no_grad()``) moves
+    smoothly where the Jacobian reads nothing. Only for float inputs and a target that repeats
+    itself under one seed; ([], []) otherwise or if a forward fails."""
     if not ctx.x.is_floating_point() or ctx.repeat_tolerance is None:
-        return []
+        return [], []
     cut = ctx.t // 2 - 1
     future = ctx.with_future(cut, ctx.sampler.draw((ctx.b, ctx.t - cut - 1, *ctx.x.shape[2:]), ctx.gen(6))).x
     path = []
@@ -737,16 +739,17 @@ def _jumps(ctx: ProbeContext) -> list[int]:
         for k in range(2 * JUMP_STEPS + 1):
             out = ctx.runner.forward(torch.lerp(ctx.x, future, k / (2 * JUMP_STEPS))).out.value_BTF
             if out is None:
-                return []
+                return [], []
             path.append(out[:, : cut + 1].nan_to_num(0.0, 0.0, 0.0))
     except TargetFailure:
-        return []
+        return [], []
     path_KBTF = torch.stack(path)
     fine_T = path_KBTF.diff(dim=0).abs().amax((0, 1, 3))
     coarse_T = path_KBTF[0::2].diff(dim=0).abs().amax((0, 1, 3))
     scale = max(float(path_KBTF.abs().amax()), torch.finfo(torch.float64).tiny)
     floor = scale * max(ctx.repeat_tolerance.values(), default=0.0)
-    return [t for t in range(cut + 1) if coarse_T[t] > floor and fine_T[t] > 0.75 * coarse_T[t]]
+    moved = [t for t in range(cut + 1) if coarse_T[t] > floor]
+    return [t for t in moved if fine_T[t] > 0.75 * coarse_T[t]], [t for t in moved if fine_T[t] <= 0.75 * coarse_T[t]]
 
 
 def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> tuple[Tensor, bool]:

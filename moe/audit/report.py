@@ -113,8 +113,22 @@ def advice(report: Findings) -> list[str]:
                 "positions (a softmax over the tokens) and that picks positions gives both: a causal router removes "
                 "both; otherwise make the differentiable computation causal (a mask or a shift) and see below"
             )
-        routed = bool(discrete and (report.mechanisms or not continuous or beyond))
         read = any(p.name == "jacobian" and p.ran for p in report.probes)
+        smooth = sorted({t for p in report.probes if p.name == "jacobian" for t in p.smooth_positions})
+        detached = bool(discrete and not continuous and smooth) and not any(
+            p.jump_positions for p in report.probes if p.name == "jacobian"
+        )
+        routed = bool(discrete and (report.mechanisms or not continuous or beyond)) and not (
+            detached and not report.mechanisms
+        )
+        if detached and not report.mechanisms:
+            out.append(
+                "mechanism: later inputs move the output at t continuously, with no gradient path (outputs at "
+                f"positions {_ranges(smooth)} change smoothly along a straight path of inputs to another future, "
+                "without a jump): a statistic of later positions computed without gradient (under torch.no_grad() "
+                "or .detach(): a mean, a norm or a scale over the sequence), not a choice of tokens; compute it "
+                "over the prefix (a cumulative statistic) or per token"
+            )
         if discrete and report.mechanisms:
             out += [f"mechanism: {_FIX[m]}" for m in report.mechanisms]
         elif routed:
@@ -248,9 +262,12 @@ class ProbeResult:
     """What the reader of its figures must know (the Jacobian's: a gradient the target's own
     backward added, subtracted)."""
     jump_positions: list[int] = field(default_factory=list)
-    """For ``jacobian``, where it found a gradient: the output positions that jump along a
-    straight path from the example to a random future (:func:`moe.audit.probes._jumps`): a
-    discrete change besides the differentiable path."""
+    """For ``jacobian``, where it found a gradient or where a forward probe found a leak it did not:
+    the output positions that jump along a straight path from the example to a random future
+    (:func:`moe.audit.probes.path_changes`): a discrete change."""
+    smooth_positions: list[int] = field(default_factory=list)
+    """For ``jacobian``, where a forward probe found a leak it did not: the output positions that
+    move smoothly on that path, a statistic of later positions computed without gradient."""
     forwards: int = 0
     """Calls of the target this probe made."""
     seconds: float = 0.0
@@ -292,6 +309,7 @@ class ProbeResult:
             "changed_share": self.changed_share,
             "probed_positions": self.probed_positions,
             "jump_positions": self.jump_positions,
+            "smooth_positions": self.smooth_positions,
             "note": self.note,
             "forwards": self.forwards,
             "seconds": round(self.seconds, 4),
