@@ -1,7 +1,8 @@
 """Expert threshold routing (``ec_threshold``) at edges a mutation pass found open, each against
 a float64 reference written here: the threshold before any update is 1/E, ``normalize`` divides
-by the scores of the token's own experts (then ``route_scale``), and a step whose cut-offs are
-NaN leaves the thresholds as they were."""
+by the scores of the token's own experts (then ``route_scale``), a step whose cut-offs are NaN
+leaves the thresholds as they were, and a population capacity above every token cuts at the
+lowest score's bin."""
 
 from __future__ import annotations
 
@@ -47,3 +48,17 @@ def test_a_step_of_nan_scores_leaves_the_thresholds_as_they_were():
     r(x)
     r.update_after_step()
     assert torch.equal(r.threshold, before)
+
+
+def test_a_population_capacity_above_every_token_cuts_at_the_lowest_scores_bin():
+    """capacity_factor > E: each expert would take the whole population (the fraction is capped
+    at 1), so its cut-off is the lower edge of the bin of its lowest score."""
+    e, bins = 2, 8
+    r = identity_router("ec_threshold", e, statistic="population", capacity_factor=4.0, population_bins=bins)
+    r.momentum = 0.0  # the threshold is this step's cut-off
+    x = torch.randn(2, 6, e, generator=torch.Generator().manual_seed(8), dtype=torch.float64) / 2
+    r.train()(x)
+    r.update_after_step()
+    lowest_E = torch.softmax(x.reshape(-1, e), -1).min(0).values
+    assert torch.allclose(r.threshold, torch.floor(lowest_E * bins) / bins, rtol=0, atol=1e-12)
+    assert bool((r.threshold > 0).all())
