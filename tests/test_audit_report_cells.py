@@ -13,7 +13,14 @@ from moe.routing import Claims
 
 def decode_probe(mode: str, leaks: bool) -> ProbeResult:
     return ProbeResult(
-        "decode", mode, leaks, 0.5 if leaks else 0.0, 3 if leaks else None, 0.2 if leaks else 0.0, kind="decode"
+        "decode",
+        mode,
+        leaks,
+        0.5 if leaks else 0.0,
+        3 if leaks else None,
+        0.2 if leaks else 0.0,
+        kind="decode",
+        comparisons=8,  # it ran: a probe that compared nothing tests nothing ("untested")
     )
 
 
@@ -31,6 +38,13 @@ def test_the_decode_cell_reads_the_modes_its_claim_covers():
     # causal in neither mode: the claim covers both, and training's prefixes differ
     assert decode_cell(Claims(False, False, True, True)) == "yes/differs"
     assert decode_cell(Claims(True, True, True, False)) == "no/differs"
+
+
+def test_a_decode_probe_that_compared_nothing_is_untested_in_the_cell():
+    report = AuditReport("t", ("eval",), Claims(True, True, True, True), probes=[decode_probe("eval", False)])
+    report.probes[0].comparisons = 0
+    head, _, row = summary_table([report]).splitlines()
+    assert dict(zip(re.split(r"\s{2,}", head), re.split(r"\s{2,}", row)))["decode"] == "yes/untested"
 
 
 def test_token_ids_are_listed_up_to_six_per_reason():
