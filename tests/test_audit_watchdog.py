@@ -6,10 +6,14 @@ prefixes, as such a loop leaves the process: the signal never reaches Python."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 from helpers import SUBPROCESS_ENV
 
 STUCK = """
@@ -72,3 +76,25 @@ def test_the_watched_command_exits_with_the_audits_own_code(tmp_path):
     assert done.returncode == 1 and "LEAKS in eval mode" in done.stdout, done.stdout + done.stderr
     done, _ = _audit(f"{tmp_path / 'targets.py'}:missing")
     assert done.returncode == 2 and "moe-audit: error:" in done.stderr, done.stderr
+
+
+def test_a_sigterm_to_the_command_ends_the_audit_too(tmp_path):
+    """`timeout` signals the command, which is the watchdog parent: the audit it forked goes with it."""
+    (tmp_path / "targets.py").write_text(STUCK)
+    argv = [sys.executable, "-m", "moe.audit", "--target", f"{tmp_path / 'targets.py'}:stuck", "--input", "float:2,8,8"]
+    proc = subprocess.Popen(
+        [*argv, "--forward-timeout", "100", "--modes", "eval", "--no-progress"],
+        env=SUBPROCESS_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 120
+    while not children.read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (child,) = map(int, children.read_text().split())
+    time.sleep(3)  # into the stuck forward
+    proc.terminate()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)

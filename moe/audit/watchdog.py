@@ -8,7 +8,8 @@ does not divide the token count, holding the GIL, so no thread of the process ru
 the command forks before it audits: the child audits and writes to a pipe when each limited
 forward starts (its limit and what it is) and ends; the parent runs no target code and waits. A
 forward still running at twice its limit ends the child (``SIGKILL``) and the command: one line
-on stderr, exit 2. Otherwise the parent exits with the child's code. Callers in the process
+on stderr, exit 2. Otherwise the parent exits with the child's code (a SIGTERM or SIGHUP it
+receives is passed on to the child, so no audit is left running alone). Callers in the process
 (``moe.audit.audit``, ``assert_causal``, ``cli.main``) have the ``SIGALRM`` limit only.
 """
 
@@ -82,6 +83,9 @@ def _child(run: Callable[[], int], write: int) -> int:
 def _watch(pid: int, read: int) -> int:
     """Wait for the child, reading its forwards' starts and ends; stop it at a forward's deadline."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the child too: its exit code is ours
+    # `timeout`, a closed terminal: passed on to the audit, never an orphan left running
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, lambda signum, _frame: os.kill(pid, signum))
     deadline: float | None = None
     limit, what, pending = 0.0, "", b""
     while True:
