@@ -39,6 +39,11 @@ EXPECTED: dict[str, Expect] = {
     "TopKRouter.routing top-2 softmax, dropless": Expect(
         *CLEAN, "topk_routing_with_score_function: top-k of each token's own logits, no capacity factor: nothing drops"
     ),
+    "TopKRouter.routing top-2 softmax, dropless, aux loss": Expect(
+        *CLEAN,
+        "MoEAuxLossAutoScaler passes the probabilities through and gives the Switch loss, a statistic of the whole "
+        "micro-batch, a gradient in backward: no value reads another token (the Jacobian subtracts that gradient)",
+    ),
     "TopKRouter.routing top-2 sigmoid + expert_bias, 2 groups (group_topk=1), dropless": Expect(
         *CLEAN, "group_limited_topk picks groups from the token's own scores + the fixed expert_bias; no capacity"
     ),
@@ -136,6 +141,7 @@ EXPECTED: dict[str, Expect] = {
 FAST = (
     "TopKRouter.routing top-2 cf=1 drop_policy=probs",
     "TopKRouter.routing top-2 cf=1 drop_policy=position",
+    "TopKRouter.routing top-2 softmax, dropless, aux loss",
     "TopKGate k=1 cf=1 use_rts=False",
     "TokenChoiceTopKRouter softmax top-2",
     "TokenChoiceTopKRouter _debug_force_load_balance",

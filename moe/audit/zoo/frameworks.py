@@ -87,7 +87,10 @@ def _dense(ids_BTK: Tensor, weights_BTK: Tensor) -> Tensor:
 class MegatronRouting(nn.Module):
     """``TopKRouter.routing`` step by step with Megatron's own functions
     (``topk_routing_with_score_function``, then ``apply_router_token_dropping`` when a capacity
-    factor is set) on logits x @ W^T over [T, B, D], as ``TopKRouter.gating`` computes them."""
+    factor is set) on logits x @ W^T over [T, B, D], as ``TopKRouter.gating`` computes them. With
+    ``aux_loss_coeff``, training attaches the Switch load-balancing loss
+    (``switch_load_balancing_loss_func``) to the probabilities with ``MoEAuxLossAutoScaler``, as
+    ``TopKRouter.aux_loss_load_balancing`` does: the loss gets its gradient in backward."""
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -97,6 +100,7 @@ class MegatronRouting(nn.Module):
         self.pad_to_capacity = options.pop("pad_to_capacity", False)
         expert_bias = options.pop("expert_bias", None)
         self.register_buffer("expert_bias", None if expert_bias is None else torch.tensor(expert_bias))
+        self.aux_loss_coeff = options.pop("aux_loss_coeff", None)
         self.options = options
 
     def forward(self, x_BTD: Tensor) -> Tensor:
@@ -111,6 +115,12 @@ class MegatronRouting(nn.Module):
             probs_SE, map_SE = moe_utils.apply_router_token_dropping(
                 probs_SE, map_SE, TOP_K, self.capacity_factor, self.drop_policy, self.pad_to_capacity
             )
+        if self.aux_loss_coeff is not None and self.training:
+            scores_SE = torch.softmax(logits_SE, dim=-1)
+            aux = moe_utils.switch_load_balancing_loss_func(
+                scores_SE, map_SE.sum(0), t * b, TOP_K, EXPERTS, self.aux_loss_coeff
+            )
+            probs_SE = moe_utils.MoEAuxLossAutoScaler.apply(probs_SE, aux)
         return (probs_SE * map_SE).reshape(t, b, EXPERTS).transpose(0, 1)
 
 
@@ -129,6 +139,13 @@ def _megatron(name: str, kind: str, capacity: str | None, **options: Any) -> Fra
 MEGATRON_CAPACITY = "C = ceil(S * K / E * cf) over the T * B tokens of the micro-batch"
 MEGATRON = [
     _megatron("top-2 softmax, dropless", "softmax top-k of the token's logits", None, score_function="softmax"),
+    _megatron(
+        "top-2 softmax, dropless, aux loss",
+        "softmax top-k; in training the Switch loss over the micro-batch attached by MoEAuxLossAutoScaler",
+        None,
+        score_function="softmax",
+        aux_loss_coeff=0.01,
+    ),
     _megatron(
         "top-2 sigmoid + expert_bias, 2 groups (group_topk=1), dropless",
         "sigmoid + expert_bias top-k inside the token's best group",
