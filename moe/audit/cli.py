@@ -13,7 +13,8 @@ inconsistency the audit cannot demonstrate; 2 usage error (unimportable target, 
 calls ``sys.exit`` at import, in its factory or in a forward, a name that is neither a module
 nor a factory, a malformed --input, an unknown --output field, no CUDA for --device cuda) or
 a target the audit could not run at all (it fails on the example, a forward runs past
---forward-timeout, two identical calls differ because it is stateful, or no
+--forward-timeout, or past twice it in native code, which ends the command through
+:mod:`moe.audit.watchdog`, two identical calls differ because it is stateful, or no
 future-perturbation probe ran), or, with no leak found, in one of the modes (the others are
 reported, and a leak found in one is exit 1). Never a traceback.
 """
