@@ -28,11 +28,13 @@ from moe.data import Corpus, is_prepared, load_corpus, split_ranges
 from moe.data.shards import read_manifest
 from moe.model import MoETransformer
 from moe.training import load_export
+from moe.training.batches import DataConfig
 
 BOUNDARY_SEARCH = 4096
 """How many validation tokens the default prompt's start is looked for in."""
-VAL_FRACTION = 0.1
-"""The split the corpus is loaded with (the trainer's default)."""
+VAL_FRACTION = DataConfig.val_fraction
+"""The split the corpus is loaded with: the trainer's default, so the prompt comes from the
+validation split the model was evaluated on."""
 
 
 def default_prompt(
