@@ -271,20 +271,7 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
         return f"{cal.stateful} in {mode} mode"
     report.updated_buffers += [b for b in cal.updated_buffers if b not in report.updated_buffers]
     report.updated_parameters += [p for p in cal.updated_parameters if p not in report.updated_parameters]
-    repeats = cal.tolerances if cal.regime != "distribution" else None
-    ctx = ProbeContext(
-        runner.target,
-        runner,
-        example,
-        session.sampler,
-        session.trials,
-        session.seed,
-        mode,
-        cal.base.out,
-        repeats,
-        cal.regime,
-        report.quick,
-    )
+    ctx = _context(session, example, mode, cal, report.quick)
     comparator = Comparator(runner, example, mode, cal, session.alpha)
     try:
         results = _run_probes(comparator, ctx, session)
@@ -301,6 +288,25 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
     if ctx.sampler.tokens:
         report.ids_tried = ctx.ids_tried
     return None
+
+
+def _context(session: _Session, example: Tensor, mode: str, cal: Calibration, quick: bool) -> ProbeContext:
+    """What the probes see of ``mode`` as ``cal`` measured it: its tolerances where the example
+    repeats itself under one seed (None in the distribution regime)."""
+    repeats = cal.tolerances if cal.regime != "distribution" else None
+    return ProbeContext(
+        session.runner.target,
+        session.runner,
+        example,
+        session.sampler,
+        session.trials,
+        session.seed,
+        mode,
+        cal.base.out,
+        repeats,
+        cal.regime,
+        quick,
+    )
 
 
 def _read_the_path(ctx: ProbeContext, results: list[ProbeResult]) -> None:
@@ -428,19 +434,7 @@ def _own_future(session: _Session, at: AuditTarget, report: AuditReport, example
         if not batch or entry is None or entry[0].cal.regime == "distribution" or example.shape[0] < 2:
             continue
         cal, moved, own = entry[0].cal, 0, 0
-        ctx = ProbeContext(
-            at,
-            session.runner,
-            example,
-            session.sampler,
-            session.trials,
-            session.seed,
-            mode,
-            cal.base.out,
-            cal.tolerances,
-            cal.regime,
-            report.quick,
-        )
+        ctx = _context(session, example, mode, cal, report.quick)
         at.set_mode(mode)
         try:
             for every in random_future(ctx):
