@@ -42,7 +42,17 @@ class Leaks(nn.Module):
         return x + x.mean(1, keepdim=True)
 
 
-stuck, leaks = Stuck, Leaks
+class StuckLeaks(Stuck):  # reads the future, and sticks on a short prefix as Stuck does
+    def forward(self, x):
+        return super().forward(x) + x.mean(1, keepdim=True)
+
+
+class StuckMixes(Stuck):  # mixes the samples of the batch (causal in time), and sticks
+    def forward(self, x):
+        return super().forward(x) + x.mean(0, keepdim=True)
+
+
+stuck, leaks, stuck_leaks, stuck_mixes = Stuck, Leaks, StuckLeaks, StuckMixes
 """
 
 
@@ -68,6 +78,28 @@ def test_a_forward_stuck_where_the_alarm_cannot_reach_ends_the_command_at_twice_
     )
     assert done.stderr.strip() == line
     assert seconds < 120  # not the 600 s the forward sleeps
+
+
+def test_a_stopped_audit_still_reports_what_it_found_before_the_stop(tmp_path):
+    """A leak found before the stuck forward is the verdict (exit 1, not NOT AUDITED); a batch
+    coupling alone is said, and the command still exits 2: no verdict on the leak."""
+    (tmp_path / "targets.py").write_text(STUCK)
+    done, _ = _audit(f"{tmp_path / 'targets.py'}:stuck_leaks", "--forward-timeout", "1", "--modes", "eval")
+    assert done.returncode == 1, done.stdout + done.stderr
+    stop, found = done.stderr.strip().splitlines()
+    assert stop.startswith("moe-audit: error: stuck_leaks: a forward on an input of shape (2, 1, 8) did not return")
+    assert found == (
+        "moe-audit: stuck_leaks: found before the stop: LEAKS in eval mode (random_future, adversarial_future, "
+        "jacobian); the rest not audited"
+    )
+    done, _ = _audit(f"{tmp_path / 'targets.py'}:stuck_mixes", "--forward-timeout", "1", "--modes", "eval")
+    assert done.returncode == 2, done.stdout + done.stderr
+    stop, found = done.stderr.strip().splitlines()
+    assert stop.startswith("moe-audit: error: stuck_mixes: NOT AUDITED: a forward on an input of shape (2, 1, 8)")
+    assert found == (
+        "moe-audit: stuck_mixes: found before the stop: not batch-invariant in eval mode (batch_interference); "
+        "no leak found yet, the rest not audited"
+    )
 
 
 def test_the_watched_command_exits_with_the_audits_own_code(tmp_path):

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from moe.agreement import agreement_figures
+from moe.audit import watchdog
 from moe.audit.comparator import (
     DRAWS,
     Calibration,
@@ -345,6 +346,8 @@ def _run(probe: Probe, comparator: Comparator, ctx: ProbeContext, session: _Sess
     if result is not None:
         result.forwards = session.runner.cost.forwards - forwards
         result.seconds = time.perf_counter() - began
+        if result.leaks:  # kept by moe-audit's watchdog, for a later forward it must stop
+            watchdog.found(session.runner.name, result.kind, ctx.mode, probe.name)
     if session.progress is not None:
         now = time.perf_counter()
         found = "not run" if result is None or not result.ran else ("change found" if result.leaks else "nothing found")

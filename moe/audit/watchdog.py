@@ -8,7 +8,9 @@ does not divide the token count, holding the GIL, so no thread of the process ru
 the command forks before it audits: the child audits and writes to a pipe when each limited
 forward starts (its limit and what it is) and ends; the parent runs no target code and waits. A
 forward still running at twice its limit ends the child (``SIGKILL``) and the command: one line
-on stderr, exit 2. Otherwise the parent exits with the child's code (a SIGTERM or SIGHUP it
+on stderr, exit 2, and below it what the audit of that target had found by then (each probe that saw
+a change writes it to the pipe as it ends): a leak found before the stop is the verdict, exit 1.
+Otherwise the parent exits with the child's code (a SIGTERM or SIGHUP it
 receives is passed on to the child, so no audit is left running alone). Callers in the process
 (``moe.audit.audit``, ``assert_causal``, ``cli.main``) have the ``SIGALRM`` limit only.
 """
@@ -41,6 +43,21 @@ def ended() -> None:
     """Tell the parent the forward returned (or raised)."""
     if _channel is not None:
         os.write(_channel, b"-\n")
+
+
+def found(target: str, kind: str, mode: str, probe: str) -> None:
+    """Tell the parent that ``probe`` (of ``kind``, :data:`moe.audit.report.KINDS`) saw a change of
+    ``target``'s outputs in ``mode``: what it reports if it must stop the audit of that target."""
+    if _channel is not None:
+        os.write(_channel, f"! {kind} {mode} {probe} {' '.join(target.split())}\n".encode())
+
+
+FOUND = {
+    "future": "LEAKS in {mode} mode",
+    "batch": "not batch-invariant in {mode} mode",
+    "decode": "not decode-consistent in {mode} mode",
+}
+"""How the stop line names what probes of a kind found in a mode (the probes follow in brackets)."""
 
 
 def supervised(run: Callable[[], int]) -> int:
@@ -88,6 +105,7 @@ def _watch(pid: int, read: int) -> int:
         signal.signal(stop, lambda signum, _frame: os.kill(pid, signum))
     deadline: float | None = None
     limit, what, pending = 0.0, "", b""
+    findings: dict[str, dict[tuple[str, str], list[str]]] = {}  # target -> (kind, mode) -> probes
     while True:
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         if select.select([read], [], [], wait)[0]:
@@ -98,6 +116,9 @@ def _watch(pid: int, read: int) -> int:
             for line in lines:
                 if line == b"-":
                     deadline = None
+                elif line.startswith(b"! "):
+                    kind, mode, probe, target = line.decode()[2:].split(" ", 3)
+                    findings.setdefault(target, {}).setdefault((kind, mode), []).append(probe)
                 else:
                     text, what = line.decode().split(" ", 1)
                     limit = float(text)
@@ -105,13 +126,29 @@ def _watch(pid: int, read: int) -> int:
         elif deadline is not None and time.monotonic() >= deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            print(
-                f"moe-audit: error: {what} did not return within {limit:g} s (--forward-timeout), nor in the "
-                f"{GRACE * limit:g} s after: native code the time limit cannot interrupt; moe-audit stopped",
-                file=sys.stderr,
-            )
-            return 2
+            return _stopped(what, limit, findings)
     os.close(read)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     return code if code >= 0 else 128 - code  # a signal's number as a shell reports it
+
+
+def _stopped(what: str, limit: float, findings: dict[str, dict[tuple[str, str], list[str]]]) -> int:
+    """Print why the audit was stopped and what it had found of the stuck target; the exit code:
+    1 where a probe had found a leak (a verdict the rest of the audit could not undo), else 2."""
+    target = next((t for t in findings if what.startswith(f"{t}: ")), None)
+    seen = findings.get(target, {})
+    leaks = any(kind == "future" for kind, _ in seen)
+    if leaks:  # audited enough for a verdict: not "NOT AUDITED"
+        what = what.replace(f"{target}: NOT AUDITED: ", f"{target}: ", 1)
+    print(
+        f"moe-audit: error: {what} did not return within {limit:g} s (--forward-timeout), nor in the "
+        f"{GRACE * limit:g} s after: native code the time limit cannot interrupt; moe-audit stopped",
+        file=sys.stderr,
+    )
+    if seen:
+        order = sorted(seen.items(), key=lambda item: list(FOUND).index(item[0][0]))  # leaks first
+        done = "; ".join(f"{FOUND[kind].format(mode=mode)} ({', '.join(p)})" for (kind, mode), p in order)
+        rest = "the rest not audited" if leaks else "no leak found yet, the rest not audited"
+        print(f"moe-audit: {target}: found before the stop: {done}; {rest}", file=sys.stderr)
+    return 1 if leaks else 2
