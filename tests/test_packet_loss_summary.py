@@ -1,4 +1,4 @@
-"""The packet-loss study's summary (experiments/packet_loss.py ``summarise``).
+"""The packet-loss study's summary (experiments/packet_loss_report.py ``summarise``).
 
 The perplexity change of a lossy run is paired by seed with the reliable run of the same seed:
 100 (exp(val_loss - reliable val_loss) - 1) per seed, then mean and standard error.
@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-import experiments.packet_loss as study
+import experiments.packet_loss_report as study
 from moe.parallel.lossy import METRICS
 
 
