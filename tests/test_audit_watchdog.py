@@ -80,26 +80,30 @@ def test_a_forward_stuck_where_the_alarm_cannot_reach_ends_the_command_at_twice_
     assert seconds < 120  # not the 600 s the forward sleeps
 
 
-def test_a_stopped_audit_still_reports_what_it_found_before_the_stop(tmp_path):
-    """A leak found before the stuck forward is the verdict (exit 1, not NOT AUDITED); a batch
-    coupling alone is said, and the command still exits 2: no verdict on the leak."""
+@pytest.mark.parametrize(
+    ("target", "code", "stop", "found"),
+    [
+        (  # a leak found before the stuck forward is the verdict: exit 1, not NOT AUDITED
+            "stuck_leaks",
+            1,
+            "stuck_leaks: a forward",
+            "LEAKS in eval mode (random_future, adversarial_future, jacobian); the rest not audited",
+        ),
+        (  # a batch coupling alone is said; no verdict on a leak: exit 2
+            "stuck_mixes",
+            2,
+            "stuck_mixes: NOT AUDITED: a forward",
+            "not batch-invariant in eval mode (batch_interference); no leak found yet, the rest not audited",
+        ),
+    ],
+)
+def test_a_stopped_audit_still_reports_what_it_found_before_the_stop(tmp_path, target, code, stop, found):
     (tmp_path / "targets.py").write_text(STUCK)
-    done, _ = _audit(f"{tmp_path / 'targets.py'}:stuck_leaks", "--forward-timeout", "1", "--modes", "eval")
-    assert done.returncode == 1, done.stdout + done.stderr
-    stop, found = done.stderr.strip().splitlines()
-    assert stop.startswith("moe-audit: error: stuck_leaks: a forward on an input of shape (2, 1, 8) did not return")
-    assert found == (
-        "moe-audit: stuck_leaks: found before the stop: LEAKS in eval mode (random_future, adversarial_future, "
-        "jacobian); the rest not audited"
-    )
-    done, _ = _audit(f"{tmp_path / 'targets.py'}:stuck_mixes", "--forward-timeout", "1", "--modes", "eval")
-    assert done.returncode == 2, done.stdout + done.stderr
-    stop, found = done.stderr.strip().splitlines()
-    assert stop.startswith("moe-audit: error: stuck_mixes: NOT AUDITED: a forward on an input of shape (2, 1, 8)")
-    assert found == (
-        "moe-audit: stuck_mixes: found before the stop: not batch-invariant in eval mode (batch_interference); "
-        "no leak found yet, the rest not audited"
-    )
+    done, _ = _audit(f"{tmp_path / 'targets.py'}:{target}", "--forward-timeout", "1", "--modes", "eval")
+    assert done.returncode == code, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith(f"moe-audit: error: {stop} on an input of shape (2, 1, 8) did not return within 1 s")
+    assert lines[1:] == [f"moe-audit: {target}: found before the stop: {found}"]
 
 
 def test_the_watched_command_exits_with_the_audits_own_code(tmp_path):
