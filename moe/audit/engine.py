@@ -38,6 +38,7 @@ finds batch interference or a prefix that decodes differently. Otherwise it retu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import statistics
 import sys
@@ -361,12 +362,53 @@ def _after_modes(
         _confirm_across_modes(session, at, report)
     if report.error is None:
         _own_future(session, at, report, example)
+    for mode in [m for m, regime in report.regimes.items() if regime != "deterministic"]:
+        if report.error is None:
+            at.set_mode(mode)
+            _with_fixed_draws(session, report, example, mode)
     if report.error is None:
         units = [u for u in (unit_before, _one_forward_seconds(session.runner, at, example)) if u > 0]
         report.forward_seconds = min(units, default=0.0)
         report.unit_forwards = UNIT_FORWARDS if units else 0
     if agreement and report.error is None:
         report.agreement = target_agreement(at, example)
+
+
+FIXED_DRAWS = "the target's random draws fixed at their medians"
+"""What :func:`_with_fixed_draws` adds to the variant of each finding it reports."""
+
+
+def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, mode: str) -> None:
+    """A mode judged by its noise, audited again with every random draw of torch fixed at its
+    median (:mod:`moe.audit.fixed_draws`): its rule, deterministic then, is judged by a fixed seed,
+    and what that finds of a kind (a leak, batch interference, a prefix that differs) where the
+    noisy audit found none of it is added to ``report.probes`` (the probe's name and the variant
+    say so). Noise can hide a leak of the rule below any test of a few dozen draws (a random
+    choice among an overfull expert's tokens behind a sampled gate); the draws fixed, it shows
+    in every comparison. Nothing is added where the draws could not all be fixed (an op the mode
+    does not know, Python's or NumPy's generators) or the target fails with them fixed."""
+    found = {p.kind for p in report.probes if p.mode == mode and p.leaks}
+    if found >= {p.kind for p in session.suite}:
+        return
+    runner = session.runner
+    with runner.drawing_medians() as fixed:
+        try:
+            cal = calibrate(runner, example, calibration_inputs(example, session.sampler, session.seed))
+            if cal.regime != "deterministic" or cal.stateful or not cal.comparable:
+                why = f" (ops it left drawing: {', '.join(sorted(fixed.unknown))})" if fixed.unknown else ""
+                raise Misaligned(f"its output still varies{why}")
+            alone = dataclasses.replace(session, tallies={})  # the noisy audit's tallies stay as they are
+            ctx = _context(alone, example, mode, cal, report.quick)
+            results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone)
+        except (TargetFailure, TargetTimeout, TargetExit, Misaligned) as e:
+            why = str(e) or "its noise still depends on the data"
+            report.notes.append(f"{mode} mode: not audited with its random draws fixed at their medians: {why}")
+            return
+    for result in results:
+        if result.leaks and result.kind not in found:
+            result.name = f"{result.name}, draws fixed"
+            result.found_by = f"{result.found_by}, with {FIXED_DRAWS}" if result.found_by else FIXED_DRAWS
+            report.probes.append(result)
 
 
 def _one_forward_seconds(runner: Runner, at: AuditTarget, example: Tensor) -> float:

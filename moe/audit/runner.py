@@ -33,6 +33,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.audit import watchdog
+from moe.audit.fixed_draws import FixedDraws
 from moe.audit.target import AuditTarget, AuditUsageError, Outputs, raise_site
 
 Draws = tuple[tuple[str, tuple[int, ...]], ...]
@@ -195,6 +196,19 @@ class Runner:
         self.last_drew = False
         """Whether the last call advanced a generator the runner seeds (torch's CPU and CUDA ones,
         the target's own): it drew random numbers."""
+        self.fixed_draws: FixedDraws | None = None
+        """While set (:meth:`drawing_medians`): the mode every call runs in, its random draws fixed."""
+
+    @contextlib.contextmanager
+    def drawing_medians(self) -> Iterator[FixedDraws]:
+        """Calls within run with every random draw of torch fixed at its law's median
+        (:mod:`moe.audit.fixed_draws`); the mode yielded names the ops it could not fix."""
+        _warm_up_draw_recording()
+        self.fixed_draws = FixedDraws()
+        try:
+            yield self.fixed_draws
+        finally:
+            self.fixed_draws = None
 
     def _reset(self, seed: int) -> None:
         """The target's buffers (and the parameters a forward changed) as at the start; every generator it may draw from seeded: the CPU
@@ -228,6 +242,7 @@ class Runner:
             with (
                 contextlib.redirect_stdout(sys.stderr),
                 time_limit(self.timeout, f"{what}a forward on an input of shape {tuple(x.shape)}"),
+                self.fixed_draws or contextlib.nullcontext(),
             ):
                 out = call(fresh)
                 if x.device.type == "cuda":  # the kernels ran when the clock stops, not just their launch
@@ -241,7 +256,9 @@ class Runner:
             raise TargetFailure(tuple(x.shape), e) from None
         finally:
             self.last_seconds = clock() - start
-            self.last_drew = any(not torch.equal(a, b) for a, b in zip(seeded, self._generator_states()))
+            advanced = any(not torch.equal(a, b) for a, b in zip(seeded, self._generator_states()))
+            # with its draws fixed, a target draws only through the ops that could not be fixed
+            self.last_drew = advanced and (self.fixed_draws is None or bool(self.fixed_draws.unknown))
             self.cost.forwards += 1
             self.cost.samples += x.shape[0]
             self.cost.seconds += self.last_seconds

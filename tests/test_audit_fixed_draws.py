@@ -1,0 +1,160 @@
+"""A mode judged by its noise is audited again with every random draw fixed at its median
+(moe.audit.fixed_draws, engine._with_fixed_draws): a leak the noise hides from any test of a few
+dozen draws shows in every comparison, and a target whose rule is causal gains no finding."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.audit import audit
+from moe.audit.fixed_draws import FixedDraws
+
+X = torch.tensor([[0.3, -1.2], [2.0, 0.1]])
+
+
+@pytest.mark.parametrize(
+    ("draw", "median"),
+    [
+        (lambda: torch.rand(2, 3), torch.full((2, 3), 0.5)),
+        (lambda: torch.randn(4), torch.zeros(4)),
+        (lambda: torch.rand_like(X), torch.full((2, 2), 0.5)),
+        (lambda: torch.randint(10, (3,)), torch.tensor([4, 4, 4])),  # [0, 10): 4
+        (lambda: torch.randint(3, 9, (2,)), torch.tensor([5, 5])),  # [3, 9): 5
+        (lambda: torch.randperm(5), torch.arange(5)),
+        (lambda: torch.multinomial(torch.tensor([[0.1, 0.6, 0.3]]), 2), torch.tensor([[1, 2]])),
+        (lambda: torch.bernoulli(torch.tensor([0.7, 0.2, 0.5])), torch.tensor([1.0, 0.0, 1.0])),
+        (lambda: torch.empty(3).uniform_(-1, 3), torch.full((3,), 1.0)),
+        (lambda: torch.empty(2).normal_(2.0, 5.0), torch.full((2,), 2.0)),
+        (lambda: torch.empty(2).exponential_(2.0), torch.full((2,), math.log(2) / 2)),
+        (lambda: torch.empty(3, dtype=torch.long).random_(2, 10), torch.tensor([5, 5, 5])),  # [2, 10): 5
+        (lambda: torch.normal(torch.tensor([1.0, -2.0]), 3.0), torch.tensor([1.0, -2.0])),
+        (lambda: F.dropout(X, 0.1, True), X / 0.9),  # a keep probability of 0.9: every element kept
+        (lambda: F.dropout(X, 0.6, True), torch.zeros(2, 2)),  # of 0.4: every element dropped
+        (  # Gumbel noise: -log(-log(U)) of a uniform at its median
+            lambda: torch.distributions.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample((2,)),
+            torch.full((2,), -math.log(math.log(2))),
+        ),
+        (lambda: F.gumbel_softmax(torch.tensor([[1.0, 2.0, 0.5]]), hard=True), torch.tensor([[0.0, 1.0, 0.0]])),
+    ],
+)
+def test_each_draw_is_fixed_at_the_median_of_its_law(draw, median):
+    with FixedDraws() as fixed:
+        got = draw()
+    assert not fixed.unknown
+    torch.testing.assert_close(got, median.to(got.dtype), rtol=1e-6, atol=1e-7)
+
+
+def test_an_op_it_does_not_know_keeps_drawing_and_is_named():
+    with FixedDraws() as fixed:
+        first = torch._standard_gamma(torch.full((64,), 2.0))
+        second = torch._standard_gamma(torch.full((64,), 2.0))
+    assert fixed.unknown == {"_standard_gamma"} and not torch.equal(first, second)
+
+
+class DropsOverTheBatch(nn.Module):
+    """pjlab-sys4nlp/llama-moe's SwitchBalancedGate + SwitchDropTokenCalculator, written here:
+    a Gumbel-sampled top-1 gate (in both modes), a capacity of 1.25 N / E over the flattened
+    batch, an overfull expert keeping a random subset of its tokens (``torch.randperm``). The
+    future moves an earlier token's chance of being dropped by a few points: a leak in law that
+    64 draws cannot see, and in every comparison once the draws are fixed."""
+
+    def __init__(self, d: int = 16, experts: int = 8) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate = nn.Parameter(torch.randn(d, experts, generator=g) / d**0.5)
+        self.expert = nn.Parameter(torch.randn(experts, d, d, generator=g) / d**0.5)
+
+    def forward(self, x_BTD):
+        x = x_BTD.reshape(-1, x_BTD.shape[-1])
+        logits = x @ self.gate
+        gumbel = torch.distributions.Gumbel(torch.tensor(0.0), torch.tensor(1.0)).rsample(logits.shape)
+        score, choice = (logits + gumbel).max(-1)
+        capacity = int(1.25 * x.shape[0] / self.expert.shape[0])
+        y = torch.zeros_like(x)
+        for e in range(self.expert.shape[0]):
+            rows = (choice == e).nonzero(as_tuple=True)[0]
+            if rows.numel() > capacity:
+                rows = rows[torch.randperm(rows.numel())][:capacity]
+            y[rows] = torch.tanh(x[rows] @ self.expert[e])
+        return (y * score[:, None]).view(x_BTD.shape)
+
+
+def test_a_random_drop_over_the_batch_behind_a_sampled_gate_leaks_with_its_draws_fixed():
+    report = audit(DropsOverTheBatch(), torch.randn(2, 16, 16), agreement=False)
+    assert report.regime == "distribution"
+    assert report.leaks and report.leaks_in == ["train", "eval"]
+    fixed = [p for p in report.probes if p.leaks and p.kind == "future"]
+    assert fixed and all(p.name.endswith(", draws fixed") for p in fixed)  # the noisy tests saw nothing
+    assert "with the target's random draws fixed at their medians" in report.summary()
+
+
+class CausalNoise(nn.Module):
+    """Causal, with noise everywhere: a noisy top-2 gate per token, a sampled extra expert per
+    token (multinomial), dropout on the output."""
+
+    def __init__(self, d: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.gate = nn.Parameter(torch.randn(d, experts, generator=g) / d**0.5)
+        self.expert = nn.Parameter(torch.randn(experts, d, d, generator=g) / d**0.5)
+
+    def forward(self, x_BTD):
+        logits = x_BTD @ self.gate
+        noisy = logits + 0.5 * torch.randn_like(logits)
+        weight, top = noisy.softmax(-1).topk(2, dim=-1)
+        extra = torch.multinomial(logits.softmax(-1).reshape(-1, logits.shape[-1]), 1).view(*top.shape[:-1], 1)
+        chosen = torch.cat([top, extra], -1)
+        out = torch.einsum("btd,edf->btef", x_BTD, self.expert)
+        picked = out.gather(2, chosen[..., None].expand(-1, -1, -1, out.shape[-1]))
+        mixed = (picked[..., :2, :] * weight[..., None]).sum(2) + picked[..., 2, :]
+        return F.dropout(mixed, 0.1, self.training)
+
+
+def test_a_causal_target_with_noise_gains_no_finding_with_its_draws_fixed():
+    report = audit(CausalNoise(), torch.randn(2, 12, 16), agreement=False)
+    assert report.regime != "deterministic"
+    assert not report.leaks and report.batch_invariant and report.decode_consistent
+    assert not [p.name for p in report.probes if "draws fixed" in p.name]
+
+
+class GammaNoise(nn.Module):
+    """Noise from an op the median table does not know (a Gamma sample), over the whole batch."""
+
+    def forward(self, x_BTD):
+        return x_BTD * torch._standard_gamma(torch.full_like(x_BTD, 2.0))
+
+
+def test_noise_that_cannot_be_fixed_leaves_the_noisy_verdict_and_says_why():
+    report = audit(GammaNoise(), torch.randn(2, 8, 4), modes=("eval",), agreement=False)
+    assert not report.leaks and not [p for p in report.probes if "draws fixed" in p.name]
+    assert any(
+        "not audited with its random draws fixed at their medians" in n and "_standard_gamma" in n for n in report.notes
+    ), report.notes
+
+
+class GaussianStep(nn.Module):
+    """tests/test_audit_power.py's NoisyStep with Gaussian noise: unit noise drawn in a shape that
+    follows the data, and 0.1 x the sign of the second half's sum added to the first half. The
+    noisy test calls it INCONCLUSIVE at best; with its noise at the median (0) every comparison
+    shows the step."""
+
+    def forward(self, x_BTD):
+        b, t, d = x_BTD.shape
+        extra = int((x_BTD[..., 0] > 0).sum())
+        y = x_BTD + torch.randn(extra + b * t, d)[extra:].reshape(b, t, d)
+        y[:, : t // 2] = y[:, : t // 2] + 0.1 * torch.sign(x_BTD[:, t // 2 :].sum())
+        return y
+
+
+def test_a_weak_step_under_gaussian_noise_leaks_with_its_noise_at_its_median():
+    x = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(0))
+    report = audit(GaussianStep(), x, modes=("eval",), agreement=False)
+    assert report.leaks_in == ["eval"] and report.verdict != "INCONCLUSIVE", report.table()
+    assert {p.name for p in report.probes if p.leaks} <= {
+        f"{n}, draws fixed" for n in ("random_future", "adversarial_future", "decode_consistency", "batch_interference")
+    }
