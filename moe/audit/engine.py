@@ -390,20 +390,22 @@ def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, m
     found = {p.kind for p in report.probes if p.mode == mode and p.leaks}
     if found >= {p.kind for p in session.suite}:
         return
-    runner = session.runner
+    runner, results, why = session.runner, [], None
     with runner.drawing_medians() as fixed:
         try:
             cal = calibrate(runner, example, calibration_inputs(example, session.sampler, session.seed))
-            if cal.regime != "deterministic" or cal.stateful or not cal.comparable:
-                why = f" (ops it left drawing: {', '.join(sorted(fixed.unknown))})" if fixed.unknown else ""
-                raise Misaligned(f"its output still varies{why}")
-            alone = dataclasses.replace(session, tallies={})  # the noisy audit's tallies stay as they are
-            ctx = _context(alone, example, mode, cal, report.quick)
-            results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone)
-        except (TargetFailure, TargetTimeout, TargetExit, Misaligned) as e:
-            why = str(e) or "its noise still depends on the data"
-            report.notes.append(f"{mode} mode: not audited with its random draws fixed at their medians: {why}")
-            return
+            if cal.regime == "deterministic" and not cal.stateful and cal.comparable:
+                alone = dataclasses.replace(session, tallies={})  # the noisy audit's tallies stay as they are
+                ctx = _context(alone, example, mode, cal, report.quick)
+                results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone)
+            else:
+                why = "its output still varies" + (
+                    f" (ops left drawing: {', '.join(sorted(fixed.unknown))})" if fixed.unknown else ""
+                )
+        except (TargetFailure, TargetTimeout, TargetExit, Misaligned) as e:  # Misaligned: draws that follow the data
+            why = str(e) or "its draws still follow the data"
+    if why is not None:
+        report.notes.append(f"{mode} mode: not audited with its random draws fixed at their medians: {why}")
     for result in results:
         if result.leaks and result.kind not in found:
             result.name = f"{result.name}, draws fixed"
