@@ -267,11 +267,13 @@ def compare(
     upto_P: list[int],
     rows: tuple[int, ...] | None = None,
     tolerance: Tolerance = 1.0,
+    ref_rows: tuple[int, ...] | None = None,
 ) -> Diff:
     """Compare ``ref`` (B samples) with each of the ``copies`` consecutive B-sample copies in
-    ``outs`` at positions s < upto_P[p] of the samples ``rows`` (None: all). Positions at or
-    after a copy's ``upto`` count nothing. Exact outputs are compared where both forwards have
-    them with the same width (a prefix may make fewer router calls)."""
+    ``outs`` at positions s < upto_P[p] of the samples ``rows`` (None: all), read in ``ref`` at
+    ``ref_rows`` (None: the same indices). Positions at or after a copy's ``upto`` count nothing.
+    Exact outputs are compared where both forwards have them with the same width (a prefix may
+    make fewer router calls)."""
     s = max(upto_P)
     delta_PS = torch.zeros(copies, s, dtype=torch.float64)
     flips_PS = torch.zeros(copies, s, dtype=torch.long)
@@ -279,6 +281,7 @@ def compare(
     by_part: dict[str, tuple[Tensor, Tensor]] = {}
     live_PS = torch.arange(s)[None, :] < torch.tensor(upto_P)[:, None]
     pick = slice(None) if rows is None else list(rows)
+    ref_pick = pick if ref_rows is None else list(ref_rows)
 
     def shaped(x: Tensor) -> Tensor:  # [copies * B, T, W] -> [copies, B', S, W]
         x = x.reshape(copies, -1, *x.shape[1:])[:, pick, :s]
@@ -295,7 +298,7 @@ def compare(
         ref_all, out_all = (ref.exact_BTX, outs.exact_BTX) if part.exact else (ref.value_BTF, outs.value_BTF)
         if ref_all is None or out_all is None:
             continue
-        a = ref_all[pick, :s, part.start : part.stop][None]
+        a = ref_all[ref_pick, :s, part.start : part.stop][None]
         b = shaped(out_all[..., other.start : other.stop])
         live_P1S1 = live_PS.to(a.device)[:, None, :, None]
         if part.exact:
@@ -674,13 +677,17 @@ class Variant:
     """Compare output positions < upto."""
     rows: tuple[int, ...] | None = None
     """The samples compared (None: all of the example's samples); they must be samples the
-    variant did not change, at the same index in the variant and in the example."""
+    variant did not change, at the same index in the variant and in the example unless
+    ``ref_rows`` says where the example holds them."""
     label: str = ""
     """What the variant is, for the report (e.g. "every sample's future = copies of (1, 5)")."""
     reference: Tensor | None = None
     """Compare with the forward of this input instead of the example's (the samples ``rows`` at
     the same index in both): a batch probe's input beside other samples against it alone.
     Deterministic regime only."""
+    ref_rows: tuple[int, ...] | None = None
+    """The example's samples that ``rows`` of the variant are compared with, in order (None:
+    ``rows`` themselves): a later sample run alone sits at index 0 of its own forward."""
 
 
 def spread(values: list, k: int) -> list:
@@ -943,7 +950,7 @@ class Comparator:
             return
         if self.cal.stochastic and same_shape and fwd.draws != self.base.draws:
             raise Misaligned
-        d = compare(ref, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances)
+        d = compare(ref, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances, v.ref_rows)
         if self._rare_noise and bool(d.moved_PS.any()):
             if v.reference is not None:  # two forwards of other shapes: nothing to pair their noise with
                 raise Misaligned
@@ -1027,7 +1034,7 @@ class Comparator:
             except TargetFailure as e:
                 tally.fail(e)
                 continue
-            d = compare(self.base.out, out, 1, [v.upto], v.rows, self.cal.tolerances)
+            d = compare(self.base.out, out, 1, [v.upto], v.rows, self.cal.tolerances, v.ref_rows)
             scored.append((float(d.excess_PS.max()) + float(d.flips_PS.sum()), id(v), v))
         order = {id(v): i for i, v in enumerate(variants)}
         return sorted(((s, order[i], v) for s, i, v in scored), key=lambda e: (-e[0], e[1]))
@@ -1077,13 +1084,14 @@ class Comparator:
         """The permutation test on ``stages[0]`` draws per input, then more while it stays
         suggestive; each stage at the comparison's level over the number of stages."""
         rows = slice(None) if v.rows is None else list(v.rows)
+        ref_rows = rows if v.ref_rows is None else list(v.ref_rows)
         level = self.alpha / len(stages)
         paired = self._shares_noise(v)
         first = self.runner.seed + 1 + (0 if paired else DRAWS[-1])  # the reference's seeds, or disjoint ones
         var: list[Tensor] = []
         outcome: Outcome | None = None
         for k in stages:
-            ref_KBSF = self._reference_draws(k)[:, rows, : v.upto]
+            ref_KBSF = self._reference_draws(k)[:, ref_rows, : v.upto]
             var += [
                 self._value(self.runner.forward(v.x, seed=first + i).out)[rows, : v.upto] for i in range(len(var), k)
             ]
