@@ -1061,10 +1061,12 @@ class Comparator:
         tally.distribution_comparisons += 1
         tally.draws = max(tally.draws, outcome.draws)
         tally.p_value = outcome.p if tally.p_value is None else min(tally.p_value, outcome.p)
-        if not bool(outcome.changed_S.any()) and outcome.draws == DRAWS[-1] and outcome.p <= INCONCLUSIVE_P:
+        level = self.alpha / len(stages)
+        # Significant but below the resolution (a prefix's rounding, the same in every paired draw) is dismissed.
+        if not bool(outcome.changed_S.any()) and outcome.draws == DRAWS[-1] and level < outcome.p <= INCONCLUSIVE_P:
             tally.inconclusive.append(
                 f"{v.label}: mean change up to {float(outcome.change_S.max()):.3g} over {outcome.draws} draws per "
-                f"input, p = {outcome.p:.1e}, not below the level {self.alpha / len(stages):.1e} of one test"
+                f"input, p = {outcome.p:.1e}, not below the level {level:.1e} of one test"
             )
 
     def confirm(self, v: Variant, tally: Tally) -> ProbeResult:
