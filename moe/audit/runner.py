@@ -178,7 +178,8 @@ class Forward:
 
     out: Outputs
     draws: Draws | None
-    """Its random draws, when the call asked for them (None: not recorded)."""
+    """Its random draws, when the call asked for them (None: not recorded); draws from Python's
+    or NumPy's generator are one last entry, where they left those generators."""
 
 
 class Runner:
@@ -194,7 +195,10 @@ class Runner:
         """How long the last call took, on :func:`cost_clock`."""
         self.last_drew = False
         """Whether the last call advanced a generator the runner seeds (torch's CPU and CUDA ones,
-        the target's own): it drew random numbers."""
+        the target's own, Python's, NumPy's): it drew random numbers."""
+        self.last_host_draws: tuple[int, ...] | None = None
+        """Where the last call left Python's and NumPy's generators, if it drew from them (None:
+        it did not); the same seed and the same number of draws leave them at the same place."""
 
     def _reset(self, seed: int) -> None:
         """The target's buffers (and the parameters a forward changed) as at the start; every generator it may draw from seeded: the CPU
@@ -214,12 +218,21 @@ class Runner:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
         return [torch.default_generator.get_state(), *cuda, *(g.get_state() for g in self.target.state.generators)]
 
+    @staticmethod
+    def _host_states() -> tuple[int, ...]:
+        """Python's generator state and NumPy's key and position, as numbers (a draw moves them)."""
+        numpy = sys.modules.get("numpy")
+        if numpy is None:
+            return (hash(random.getstate()),)
+        _, key, pos, *_ = numpy.random.get_state()
+        return hash(random.getstate()), hash(key.tobytes()), int(pos)
+
     def _run(self, x: Tensor, seed: int, call: Any) -> Any:
         """``call(fresh copy of x)`` after :meth:`_reset`, within the time limit; sets
         :attr:`last_drew`."""
         fresh = x.detach().clone(memory_format=torch.contiguous_format)
         self._reset(seed)
-        seeded = self._generator_states()
+        seeded, host = self._generator_states(), self._host_states()
         clock = cost_clock(x)
         start = clock()
         try:
@@ -241,7 +254,11 @@ class Runner:
             raise TargetFailure(tuple(x.shape), e) from None
         finally:
             self.last_seconds = clock() - start
-            self.last_drew = any(not torch.equal(a, b) for a, b in zip(seeded, self._generator_states()))
+            after = self._host_states()
+            self.last_host_draws = after if after != host else None
+            self.last_drew = self.last_host_draws is not None or any(
+                not torch.equal(a, b) for a, b in zip(seeded, self._generator_states())
+            )
             self.cost.forwards += 1
             self.cost.samples += x.shape[0]
             self.cost.seconds += self.last_seconds
@@ -260,7 +277,11 @@ class Runner:
                 return self.target(fresh)
 
         out = self._run(x, self.seed if seed is None else seed, call)
-        return Forward(out, tuple(recorder.draws) if recorder is not None else None)
+        if recorder is None:
+            return Forward(out, None)
+        # Python's and NumPy's draws pass no dispatch mode: where the generators were left stands for them
+        host = () if self.last_host_draws is None else (("python/numpy generators", self.last_host_draws),)
+        return Forward(out, tuple(recorder.draws) + host)
 
     def time_forward(self, x: Tensor) -> float:
         """One plain eval forward of the target on x (:meth:`AuditTarget.plain`), its time on
