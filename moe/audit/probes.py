@@ -803,7 +803,10 @@ def _why_no_gradient(ctx: ProbeContext) -> str:
     if ctx.base.value_BTF is None:
         return "the output is integer or bool: it has no gradient to read"
     if ctx.sampler.tokens:
-        return "no gradient reaches the output from an embedding reading the token ids (an nn.Embedding, or in a model without one any submodule)"
+        return (
+            "no gradient reaches the output from an embedding reading the token ids as given, [B, T] (an nn.Embedding, "
+            "or in a model without one any submodule; one that reads them transposed or reshaped is not looked for)"
+        )
     return "the output has no gradient with respect to the input"
 
 
