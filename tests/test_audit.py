@@ -444,10 +444,10 @@ def test_batch_interference_landing_on_another_sample_is_found():
 
 
 class RoundRobinByFlatIndex(nn.Module):
-    """Token (b, t) to expert (b * T + t) mod 5, whatever it holds, as OLMo-core's and
-    torchtitan's uniform-assignment options route: no future leak, and samples 0 and 1-2 keep
-    their experts when content changes, but the last sample alone starts at expert 0, not at
-    (B - 1) * T mod 5 = 3."""
+    """Token (b, t) to expert (b * T + t) mod E, whatever it holds, as OLMo-core's and
+    torchtitan's uniform-assignment options route: no future leak, and every sample keeps its
+    experts when content changes, but sample b alone starts at expert 0, not at b * T mod E
+    (E = 5: samples 1-3 move; E = 3: samples 1 and 2, not the last, 48 mod 3 = 0)."""
 
     def __init__(self, d: int = D, experts: int = 5) -> None:
         super().__init__()
@@ -460,12 +460,14 @@ class RoundRobinByFlatIndex(nn.Module):
         return torch.einsum("btd,btde->bte", x, self.w_EDD[expert_BT])
 
 
-def test_a_route_read_from_the_flat_index_is_not_batch_invariant():
-    """On a84d900 "batch-invariant: yes": every batch variant kept each watched sample at its index."""
-    report = audit(RoundRobinByFlatIndex(), example(0))
+@pytest.mark.parametrize("experts", [5, 3])
+def test_a_route_read_from_the_flat_index_is_not_batch_invariant(experts):
+    """On a84d900 "batch-invariant: yes": every batch variant kept each watched sample at its
+    index; with the last sample alone added (2256a9d), still yes at E = 3."""
+    report = audit(RoundRobinByFlatIndex(experts=experts), example(0))
     assert not report.leaks and report.batch_invariant is False, report.table()
     for mode in ("train", "eval"):
-        assert report.probe("batch_interference", mode).found_by == f"sample {B - 1} alone", report.table()
+        assert report.probe("batch_interference", mode).found_by == "sample 1 alone", report.table()
 
 
 # -- the probe registry ------------------------------------------------------------------------
