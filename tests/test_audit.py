@@ -443,6 +443,33 @@ def test_batch_interference_landing_on_another_sample_is_found():
         assert p.found_by is not None and "compared at the other samples" in p.found_by, report.table()
 
 
+class RoundRobinByFlatIndex(nn.Module):
+    """Token (b, t) to expert (b * T + t) mod E, whatever it holds, as OLMo-core's and
+    torchtitan's uniform-assignment options route: no future leak, and every sample keeps its
+    experts when content changes, but sample b alone starts at expert 0, not at b * T mod E
+    (E = 5: samples 1-3 move; E = 3: samples 1 and 2, not the last, 48 mod 3 = 0)."""
+
+    def __init__(self, d: int = D, experts: int = 5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w_EDD = nn.Parameter(torch.randn(experts, d, d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        expert_BT = (torch.arange(b * t) % self.w_EDD.shape[0]).view(b, t)
+        return torch.einsum("btd,btde->bte", x, self.w_EDD[expert_BT])
+
+
+@pytest.mark.parametrize("experts", [5, 3])
+def test_a_route_read_from_the_flat_index_is_not_batch_invariant(experts):
+    """On a84d900 "batch-invariant: yes": every batch variant kept each watched sample at its
+    index; with the last sample alone added (2256a9d), still yes at E = 3."""
+    report = audit(RoundRobinByFlatIndex(experts=experts), example(0))
+    assert not report.leaks and report.batch_invariant is False, report.table()
+    for mode in ("train", "eval"):
+        assert report.probe("batch_interference", mode).found_by == "sample 1 alone", report.table()
+
+
 # -- the probe registry ------------------------------------------------------------------------
 def _reversed_future(ctx):
     """Positions after each cut reversed in time: a probe written outside the package."""

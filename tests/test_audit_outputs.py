@@ -124,6 +124,30 @@ def test_dict_outputs_name_the_leaking_field_and_skip_the_scalar():
     assert "not audited, with why: loss []" in report.summary(), report.summary()
 
 
+class AuxInTraining(TopOneBlock):
+    """(hidden, router logits [B, T, E] in training only, a scalar balance loss in training and
+    None in eval), as OLMo-core's router and JetMoE's gate return their losses."""
+
+    def forward(self, x: Tensor):
+        hidden, logits_NE = super().forward(x)
+        if not self.training:
+            return hidden, None, None
+        return hidden, logits_NE.view(*x.shape[:2], -1), logits_NE.softmax(-1).mean().square()
+
+
+def test_outputs_a_mode_gives_alone_are_listed_with_their_mode():
+    """On a84d900 the listing was the last mode's: "not audited: 2 (None: nothing returned in it)"
+    beside a training-mode loss, and the router logits audited in training were not named."""
+    report = audit(AuxInTraining(0), example())
+    assert report.outputs == ["0 [4, 16, 8]", "1 [4, 16, 4] in train mode"], report.outputs
+    assert report.outputs_not_audited == [
+        "2 [] (a scalar: a loss or a statistic of the whole batch) in train mode",
+        "1 (None: nothing returned in it) in eval mode",
+        "2 (None: nothing returned in it) in eval mode",
+    ], report.outputs_not_audited
+    assert not report.leaks, report.table()
+
+
 @pytest.mark.parametrize("leaky_layer", [None, 1])
 def test_model_output_with_per_layer_router_logits(leaky_layer):
     report = audit(TwoLayerModel(0, leaky_layer), example(), modes=("eval",))

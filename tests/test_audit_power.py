@@ -164,3 +164,25 @@ def test_no_change_under_the_same_noise_is_clean():
     report = audit(NoisyStep(0.0), _noisy_example(), modes=("eval",))
     assert report.verdict == "clean" and not report.inconclusive_in, report.table()
     assert "permutation tests over up to" in report.summary(), report.summary()
+
+
+def test_a_significant_change_below_the_resolution_is_dismissed_not_inconclusive(monkeypatch):
+    """THOR's training branch (one random expert per call) gave the prefix 0..0 a mean change of
+    3.9e-08 (the rounding of a shorter matmul, the same in every paired draw): p = 1e-04 at 64
+    draws, below the level of one test, yet on a84d900 it was listed as INCONCLUSIVE with "p =
+    1.0e-04, not below the level 1.7e-04"; in a future probe that made the verdict INCONCLUSIVE.
+    Every comparison here comes out so: significant only at the last stage, no change beyond the
+    resolution."""
+    from moe.audit import comparator
+
+    def rounding_only(ref_KBSF, var_KBSF, *args, **kwargs):
+        k, _, s, _ = ref_KBSF.shape
+        tiny = torch.full((s,), 1e-8, dtype=torch.float64)
+        p = 1e-4 if k == DRAWS[-1] else 0.01
+        return comparator.Outcome(p, torch.zeros(s, dtype=torch.bool), tiny, tiny, draws=k)
+
+    monkeypatch.setattr(comparator, "distribution_change", rounding_only)
+    report = audit(NoisyStep(0.0), _noisy_example(), modes=("eval",))
+    assert report.regimes == {"eval": "distribution"}, report.table()
+    assert report.verdict == "clean" and not report.inconclusive_in, report.table()
+    assert not any(p.inconclusive for p in report.probes), [p.inconclusive for p in report.probes]

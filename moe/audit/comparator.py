@@ -64,13 +64,17 @@ class Variant:
     """Compare output positions < upto."""
     rows: tuple[int, ...] | None = None
     """The samples compared (None: all of the example's samples); they must be samples the
-    variant did not change, at the same index in the variant and in the example."""
+    variant did not change, at the same index in the variant and in the example unless
+    ``ref_rows`` says where the example holds them."""
     label: str = ""
     """What the variant is, for the report (e.g. "every sample's future = copies of (1, 5)")."""
     reference: Tensor | None = None
     """Compare with the forward of this input instead of the example's (the samples ``rows`` at
     the same index in both): a batch probe's input beside other samples against it alone.
     Deterministic regime only."""
+    ref_rows: tuple[int, ...] | None = None
+    """The example's samples that ``rows`` of the variant are compared with, in order (None:
+    ``rows`` themselves): a later sample run alone sits at index 0 of its own forward."""
 
 
 def spread(values: list, k: int) -> list:
@@ -333,7 +337,7 @@ class Comparator:
             return
         if self.cal.stochastic and same_shape and fwd.draws != self.base.draws:
             raise Misaligned
-        d = compare(ref, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances)
+        d = compare(ref, fwd.out, 1, [v.upto], v.rows, self.cal.tolerances, v.ref_rows)
         if self._rare_noise and bool(d.moved_PS.any()):
             if v.reference is not None:  # two forwards of other shapes: nothing to pair their noise with
                 raise Misaligned
@@ -417,7 +421,7 @@ class Comparator:
             except TargetFailure as e:
                 tally.fail(e)
                 continue
-            d = compare(self.base.out, out, 1, [v.upto], v.rows, self.cal.tolerances)
+            d = compare(self.base.out, out, 1, [v.upto], v.rows, self.cal.tolerances, v.ref_rows)
             scored.append((float(d.excess_PS.max()) + float(d.flips_PS.sum()), id(v), v))
         order = {id(v): i for i, v in enumerate(variants)}
         return sorted(((s, order[i], v) for s, i, v in scored), key=lambda e: (-e[0], e[1]))
@@ -444,10 +448,12 @@ class Comparator:
         tally.distribution_comparisons += 1
         tally.draws = max(tally.draws, outcome.draws)
         tally.p_value = outcome.p if tally.p_value is None else min(tally.p_value, outcome.p)
-        if not bool(outcome.changed_S.any()) and outcome.draws == DRAWS[-1] and outcome.p <= INCONCLUSIVE_P:
+        level = self.alpha / len(stages)
+        # Significant but below the resolution (a prefix's rounding, the same in every paired draw) is dismissed.
+        if not bool(outcome.changed_S.any()) and outcome.draws == DRAWS[-1] and level < outcome.p <= INCONCLUSIVE_P:
             tally.inconclusive.append(
                 f"{v.label}: mean change up to {float(outcome.change_S.max()):.3g} over {outcome.draws} draws per "
-                f"input, p = {outcome.p:.1e}, not below the level {self.alpha / len(stages):.1e} of one test"
+                f"input, p = {outcome.p:.1e}, not below the level {level:.1e} of one test"
             )
 
     def confirm(self, v: Variant, tally: Tally) -> ProbeResult:
@@ -467,13 +473,14 @@ class Comparator:
         """The permutation test on ``stages[0]`` draws per input, then more while it stays
         suggestive; each stage at the comparison's level over the number of stages."""
         rows = slice(None) if v.rows is None else list(v.rows)
+        ref_rows = rows if v.ref_rows is None else list(v.ref_rows)
         level = self.alpha / len(stages)
         paired = self._shares_noise(v)
         first = self.runner.seed + 1 + (0 if paired else DRAWS[-1])  # the reference's seeds, or disjoint ones
         var: list[Tensor] = []
         outcome: Outcome | None = None
         for k in stages:
-            ref_KBSF = self._reference_draws(k)[:, rows, : v.upto]
+            ref_KBSF = self._reference_draws(k)[:, ref_rows, : v.upto]
             var += [
                 self._value(self.runner.forward(v.x, seed=first + i).out)[rows, : v.upto] for i in range(len(var), k)
             ]

@@ -97,11 +97,13 @@ def compare(
     upto_P: list[int],
     rows: tuple[int, ...] | None = None,
     tolerance: Tolerance = 1.0,
+    ref_rows: tuple[int, ...] | None = None,
 ) -> Diff:
     """Compare ``ref`` (B samples) with each of the ``copies`` consecutive B-sample copies in
-    ``outs`` at positions s < upto_P[p] of the samples ``rows`` (None: all). Positions at or
-    after a copy's ``upto`` count nothing. Exact outputs are compared where both forwards have
-    them with the same width (a prefix may make fewer router calls)."""
+    ``outs`` at positions s < upto_P[p] of the samples ``rows`` (None: all), read in ``ref`` at
+    ``ref_rows`` (None: the same indices). Positions at or after a copy's ``upto`` count nothing.
+    Exact outputs are compared where both forwards have them with the same width (a prefix may
+    make fewer router calls)."""
     s = max(upto_P)
     delta_PS = torch.zeros(copies, s, dtype=torch.float64)
     flips_PS = torch.zeros(copies, s, dtype=torch.long)
@@ -109,6 +111,7 @@ def compare(
     by_part: dict[str, tuple[Tensor, Tensor]] = {}
     live_PS = torch.arange(s)[None, :] < torch.tensor(upto_P)[:, None]
     pick = slice(None) if rows is None else list(rows)
+    ref_pick = pick if ref_rows is None else list(ref_rows)
 
     def shaped(x: Tensor) -> Tensor:  # [copies * B, T, W] -> [copies, B', S, W]
         x = x.reshape(copies, -1, *x.shape[1:])[:, pick, :s]
@@ -125,7 +128,7 @@ def compare(
         ref_all, out_all = (ref.exact_BTX, outs.exact_BTX) if part.exact else (ref.value_BTF, outs.value_BTF)
         if ref_all is None or out_all is None:
             continue
-        a = ref_all[pick, :s, part.start : part.stop][None]
+        a = ref_all[ref_pick, :s, part.start : part.stop][None]
         b = shaped(out_all[..., other.start : other.stop])
         live_P1S1 = live_PS.to(a.device)[:, None, :, None]
         if part.exact:

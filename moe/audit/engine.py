@@ -238,6 +238,26 @@ class _Session:
     start: float
     tallies: dict[tuple[str, str], tuple[Comparator, Tally]] = field(default_factory=dict)
     """Per (mode, probe name) of a probe with variants: its comparator and tally (the last run)."""
+    listed: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
+    """Per mode calibrated: the outputs its example's forward gave to audit, and those not, with why."""
+
+
+def _listed_over_modes(listed: dict[str, tuple[list[str], list[str]]]) -> tuple[list[str], list[str]]:
+    """The outputs audited and those not, over the modes: an entry that some mode does not give
+    says in which mode it was seen (an auxiliary loss returned in training only: "3 [] (not per
+    position ...) in train mode", beside "3 (None: nothing returned in it) in eval mode")."""
+    merged: list[list[str]] = []
+    for k in (0, 1):
+        entries = dict.fromkeys(e for lists in listed.values() for e in lists[k])
+        merged.append(
+            [
+                e
+                if all(e in lists[k] for lists in listed.values())
+                else f"{e} in {', '.join(m for m, lists in listed.items() if e in lists[k])} mode"
+                for e in entries
+            ]
+        )
+    return merged[0], merged[1]
 
 
 def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mode: str) -> str | None:
@@ -256,10 +276,8 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
         return f"{what} on the example in {mode} mode ({e})"
     report.nonfinite[mode] = cal.nonfinite
     report.noise_floors[mode] = cal.floor
-    report.outputs, report.outputs_not_audited = (
-        list(runner.target.audited),
-        [s.text() for s in runner.target.not_audited],
-    )
+    session.listed[mode] = (list(runner.target.audited), [s.text() for s in runner.target.not_audited])
+    report.outputs, report.outputs_not_audited = _listed_over_modes(session.listed)
     if not cal.comparable:
         return f"nothing to compare in {mode} mode: all {cal.nonfinite} entries of the example's output are NaN or inf"
     if cal.stateful:
@@ -399,9 +417,8 @@ def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, m
                 ctx = _context(alone, example, mode, cal, report.quick)
                 results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone)
             else:
-                why = "its output still varies" + (
-                    f" (ops left drawing: {', '.join(sorted(fixed.unknown))})" if fixed.unknown else ""
-                )
+                left = sorted(fixed.unknown) + (["Python's or NumPy's generator"] if runner.last_host_draws else [])
+                why = "its output still varies" + (f" (left drawing: {', '.join(left)})" if left else "")
         except (TargetFailure, TargetTimeout, TargetExit, Misaligned) as e:  # Misaligned: draws that follow the data
             why = str(e) or "its draws still follow the data"
     if why is not None:

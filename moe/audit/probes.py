@@ -70,7 +70,7 @@ Shape legend: B batch, T sequence, F output features per position.
    integer output, a target with no gradient path, or, in eval mode, a target that computes
    other outputs with gradients enabled.
 4. ``batch_interference`` (batch): change the other samples and watch one, change one and
-   watch every other, run one alone. Reported as ``batch_invariant``, not as a future leak.
+   watch every other, run each alone. Reported as ``batch_invariant``, not as a future leak.
 5. ``decode_consistency`` (decode): the output at positions <= t from the prefix 0..t alone
    against the full-sequence output, for every prefix length the target accepts (the others
    are reported as skipped).
@@ -483,13 +483,15 @@ def batch_interference(ctx: ProbeContext) -> Iterator[Variant]:
     then sample 0 among changed other samples (resampled, copies of sample 0, copies of one of its
     positions, floods along gate vectors, token ids routers favour), compared at sample 0; sample
     0 changed (resampled, copies of one position of another sample), compared at every other
-    sample; and sample 0 alone (B = 1)."""
+    sample; and every sample alone (B = 1: a route read from the flat index b * T + t, as a
+    round-robin assignment makes it, gives sample b other experts alone unless E divides b * T)."""
     if ctx.b > 1:
         yield from _last_watched(ctx)
     yield from _others_changed(ctx)
     if ctx.b > 1:
         yield from _first_changed(ctx)
-        yield Variant(ctx.x[:1], ctx.t, rows=(0,), label="sample 0 alone")
+        for b in range(ctx.b):
+            yield Variant(ctx.x[b : b + 1], ctx.t, rows=(0,), label=f"sample {b} alone", ref_rows=(b,))
     if ctx.regime == "deterministic":
         yield from _beside_the_example(ctx)
 
@@ -801,7 +803,10 @@ def _why_no_gradient(ctx: ProbeContext) -> str:
     if ctx.base.value_BTF is None:
         return "the output is integer or bool: it has no gradient to read"
     if ctx.sampler.tokens:
-        return "no gradient reaches the output from an embedding reading the token ids (an nn.Embedding, or in a model without one any submodule)"
+        return (
+            "no gradient reaches the output from an embedding reading the token ids as given, [B, T] (an nn.Embedding, "
+            "or in a model without one any submodule; one that reads them transposed or reshaped is not looked for)"
+        )
     return "the output has no gradient with respect to the input"
 
 

@@ -179,7 +179,8 @@ class Forward:
 
     out: Outputs
     draws: Draws | None
-    """Its random draws, when the call asked for them (None: not recorded)."""
+    """Its random draws, when the call asked for them (None: not recorded); draws from Python's
+    or NumPy's generator are one last entry, where they left those generators."""
 
 
 class Runner:
@@ -195,7 +196,10 @@ class Runner:
         """How long the last call took, on :func:`cost_clock`."""
         self.last_drew = False
         """Whether the last call advanced a generator the runner seeds (torch's CPU and CUDA ones,
-        the target's own): it drew random numbers."""
+        the target's own, Python's, NumPy's): it drew random numbers."""
+        self.last_host_draws: tuple[int, ...] | None = None
+        """Where the last call left Python's and NumPy's generators, if it drew from them (None:
+        it did not); the same seed and the same number of draws leave them at the same place."""
         self.fixed_draws: FixedDraws | None = None
         """While set (:meth:`drawing_medians`): the mode every call runs in, its random draws fixed."""
 
@@ -228,12 +232,21 @@ class Runner:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
         return [torch.default_generator.get_state(), *cuda, *(g.get_state() for g in self.target.state.generators)]
 
+    @staticmethod
+    def _host_states() -> tuple[int, ...]:
+        """Python's generator state and NumPy's key and position, as numbers (a draw moves them)."""
+        numpy = sys.modules.get("numpy")
+        if numpy is None:
+            return (hash(random.getstate()),)
+        _, key, pos, *_ = numpy.random.get_state()
+        return hash(random.getstate()), hash(key.tobytes()), int(pos)
+
     def _run(self, x: Tensor, seed: int, call: Any) -> Any:
         """``call(fresh copy of x)`` after :meth:`_reset`, within the time limit; sets
         :attr:`last_drew`."""
         fresh = x.detach().clone(memory_format=torch.contiguous_format)
         self._reset(seed)
-        seeded = self._generator_states()
+        seeded, host = self._generator_states(), self._host_states()
         clock = cost_clock(x)
         start = clock()
         try:
@@ -256,9 +269,14 @@ class Runner:
             raise TargetFailure(tuple(x.shape), e) from None
         finally:
             self.last_seconds = clock() - start
-            advanced = any(not torch.equal(a, b) for a, b in zip(seeded, self._generator_states()))
-            # with its draws fixed, a target draws only through the ops that could not be fixed
-            self.last_drew = advanced and (self.fixed_draws is None or bool(self.fixed_draws.unknown))
+            after = self._host_states()
+            self.last_host_draws = after if after != host else None
+            torch_drew = any(not torch.equal(a, b) for a, b in zip(seeded, self._generator_states()))
+            # with torch's draws fixed, a target draws through the ops that could not be fixed and
+            # Python's and NumPy's generators, which no dispatch mode sees
+            fixed = self.fixed_draws
+            torch_drew = torch_drew and (fixed is None or bool(fixed.unknown))
+            self.last_drew = self.last_host_draws is not None or torch_drew
             self.cost.forwards += 1
             self.cost.samples += x.shape[0]
             self.cost.seconds += self.last_seconds
@@ -277,7 +295,11 @@ class Runner:
                 return self.target(fresh)
 
         out = self._run(x, self.seed if seed is None else seed, call)
-        return Forward(out, tuple(recorder.draws) if recorder is not None else None)
+        if recorder is None:
+            return Forward(out, None)
+        # Python's and NumPy's draws pass no dispatch mode: where the generators were left stands for them
+        host = () if self.last_host_draws is None else (("python/numpy generators", self.last_host_draws),)
+        return Forward(out, tuple(recorder.draws) + host)
 
     def time_forward(self, x: Tensor) -> float:
         """One plain eval forward of the target on x (:meth:`AuditTarget.plain`), its time on
