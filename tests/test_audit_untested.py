@@ -42,6 +42,31 @@ class BlockMix(nn.Module):
         return (xg + (a * xg).sum(-2, keepdim=True)).view(b, t, d)
 
 
+class FixedLengthMix(nn.Module):
+    """lucidrains' non-causal gMLP gate: every position mixed by a [T, T] weight of the example's
+    length. Other lengths fail the einsum, but one position broadcasts against the weight and
+    returns [B, T, D] from a [B, 1, D] input."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(t, t) / t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.einsum("bnd,mn->bmd", x, self.w)
+
+
+def test_a_prefix_output_of_another_length_is_no_decode_comparison():
+    """The one-position prefix's [2, 16, 16] output has B * T = 2 rows, so it was read as a flat
+    [B * T, ...] output holding [16, 16] per position and compared: "decode-consistent: yes;
+    prefix lengths 2-15 could not run". It is not per position: that forward fails too."""
+    report = audit(FixedLengthMix(16), torch.randn(2, 16, 16), modes=("eval",), trials=1)
+    assert report.leaks and report.decode_consistent is None, report.summary()
+    decode = report.probe("decode_consistency", "eval")
+    assert 1 in decode.skipped_lengths and decode.comparisons == 0, report.table()
+    assert "its [B, T, ...] output held [16] per position before" in report.summary(), report.summary()
+
+
 def test_no_prefix_that_runs_is_not_tested_and_fails_a_decode_assertion():
     x = torch.randn(2, 16, 16)
     report = audit(Fixed(0, 16), x, modes=("eval",))

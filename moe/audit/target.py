@@ -457,6 +457,9 @@ class AuditTarget:
         """The outputs of the last forward the audit does not compare, and why."""
         self.flat_fields: tuple[str, ...] = ()
         """The outputs of the last forward returned as [B * T, ...]."""
+        self.per_position: dict[str, tuple[bool, tuple[int, ...]]] = {}
+        """Per tensor output, as the first forward of two or more positions gave it: whether it was
+        flat ([B * T, ...]) and the shape it holds per position."""
         self.float_parts: tuple[Part, ...] = ()
         """The float outputs of the last forward (their dtypes)."""
         self.ids_by_keyword = _takes_input_ids(target)
@@ -578,6 +581,7 @@ class AuditTarget:
             fields, skipped = read_outputs(out, b, t, self.output)
         except OutputError as e:
             raise AuditUsageError(str(e)) from None
+        self._check_per_position(fields, b, t)
         values: list[tuple[str, Tensor]] = []
         exact: list[tuple[str, Tensor]] = []
         weights = {f.name for f in fields if isinstance(f.value, Routing)}
@@ -617,6 +621,25 @@ class AuditTarget:
             exact_BTX = torch.cat(flat, dim=-1)
         self.float_parts = tuple(p for p in parts if not p.exact)
         return Outputs(value_BTF, exact_BTX, coarsest([p.dtype for p in self.float_parts]), tuple(parts))
+
+    def _check_per_position(self, fields: list[Field], b: int, t: int) -> None:
+        """A field read flat now that was [B, T, ...] before must hold what it held per position:
+        at T = 1 a [B, T', ...] output of another length T' (a weight of the example's length
+        broadcast over a one-position input, lucidrains' non-causal gMLP) also has B * T rows."""
+        for f in fields:
+            if isinstance(f.value, Routing):
+                continue
+            shape = tuple(f.value.shape)
+            held = shape[1:] if f.flat else shape[2:]
+            if t >= 2:
+                self.per_position.setdefault(f.name, (f.flat, held))
+            first = self.per_position.get(f.name)
+            if first is not None and f.flat and not first[0] and held != first[1]:
+                raise AuditUsageError(
+                    f"the target's output {f.name!r} has shape {shape} for an input [B={b}, T={t}]: its [B, T, ...] "
+                    f"output held {list(first[1])} per position before, read as [B*T={b * t}, ...] it would hold "
+                    f"{list(held)}"
+                )
 
     def router_name(self, router: Router) -> str:
         """A router's path in the target (its class name for a router audited on its own)."""
