@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import re
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ NOT_PER_POSITION = frozenset(
     {"past_key_values", "attentions", "cross_attentions", "encoder_attentions", "decoder_attentions"}
 )
 """``ModelOutput`` fields that are head-major ([B, H, T, ...]): never read as [B, T, ...]."""
+
+
+ROUTING_NAME = re.compile(r"router|expert|moe|mixture", re.IGNORECASE)
+"""A submodule's or parameter's name, or a class name, that reads as routing."""
 
 
 class OutputError(ValueError):
@@ -479,6 +484,27 @@ class AuditTarget:
         if self.routers:
             return held_claims(self.module)
         return None
+
+    def routing_named(self) -> list[str] | None:
+        """Its routers of ours, and its submodules and parameters whose name or class reads as
+        routing (router, expert, MoE, mixture); None for a callable, which shows nothing to read."""
+        if self.module is None:
+            return None
+        named = [(n, type(m).__name__) for n, m in self.module.named_modules()]
+        named += [(n, "") for n, _ in self.module.named_parameters()]
+        found = [n or c for n, c in named if ROUTING_NAME.search(f"{n} {c}")]
+        return list(dict.fromkeys(found + [self._router_names[id(r)] for r in self.routers]))
+
+    def batch_statistics(self, mode: str) -> list[str]:
+        """Its BatchNorm layers that normalise with the batch's own mean and variance in ``mode``
+        (every one in training; in eval those that keep no running statistics)."""
+        if self.module is None:
+            return []
+        return [
+            n or type(m).__name__
+            for n, m in self.module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and (mode == "train" or m.running_mean is None)
+        ]
 
     def gate_vectors(self, d: int) -> list[Tensor]:
         """[E, D] gate weights of the routers that read D-wide features (the input space for a
