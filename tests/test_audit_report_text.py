@@ -171,6 +171,36 @@ def test_a_sequence_mixer_with_no_router_gets_no_router_advice():
     assert "The audit cannot tell whether the path is a router's" in soft, soft
 
 
+class SalientPositions(nn.Module):
+    """Token pruning by salience, no routing anywhere in its names: each sequence's top T / 2
+    positions by a score get an update (scaled by a softmax over the kept ones with ``softmax``),
+    the others none."""
+
+    def __init__(self, softmax: bool) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.softmax, self.salience = softmax, nn.Parameter(torch.randn(D, generator=gen))
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        score_BT = x_BTD @ self.salience
+        kept_BT = torch.zeros_like(score_BT).scatter(1, score_BT.topk(x_BTD.shape[1] // 2, dim=1).indices, 1.0)
+        if self.softmax:
+            kept_BT = kept_BT * torch.softmax(score_BT.masked_fill(kept_BT == 0, -math.inf), dim=1)
+        return x_BTD + kept_BT[..., None] * torch.tanh(x_BTD)
+
+
+@pytest.mark.parametrize("softmax", [False, True])
+def test_a_choice_of_positions_with_no_router_gets_no_router_advice(softmax):
+    """zoology's Nystrom attention (landmarks averaged over segments, an iterative pseudo-inverse
+    whose first row reads the future with a gradient of 6e-9) moved position 0 with no gradient
+    to count, and was advised ec_threshold, capacity and two MoELayer calls: a module with nothing
+    named as routing is told to look for a choice over the sequence, no router."""
+    summary = audit(SalientPositions(softmax), example(), modes=("eval",), trials=1).summary()
+    assert "a choice over the sequence (a top-k, sort or argmax over positions" in summary, summary
+    assert "no router is advised" in summary and "MoELayer" not in summary and "ec_threshold" not in summary, summary
+    assert ("through a differentiable path" in summary) == softmax, summary
+
+
 def test_batchnorm_over_time_is_advised_as_batch_statistics():
     """pytorch-tcn's use_norm="batch_norm" in a causal TCN: BatchNorm1d over [B, D, T] normalises
     with the batch's mean and variance over every sample and position in training (a leak there

@@ -110,6 +110,11 @@ def advice(report: Findings) -> list[str]:
                 "(LayerNorm, RMSNorm) or with fixed statistics"
             )
         batch_only = bool(norms) and all(report.batch_statistics.get(m) for m in report.leaks_in)
+        unrouted = report.routing_named == []  # a module with nothing named as routing (None: a callable)
+        no_router = "No module or parameter of the target is named as a router, expert or MoE: no router is advised"
+        choice = (
+            "a choice over the sequence (a top-k, sort or argmax over positions, a threshold on a statistic of them)"
+        )
         if continuous and not beyond and not batch_only:  # else BatchNorm, said above, accounts for every mode
             out.append(
                 "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
@@ -120,10 +125,17 @@ def advice(report: Findings) -> list[str]:
                     "The audit cannot tell whether the path is a router's: where it is one's weights over the tokens "
                     "(expert choice), a causal router (ec_threshold, ec_predictor or dropless topk) removes it, and "
                     "any choice of positions that comes with it"
-                    if report.routing_named is None or report.routing_named
-                    else "); make that computation causal (a mask, padding on the left only, or a shift). No "
-                    "module or parameter of the target is named as a router, expert or MoE: no router is advised"
+                    if not unrouted
+                    else f"); make that computation causal (a mask, padding on the left only, or a shift). {no_router}"
                 )
+            )
+        elif continuous and beyond and unrouted:
+            out.append(
+                "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
+                f"d input[> t] is nonzero), and outputs at positions {_ranges(beyond)} also moved where that gradient "
+                f"is zero or jumped on a straight path to another future: {choice} besides it, or a dependence too "
+                "weak at the example for its gradient to count; make the differentiable computation causal (a mask "
+                f"or a shift) and any choice per position or over the prefix. {no_router}"
             )
         elif continuous and beyond:
             out.append(
@@ -142,6 +154,14 @@ def advice(report: Findings) -> list[str]:
         routed = bool(discrete and (report.mechanisms or not continuous or beyond)) and not (
             detached and not report.mechanisms
         )
+        if routed and unrouted and not report.mechanisms:  # routing advice only where something routes
+            routed = False
+            if not continuous:
+                out.append(
+                    "mechanism: a discrete change: which outputs change depends on later tokens ("
+                    + ("no gradient path" if read else "the Jacobian did not run, see below")
+                    + f"): look for {choice} and make it per position or over the prefix. {no_router}"
+                )
         if detached and not report.mechanisms:
             out.append(
                 "mechanism: later inputs move the output at t continuously, with no gradient path (outputs at "
