@@ -157,6 +157,30 @@ class RightPaddedConv(nn.Module):
         return self.norm(h_BDT).transpose(1, 2)
 
 
+class Top1Gate(nn.Module):
+    """A gate as fairseq names one (a class ending in Gate, its weight ``wg``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wg = nn.Linear(D, 1, bias=False)
+
+
+def _mean_leak(module: nn.Module) -> str:
+    """The summary of a sequence mean added to x, audited as a leak of ``module`` (whose names
+    alone decide whether the routers are named)."""
+
+    class Leak(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x_BTD: Tensor) -> Tensor:
+            return x_BTD + x_BTD.mean(1, keepdim=True)
+
+    return audit(Leak(), example(), modes=("eval",), trials=1).summary()
+
+
 def test_a_sequence_mixer_with_no_router_gets_no_router_advice():
     """Public non-MoE mixers that leak (local attention looking forward, a non-causal gMLP gate,
     a bidirectional S4 kernel, a TCN padded on both sides) were advised ec_threshold, ec_predictor
@@ -169,6 +193,9 @@ def test_a_sequence_mixer_with_no_router_gets_no_router_advice():
     assert "The audit cannot tell whether the path is a router's" in plain, plain
     soft = audit(SoftDispatch(), example(), modes=("eval",), trials=1).summary()
     assert "The audit cannot tell whether the path is a router's" in soft, soft
+    for gate in (Top1Gate(), nn.ModuleDict({"wg": Top1Gate().wg})):  # fairseq's naming, or a "wg" alone
+        assert "The audit cannot tell whether the path is a router's" in _mean_leak(gate), gate
+    assert "no router is advised" in _mean_leak(nn.ModuleDict({"igate": nn.Linear(D, D)})), "xLSTM's igate"
 
 
 class SalientPositions(nn.Module):

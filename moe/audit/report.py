@@ -111,7 +111,7 @@ def advice(report: Findings) -> list[str]:
             )
         batch_only = bool(norms) and all(report.batch_statistics.get(m) for m in report.leaks_in)
         unrouted = report.routing_named == []  # a module with nothing named as routing (None: a callable)
-        no_router = "No module or parameter of the target is named as a router, expert or MoE: no router is advised"
+        no_router = "Nothing in the target is named as routing (a router, expert, MoE or gate): no router is advised"
         choice = (
             "a choice over the sequence (a top-k, sort or argmax over positions, a threshold on a statistic of them)"
         )
@@ -402,7 +402,8 @@ class AuditReport:
     (:func:`moe.audit.report.router_mechanism`); empty for an opaque target."""
     routing_named: list[str] | None = None
     """Its routers, submodules and parameters whose name or class reads as routing (router,
-    expert, MoE, mixture); None for a callable target (nothing to read): the advice names routers
+    routed, expert, MoE, mixture, a class ending in Gate, an attribute named gate, w_gate or wg,
+    :data:`moe.audit.target.ROUTING_PATH`); None for a callable target (nothing to read): the advice names routers
     only where this is not empty."""
     batch_statistics: dict[str, list[str]] = field(default_factory=dict)
     """Per mode, its BatchNorm layers that normalise with the batch's own statistics there."""

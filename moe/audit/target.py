@@ -64,8 +64,13 @@ NOT_PER_POSITION = frozenset(
 """``ModelOutput`` fields that are head-major ([B, H, T, ...]): never read as [B, T, ...]."""
 
 
-ROUTING_NAME = re.compile(r"router|expert|moe|mixture", re.IGNORECASE)
-"""A submodule's or parameter's name, or a class name, that reads as routing."""
+ROUTING_CLASS = re.compile(r"rout|expert|moe|mixture|gate$", re.IGNORECASE)
+"""A class name that reads as routing: router, routed, expert, MoE, mixture, or ending in Gate
+(fairseq's Top2Gate, fastmoe's NoisyGate, DeepSpeed's TopKGate)."""
+ROUTING_PATH = re.compile(r"rout|expert|moe|mixture|(^|\.)(wg|w_gate|gate)$", re.IGNORECASE)
+"""A submodule's or parameter's path that reads as routing: the words above, or an attribute
+named gate, w_gate or wg (Hugging Face's, davidmrau's and fairseq's gate weights); not a gate
+inside a name (xLSTM's igate, a SwiGLU's gate_proj)."""
 
 
 class OutputError(ValueError):
@@ -487,12 +492,12 @@ class AuditTarget:
 
     def routing_named(self) -> list[str] | None:
         """Its routers of ours, and its submodules and parameters whose name or class reads as
-        routing (router, expert, MoE, mixture); None for a callable, which shows nothing to read."""
+        routing (:data:`ROUTING_CLASS`, :data:`ROUTING_PATH`); None for a callable, which shows nothing to read."""
         if self.module is None:
             return None
         named = [(n, type(m).__name__) for n, m in self.module.named_modules()]
         named += [(n, "") for n, _ in self.module.named_parameters()]
-        found = [n or c for n, c in named if ROUTING_NAME.search(f"{n} {c}")]
+        found = [n or c for n, c in named if ROUTING_PATH.search(n) or ROUTING_CLASS.search(c)]
         return list(dict.fromkeys(found + [self._router_names[id(r)] for r in self.routers]))
 
     def batch_statistics(self, mode: str) -> list[str]:
