@@ -230,6 +230,23 @@ def test_module_path_target(tmp_path, monkeypatch):
     )
 
 
+def test_file_target_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """path/to/file.py:name imports its neighbours, as `python path/to/file.py` can, at import and in
+    its factory: a file beside nanoGPT's model.py that does `from model import GPT` (it read "cannot
+    import ...: No module named ..." before)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "audit_cli_sibling_at_import.py").write_text("from torch import nn\nLayer = nn.Identity\n")
+    (tmp_path / "audit_cli_sibling_in_factory.py").write_text("from torch import nn\nWIDTH = 3\n")
+    (tmp_path / "target.py").write_text(
+        "from audit_cli_sibling_at_import import Layer\n"
+        "def build():\n"
+        "    from audit_cli_sibling_in_factory import WIDTH\n"
+        "    return Layer(WIDTH)\n"
+    )
+    module, name = cli.load_target(f"{tmp_path / 'target.py'}:build")
+    assert name == "build" and isinstance(module, torch.nn.Identity)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

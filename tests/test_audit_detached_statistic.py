@@ -53,10 +53,12 @@ def test_a_statistic_taken_without_gradient_is_named_as_such_not_as_routing():
     assert "which tokens are served" not in summary and "in your own block" not in summary
 
 
-def test_a_choice_of_positions_with_no_gradient_keeps_the_routing_advice():
+def test_a_choice_of_positions_with_no_gradient_keeps_the_discrete_advice():
+    """A choice, not a statistic; nothing in TopHalf is named as routing, so no router is advised."""
     report = audit(TopHalf(), example(), modes=("eval",))
     jacobian = report.probe("jacobian", "eval")
     assert report.leaks and not jacobian.leaks and jacobian.jump_positions
     summary = report.summary()
-    assert "which tokens are served depends on later tokens (a discrete change, no gradient path" in summary
+    assert "a discrete change: which outputs change depends on later tokens (no gradient path" in summary
+    assert "no router is advised" in summary, summary
     assert "computed without gradient" not in summary

@@ -131,15 +131,114 @@ def test_advice_follows_the_mechanism():
     assert "mechanism: capacity kept by score" in score and 'capacity_scope="prefix"' in score, score
     assert "ec_threshold" not in score, score
     roll = audit(RollInTime(), example(), modes=("eval",)).summary()
-    # The audit cannot tell a roll from a router's softmax over the tokens (BALM's expert choice,
-    # Soft-MoE's dispatch): the causal routers are named for that case only, no layer advised.
+    # A module with nothing named as routing: make the path causal, no router named (see
+    # test_a_sequence_mixer_with_no_router_gets_no_router_advice).
     assert "through a differentiable path" in roll and "make that computation causal" in roll, roll
-    assert "The audit cannot tell whether the path is a router's" in roll and "MoELayer" not in roll, roll
+    assert "no router is advised" in roll and "ec_threshold" not in roll and "MoELayer" not in roll, roll
     # Opaque expert choice over positions: the audit cannot see how it routes, so both remedies,
     # each with its condition, and how to put either into the user's block.
     mod = audit(MixtureOfDepths(), example(), modes=("eval",)).summary()
     assert "the audit cannot tell how it is routed" in mod and "If experts or a block pick their top positions" in mod
     assert 'router="ec_threshold")' in mod and 'capacity_scope="prefix")' in mod, mod
+
+
+class RightPaddedConv(nn.Module):
+    """A depthwise convolution over time padded on both sides and not trimmed: position t reads
+    t + 1 (pytorch-tcn's causal=False, lucidrains' local attention with look_forward)."""
+
+    def __init__(self, norm: bool = False, pad: tuple[int, int] = (1, 1)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pad, self.conv = pad, nn.Conv1d(D, D, 3, groups=D)
+        self.norm = nn.BatchNorm1d(D) if norm else nn.Identity()
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        h_BDT = self.conv(nn.functional.pad(x_BTD.transpose(1, 2), self.pad))
+        return self.norm(h_BDT).transpose(1, 2)
+
+
+class Top1Gate(nn.Module):
+    """A gate as fairseq names one (a class ending in Gate, its weight ``wg``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wg = nn.Linear(D, 1, bias=False)
+
+
+def _mean_leak(module: nn.Module) -> str:
+    """The summary of a sequence mean added to x, audited as a leak of ``module`` (whose names
+    alone decide whether the routers are named)."""
+
+    class Leak(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x_BTD: Tensor) -> Tensor:
+            return x_BTD + x_BTD.mean(1, keepdim=True)
+
+    return audit(Leak(), example(), modes=("eval",), trials=1).summary()
+
+
+def test_a_sequence_mixer_with_no_router_gets_no_router_advice():
+    """Public non-MoE mixers that leak (local attention looking forward, a non-causal gMLP gate,
+    a bidirectional S4 kernel, a TCN padded on both sides) were advised ec_threshold, ec_predictor
+    or dropless topk: a module with nothing named as routing gets the causal fix alone. A callable
+    shows nothing to read, and keeps the router case; a parameter named "router" keeps it too."""
+    conv = audit(RightPaddedConv(), example(), modes=("eval",), trials=1).summary()
+    assert "through a differentiable path" in conv and "padding on the left only" in conv, conv
+    assert "no router is advised" in conv and "ec_threshold" not in conv and "router's" not in conv, conv
+    plain = audit(lambda x: x + 0.5 * torch.roll(x, -1, dims=1), example(), modes=("eval",), trials=1).summary()
+    assert "The audit cannot tell whether the path is a router's" in plain, plain
+    soft = audit(SoftDispatch(), example(), modes=("eval",), trials=1).summary()
+    assert "The audit cannot tell whether the path is a router's" in soft, soft
+    for gate in (Top1Gate(), nn.ModuleDict({"wg": Top1Gate().wg})):  # fairseq's naming, or a "wg" alone
+        assert "The audit cannot tell whether the path is a router's" in _mean_leak(gate), gate
+    assert "no router is advised" in _mean_leak(nn.ModuleDict({"igate": nn.Linear(D, D)})), "xLSTM's igate"
+
+
+class SalientPositions(nn.Module):
+    """Token pruning by salience, no routing anywhere in its names: each sequence's top T / 2
+    positions by a score get an update (scaled by a softmax over the kept ones with ``softmax``),
+    the others none."""
+
+    def __init__(self, softmax: bool) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.softmax, self.salience = softmax, nn.Parameter(torch.randn(D, generator=gen))
+
+    def forward(self, x_BTD: Tensor) -> Tensor:
+        score_BT = x_BTD @ self.salience
+        kept_BT = torch.zeros_like(score_BT).scatter(1, score_BT.topk(x_BTD.shape[1] // 2, dim=1).indices, 1.0)
+        if self.softmax:
+            kept_BT = kept_BT * torch.softmax(score_BT.masked_fill(kept_BT == 0, -math.inf), dim=1)
+        return x_BTD + kept_BT[..., None] * torch.tanh(x_BTD)
+
+
+@pytest.mark.parametrize("softmax", [False, True])
+def test_a_choice_of_positions_with_no_router_gets_no_router_advice(softmax):
+    """zoology's Nystrom attention (landmarks averaged over segments, an iterative pseudo-inverse
+    whose first row reads the future with a gradient of 6e-9) moved position 0 with no gradient
+    to count, and was advised ec_threshold, capacity and two MoELayer calls: a module with nothing
+    named as routing is told to look for a choice over the sequence, no router."""
+    summary = audit(SalientPositions(softmax), example(), modes=("eval",), trials=1).summary()
+    assert "a choice over the sequence (a top-k, sort or argmax over positions" in summary, summary
+    assert "no router is advised" in summary and "MoELayer" not in summary and "ec_threshold" not in summary, summary
+    assert ("through a differentiable path" in summary) == softmax, summary
+
+
+def test_batchnorm_over_time_is_advised_as_batch_statistics():
+    """pytorch-tcn's use_norm="batch_norm" in a causal TCN: BatchNorm1d over [B, D, T] normalises
+    with the batch's mean and variance over every sample and position in training (a leak there
+    only, and no batch invariance), its running statistics in eval. It was advised "make that
+    computation causal (a mask or a shift)", and the routers."""
+    report = audit(RightPaddedConv(norm=True, pad=(2, 0)), example(), trials=1)
+    assert report.leaks_in == ["train"] and report.batch_invariant is False, report.table()
+    summary = report.summary()
+    assert "mechanism: norm (BatchNorm) normalise with the mean and variance over every sample and position" in summary
+    assert "in train mode" in summary and "LayerNorm" in summary, summary
+    assert "a mask or a shift" not in summary and "router" not in summary, summary
 
 
 def test_a_softmax_over_chosen_positions_is_advised_as_routing_too():

@@ -42,6 +42,55 @@ class BlockMix(nn.Module):
         return (xg + (a * xg).sum(-2, keepdim=True)).view(b, t, d)
 
 
+class FixedLengthMix(nn.Module):
+    """lucidrains' non-causal gMLP gate: every position mixed by a [T, T] weight of the example's
+    length. Other lengths fail the einsum, but one position broadcasts against the weight and
+    returns [B, T, D] from a [B, 1, D] input."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(t, t) / t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.einsum("bnd,mn->bmd", x, self.w)
+
+
+def test_a_prefix_output_of_another_length_is_no_decode_comparison():
+    """The one-position prefix's [2, 16, 16] output has B * T = 2 rows, so it was read as a flat
+    [B * T, ...] output holding [16, 16] per position and compared: "decode-consistent: yes;
+    prefix lengths 2-15 could not run". It is not per position: that forward fails too."""
+    report = audit(FixedLengthMix(16), torch.randn(2, 16, 16), modes=("eval",), trials=1)
+    assert report.leaks and report.decode_consistent is None, report.summary()
+    decode = report.probe("decode_consistency", "eval")
+    assert 1 in decode.skipped_lengths and decode.comparisons == 0, report.table()
+    assert "its [B, T, ...] output held [16] per position before" in report.summary(), report.summary()
+
+
+class ChunkedCumsum(nn.Module):
+    """A causal running mean computed chunk by chunk, as fla's naive chunked linear attention
+    computes its state (chunks of 64, other lengths refused)."""
+
+    def __init__(self, chunk: int) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        assert t % self.chunk == 0, f"length a multiple of {self.chunk} only"
+        return x.cumsum(1) / torch.arange(1, t + 1)[:, None]
+
+
+def test_a_chunked_target_is_decoded_at_a_length_no_cut_gives():
+    """At T = 128 the 16 cuts give prefix lengths 1, 9, 18, ..., 127, none a multiple of 64: fla's
+    chunked linear attention read "decode-consistent: not tested: no prefix-only forward ran"
+    though its prefix of 64 runs and matches."""
+    report = audit(ChunkedCumsum(64), torch.randn(2, 128, 4), modes=("eval",), trials=1)
+    decode = report.probe("decode_consistency", "eval")
+    assert report.decode_consistent is True and decode.comparisons == 1, report.summary()
+    assert 127 in decode.skipped_lengths and 64 not in decode.skipped_lengths, decode.skipped_lengths
+
+
 def test_no_prefix_that_runs_is_not_tested_and_fails_a_decode_assertion():
     x = torch.randn(2, 16, 16)
     report = audit(Fixed(0, 16), x, modes=("eval",))

@@ -403,6 +403,11 @@ def _import_file(path: str) -> ModuleType:
     if not file.is_file():
         raise AuditUsageError(f"--target file {path} does not exist")
     name = f"_moe_audit_target_{abs(hash(file.resolve()))}"
+    # Its folder first on the path, as `python path/to/file.py` puts it: the file (or its factory,
+    # later) may import the modules beside it (`from model import GPT` next to nanoGPT's train.py).
+    folder = str(file.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
     # Registered before it runs, as an import would: dataclasses (and pickling) look their

@@ -169,6 +169,8 @@ def audit(
         quick=quick,
     )
     report.mechanisms = _mechanisms(at, modes)
+    report.routing_named = at.routing_named()
+    report.batch_statistics = {m: at.batch_statistics(m) for m in modes}
     report.sized_from_length = [  # what its routers declare: capacities sized from the group's length
         at.router_name(r)
         for r in at.routers

@@ -826,10 +826,13 @@ are replaced by others)."""
 
 
 def decode_consistency(ctx: ProbeContext) -> Iterator[Variant]:
-    """The prefixes 0..c alone: DECODE_PREFIXES spread over the cuts first, then every other cut
-    (tried only while some of the first were rejected, see ``Probe.enough``)."""
+    """The prefixes 0..c alone: DECODE_PREFIXES spread over the cuts first, then every other cut,
+    then up to 2 x DECODE_PREFIXES other lengths, those with the largest power of two dividing
+    them first (tried only while some of the first were rejected, see ``Probe.enough``): a chunked
+    scan runs at multiples of its chunk only, and at T = 128 no cut gives a length of 64."""
     first = spread(ctx.cuts, DECODE_PREFIXES)
-    for c in first + [c for c in ctx.cuts if c not in first]:
+    others = sorted(set(range(ctx.t - 1)) - set(ctx.cuts), key=lambda c: (-((c + 1) & -(c + 1)), c))
+    for c in first + [c for c in ctx.cuts if c not in first] + others[: 2 * DECODE_PREFIXES]:
         yield Variant(ctx.x[:, : c + 1], c + 1, label=f"the prefix 0..{c} alone")
 
 

@@ -9,7 +9,9 @@ What to do after an audit, by the mechanism its evidence shows (never one text f
 * a nonzero Jacobian d output[t] / d input[> t]: the output reads later inputs through a
   differentiable path (a mean over the sequence, a roll or shift in time, unmasked attention, or a
   router's weights normalised over the tokens): make it causal; the audit cannot tell whether it
-  is a router's, so a causal router is named only as the remedy for that case. Where forwards also
+  is a router's, so a causal router is named only as the remedy for that case, and only for a target
+  with something named as routing (or a callable, which shows nothing). BatchNorm layers that
+  normalise with the batch's statistics in a leaking mode are named as the mechanism there. Where forwards also
   moved outputs at positions whose gradient to later inputs is zero
   (:func:`moved_without_gradient`), a discrete change comes with it (a router normalising its
   weights over positions and picking positions gives both), and the remedies below apply as well;
@@ -57,6 +59,9 @@ class Findings(Protocol):
     leaks: bool
     probes: list
     mechanisms: list[str]
+    routing_named: list[str] | None
+    batch_statistics: dict[str, list[str]]
+    leaks_in: list[str]
     updated_buffers: list[str]
     updated_parameters: list[str]
 
@@ -95,16 +100,44 @@ def advice(report: Findings) -> list[str]:
         continuous = [p for p in report.probes if p.name == "jacobian" and p.leaks]
         discrete = [p for p in report.probes if p.kind == "future" and p.compares_forwards and p.leaks]
         beyond = moved_without_gradient(report.probes)
-        if continuous and not beyond:
+        norms = sorted({n for m in report.leaks_in for n in report.batch_statistics.get(m, [])})
+        if continuous and norms:
+            out.append(
+                f"mechanism: {', '.join(norms)} (BatchNorm) normalise with the mean and variance over every "
+                "sample and position of the batch in "
+                + " and ".join(m for m in report.leaks_in if report.batch_statistics.get(m))
+                + " mode, so each output reads later positions and the other samples: normalise per position "
+                "(LayerNorm, RMSNorm) or with fixed statistics"
+            )
+        batch_only = bool(norms) and all(report.batch_statistics.get(m) for m in report.leaks_in)
+        unrouted = report.routing_named == []  # a module with nothing named as routing (None: a callable)
+        no_router = "Nothing in the target is named as routing (a router, expert, MoE or gate): no router is advised"
+        choice = (
+            "a choice over the sequence (a top-k, sort or argmax over positions, a threshold on a statistic of them)"
+        )
+        if continuous and not beyond and not batch_only:  # else BatchNorm, said above, accounts for every mode
             out.append(
                 "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
-                "d input[> t] is nonzero: a mean over the sequence, a shift or roll in time, unmasked attention, or "
-                "weights normalised over the positions, as a router's softmax over the tokens); make that "
-                "computation causal (a mask or a shift). The audit cannot tell whether the path is a router's: "
-                "where it is one's weights over the tokens (expert choice), a causal router (ec_threshold, "
-                "ec_predictor or dropless topk) removes it, and any choice of positions that comes with it"
+                "d input[> t] is nonzero: a mean over the sequence, a shift or roll in time, unmasked attention, a "
+                "convolution padded on the right, or weights normalised over the positions"
+                + (
+                    ", as a router's softmax over the tokens); make that computation causal (a mask or a shift). "
+                    "The audit cannot tell whether the path is a router's: where it is one's weights over the tokens "
+                    "(expert choice), a causal router (ec_threshold, ec_predictor or dropless topk) removes it, and "
+                    "any choice of positions that comes with it"
+                    if not unrouted
+                    else f"); make that computation causal (a mask, padding on the left only, or a shift). {no_router}"
+                )
             )
-        elif continuous:
+        elif continuous and beyond and unrouted:
+            out.append(
+                "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
+                f"d input[> t] is nonzero), and outputs at positions {_ranges(beyond)} also moved where that gradient "
+                f"is zero or jumped on a straight path to another future: {choice} besides it, or a dependence too "
+                "weak at the example for its gradient to count; make the differentiable computation causal (a mask "
+                f"or a shift) and any choice per position or over the prefix. {no_router}"
+            )
+        elif continuous and beyond:
             out.append(
                 "mechanism: the output at t reads later inputs through a differentiable path (d output[t] / "
                 "d input[> t] is nonzero), and outputs at positions "
@@ -121,6 +154,14 @@ def advice(report: Findings) -> list[str]:
         routed = bool(discrete and (report.mechanisms or not continuous or beyond)) and not (
             detached and not report.mechanisms
         )
+        if routed and unrouted and not report.mechanisms:  # routing advice only where something routes
+            routed = False
+            if not continuous:
+                out.append(
+                    "mechanism: a discrete change: which outputs change depends on later tokens ("
+                    + ("no gradient path" if read else "the Jacobian did not run, see below")
+                    + f"): look for {choice} and make it per position or over the prefix. {no_router}"
+                )
         if detached and not report.mechanisms:
             out.append(
                 "mechanism: later inputs move the output at t continuously, with no gradient path (outputs at "
@@ -359,6 +400,13 @@ class AuditReport:
     mechanisms: list[str] = field(default_factory=list)
     """Routing mechanisms the target's routers declare for the leaks they claim
     (:func:`moe.audit.report.router_mechanism`); empty for an opaque target."""
+    routing_named: list[str] | None = None
+    """Its routers, submodules and parameters whose name or class reads as routing (router,
+    routed, expert, MoE, mixture, a class ending in Gate, an attribute named gate, w_gate or wg,
+    :data:`moe.audit.target.ROUTING_PATH`); None for a callable target (nothing to read): the advice names routers
+    only where this is not empty."""
+    batch_statistics: dict[str, list[str]] = field(default_factory=dict)
+    """Per mode, its BatchNorm layers that normalise with the batch's own statistics there."""
     updated_buffers: list[str] = field(default_factory=list)
     """Buffers the target's forwards change (the audit restores them before every forward: state
     carried from one call to the next, not a leak within a call)."""

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import re
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -61,6 +62,15 @@ NOT_PER_POSITION = frozenset(
     {"past_key_values", "attentions", "cross_attentions", "encoder_attentions", "decoder_attentions"}
 )
 """``ModelOutput`` fields that are head-major ([B, H, T, ...]): never read as [B, T, ...]."""
+
+
+ROUTING_CLASS = re.compile(r"rout|expert|moe|mixture|gate$", re.IGNORECASE)
+"""A class name that reads as routing: router, routed, expert, MoE, mixture, or ending in Gate
+(fairseq's Top2Gate, fastmoe's NoisyGate, DeepSpeed's TopKGate)."""
+ROUTING_PATH = re.compile(r"rout|expert|moe|mixture|(^|\.)(wg|w_gate|gate)$", re.IGNORECASE)
+"""A submodule's or parameter's path that reads as routing: the words above, or an attribute
+named gate, w_gate or wg (Hugging Face's, davidmrau's and fairseq's gate weights); not a gate
+inside a name (xLSTM's igate, a SwiGLU's gate_proj)."""
 
 
 class OutputError(ValueError):
@@ -457,6 +467,9 @@ class AuditTarget:
         """The outputs of the last forward the audit does not compare, and why."""
         self.flat_fields: tuple[str, ...] = ()
         """The outputs of the last forward returned as [B * T, ...]."""
+        self.per_position: dict[str, tuple[bool, tuple[int, ...]]] = {}
+        """Per tensor output, as the first forward of two or more positions gave it: whether it was
+        flat ([B * T, ...]) and the shape it holds per position."""
         self.float_parts: tuple[Part, ...] = ()
         """The float outputs of the last forward (their dtypes)."""
         self.ids_by_keyword = _takes_input_ids(target)
@@ -476,6 +489,27 @@ class AuditTarget:
         if self.routers:
             return held_claims(self.module)
         return None
+
+    def routing_named(self) -> list[str] | None:
+        """Its routers of ours, and its submodules and parameters whose name or class reads as
+        routing (:data:`ROUTING_CLASS`, :data:`ROUTING_PATH`); None for a callable, which shows nothing to read."""
+        if self.module is None:
+            return None
+        named = [(n, type(m).__name__) for n, m in self.module.named_modules()]
+        named += [(n, "") for n, _ in self.module.named_parameters()]
+        found = [n or c for n, c in named if ROUTING_PATH.search(n) or ROUTING_CLASS.search(c)]
+        return list(dict.fromkeys(found + [self._router_names[id(r)] for r in self.routers]))
+
+    def batch_statistics(self, mode: str) -> list[str]:
+        """Its BatchNorm layers that normalise with the batch's own mean and variance in ``mode``
+        (every one in training; in eval those that keep no running statistics)."""
+        if self.module is None:
+            return []
+        return [
+            n or type(m).__name__
+            for n, m in self.module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and (mode == "train" or m.running_mean is None)
+        ]
 
     def gate_vectors(self, d: int) -> list[Tensor]:
         """[E, D] gate weights of the routers that read D-wide features (the input space for a
@@ -578,6 +612,7 @@ class AuditTarget:
             fields, skipped = read_outputs(out, b, t, self.output)
         except OutputError as e:
             raise AuditUsageError(str(e)) from None
+        self._check_per_position(fields, b, t)
         values: list[tuple[str, Tensor]] = []
         exact: list[tuple[str, Tensor]] = []
         weights = {f.name for f in fields if isinstance(f.value, Routing)}
@@ -617,6 +652,25 @@ class AuditTarget:
             exact_BTX = torch.cat(flat, dim=-1)
         self.float_parts = tuple(p for p in parts if not p.exact)
         return Outputs(value_BTF, exact_BTX, coarsest([p.dtype for p in self.float_parts]), tuple(parts))
+
+    def _check_per_position(self, fields: list[Field], b: int, t: int) -> None:
+        """A field read flat now that was [B, T, ...] before must hold what it held per position:
+        at T = 1 a [B, T', ...] output of another length T' (a weight of the example's length
+        broadcast over a one-position input, lucidrains' non-causal gMLP) also has B * T rows."""
+        for f in fields:
+            if isinstance(f.value, Routing):
+                continue
+            shape = tuple(f.value.shape)
+            held = shape[1:] if f.flat else shape[2:]
+            if t >= 2:
+                self.per_position.setdefault(f.name, (f.flat, held))
+            first = self.per_position.get(f.name)
+            if first is not None and f.flat and not first[0] and held != first[1]:
+                raise AuditUsageError(
+                    f"the target's output {f.name!r} has shape {shape} for an input [B={b}, T={t}]: its [B, T, ...] "
+                    f"output held {list(first[1])} per position before, read as [B*T={b * t}, ...] it would hold "
+                    f"{list(held)}"
+                )
 
     def router_name(self, router: Router) -> str:
         """A router's path in the target (its class name for a router audited on its own)."""
