@@ -38,7 +38,7 @@ from moe.audit.compare import Diff, compare
 from moe.audit.packing import Packer
 from moe.audit.permutation import DRAWS, ESCALATE_P, INCONCLUSIVE_P, Outcome, distribution_change
 from moe.audit.report import ProbeResult
-from moe.audit.runner import Forward, Runner, TargetFailure, TargetTimeout, one_line
+from moe.audit.runner import Forward, Runner, TargetFailure, TargetTimeout
 from moe.audit.target import Outputs
 
 ALPHA = 0.01
@@ -185,12 +185,7 @@ class Tally:
         self.add(d.delta_PS[p, :u], d.flips_PS[p, :u], d.moved_PS[p, :u], d.excess_PS[p, :u], v, None, d.moved_parts(p))
 
     def fail(self, failure: TargetFailure) -> None:
-        self.failures.append(
-            (
-                failure.shape,
-                f"{type(failure.error).__name__}: {one_line(str(failure.error))} (raised at {failure.where})",
-            )
-        )
+        self.failures.append((failure.shape, failure.what))
 
     def result(self, tolerance: float) -> ProbeResult:
         moved = self.moved_T.nonzero().flatten().tolist()

@@ -67,10 +67,12 @@ class TargetFailure(Exception):
     def __init__(self, shape: tuple[int, ...], error: BaseException) -> None:
         self.shape, self.error, self.where = shape, error, raise_site(error)
         text = one_line(str(error))
-        if isinstance(error, AuditUsageError):  # the target ran; what it returned is not auditable: no site to show
-            super().__init__(f"input of shape {shape}: {text}")
-        else:
-            super().__init__(f"input of shape {shape}: {type(error).__name__}: {text} (raised at {self.where})")
+        # the target ran and returned what cannot be audited: no site to show (it would be the audit's own)
+        self.what = (
+            text if isinstance(error, AuditUsageError) else f"{type(error).__name__}: {text} (raised at {self.where})"
+        )
+        """What went wrong, without the shape."""
+        super().__init__(f"input of shape {shape}: {self.what}")
 
 
 class TargetTimeout(Exception):
