@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.audit import audit
-from moe.audit.fixed_draws import FixedDraws
+from moe.audit.fixed_draws import FixedDraws, host_medians
 
 X = torch.tensor([[0.3, -1.2], [2.0, 0.1]])
 
@@ -158,3 +158,62 @@ def test_a_weak_step_under_gaussian_noise_leaks_with_its_noise_at_its_median():
     assert {p.name for p in report.probes if p.leaks} <= {
         f"{n}, draws fixed" for n in ("random_future", "adversarial_future", "decode_consistency", "batch_interference")
     }
+
+
+def test_python_and_numpy_draws_are_fixed_while_host_medians_is_entered():
+    numpy = pytest.importorskip("numpy")
+    import random
+
+    order = [3, 1, 2]
+    with host_medians():
+        numpy.random.shuffle(order)
+        random.shuffle(order)
+        got = (
+            order,
+            numpy.random.rand(2).tolist(),
+            float(numpy.random.randn()),
+            numpy.random.randint(10, size=3).tolist(),  # [0, 10): 4
+            numpy.random.permutation(4).tolist(),
+            numpy.random.choice([7, 8, 9], p=[0.2, 0.5, 0.3]),  # the likeliest
+            numpy.random.choice(5, 2, replace=False).tolist(),  # the first
+            random.random(),
+            random.randint(1, 6),  # [1, 6]: 3
+            random.choice("abc"),
+        )
+    assert got == ([3, 1, 2], [0.5, 0.5], 0.0, [4, 4, 4], [0, 1, 2, 3], 8, [0, 1], 0.5, 3, "a")
+    numpy.random.seed(0)  # restored: real draws again
+    assert numpy.random.rand() == pytest.approx(0.5488135039273248)
+
+
+class ShuffledGreedy(nn.Module):
+    """StableMoE's greedy balanced assignment, written here: the experts in an ``np.random.shuffle``
+    order, each taking its top N / E unassigned tokens of the flattened batch. A prefix changes
+    which tokens earlier experts take; the noisy decode test misses it, the order fixed shows it."""
+
+    def __init__(self, d: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate = nn.Parameter(torch.randn(d, experts, generator=g) / d**0.5)
+        self.expert = nn.Parameter(torch.randn(experts, d, d, generator=g) / d**0.5)
+
+    def forward(self, x_BTD):
+        numpy = pytest.importorskip("numpy")
+        x = x_BTD.reshape(-1, x_BTD.shape[-1])
+        scores = x @ self.gate
+        order = list(range(self.gate.shape[1]))
+        numpy.random.shuffle(order)
+        chosen = torch.full((x.shape[0],), -1)
+        capacity = -(-x.shape[0] // len(order))
+        for e in order:
+            free = chosen < 0
+            top = scores[:, e].masked_fill(~free, float("-inf")).topk(min(capacity, int(free.sum()))).indices
+            chosen[top] = e
+        return torch.tanh(torch.einsum("nd,ndf->nf", x, self.expert[chosen])).view(x_BTD.shape)
+
+
+def test_a_numpy_shuffled_greedy_assignment_differs_at_decode_with_its_order_fixed():
+    report = audit(
+        ShuffledGreedy(), torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0)), agreement=False
+    )
+    assert report.leaks and report.decode_consistent is False, report.table()
+    assert "decode_consistency, draws fixed" in [p.name for p in report.probes if p.leaks], report.table()

@@ -11,15 +11,26 @@ comparison. :class:`FixedDraws` is a dispatch mode that lets each seeded random 
 a uniform draw the middle of its range, a Gaussian its mean, an exponential ln 2 / lambda, a
 Bernoulli 1 where p >= 1/2, integers the middle of their range, a permutation the identity, a
 multinomial sample the likeliest categories, dropout's mask all kept where p <= 1/2 (all dropped
-above). An op it does not know is left drawing (:attr:`FixedDraws.unknown` names it); so are
-Python's and NumPy's generators, which no dispatch mode sees.
+above). An op it does not know is left drawing (:attr:`FixedDraws.unknown` names it).
+
+Python's ``random`` and NumPy's global generator pass no dispatch mode: :func:`host_medians`
+replaces their common draws (the module functions, looked up when called) for as long as it is
+entered, numbers by the middle of their range or their mean, an order by the identity (``shuffle``
+leaves the sequence as it is, ``permutation`` is ``arange``), a choice by the first elements of
+the population (NumPy's by the likeliest where ``p`` is given). StableMoE's greedy balanced
+assignment takes its experts in an ``np.random.shuffle`` order. A draw through another function
+still moves its generator, and the runner, which watches where the generators are left, says so.
 
 Shape legend: K categories of a multinomial, S samples drawn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import random
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -124,3 +135,74 @@ class FixedDraws(TorchDispatchMode):
             self.unknown.add(name)
             return out
         return fixed
+
+
+def _middle(low: int, high: int) -> int:
+    return low + (high - low - 1) // 2
+
+
+def _numpy_medians(np: Any) -> dict[str, Any]:
+    """NumPy's global-generator draws at their medians (the module docstring)."""
+
+    def full(size: Any, value: Any) -> Any:
+        return value if size is None else np.full(size, value)
+
+    def randint(low: int, high: int | None = None, size: Any = None, dtype: Any = int) -> Any:
+        value = _middle(0, low) if high is None else _middle(low, high)
+        return np.dtype(dtype).type(value) if size is None else np.full(size, value, dtype=dtype)
+
+    def choice(a: Any, size: Any = None, replace: bool = True, p: Any = None) -> Any:
+        population = np.arange(a) if isinstance(a, int) else np.asarray(a)
+        order = np.arange(len(population)) if p is None else np.argsort(-np.asarray(p), kind="stable")
+        count = 1 if size is None else int(np.prod(size))
+        picked = population[np.resize(order, count) if count > len(order) else order[:count]]
+        return picked[0] if size is None else picked.reshape(size)
+
+    return {
+        "rand": lambda *dims: full(dims or None, 0.5),
+        "randn": lambda *dims: full(dims or None, 0.0),
+        "random": lambda size=None: full(size, 0.5),
+        "random_sample": lambda size=None: full(size, 0.5),
+        "uniform": lambda low=0.0, high=1.0, size=None: full(size, (low + high) / 2),
+        "normal": lambda loc=0.0, scale=1.0, size=None: full(size, loc),
+        "standard_normal": lambda size=None: full(size, 0.0),
+        "randint": randint,
+        "permutation": lambda x: np.arange(x) if isinstance(x, int) else np.array(x),
+        "shuffle": lambda x: None,
+        "choice": choice,
+    }
+
+
+_PYTHON_MEDIANS: dict[str, Any] = {
+    "random": lambda: 0.5,
+    "uniform": lambda a, b: (a + b) / 2,
+    "gauss": lambda mu=0.0, sigma=1.0: mu,
+    "normalvariate": lambda mu=0.0, sigma=1.0: mu,
+    "randint": lambda a, b: _middle(a, b + 1),
+    "randrange": lambda start, stop=None, step=1: (r := range(0, start) if stop is None else range(start, stop, step))[
+        (len(r) - 1) // 2
+    ],
+    "choice": lambda seq: seq[0],
+    "shuffle": lambda x: None,
+    "sample": lambda population, k: list(population)[:k],
+}
+"""Python's ``random`` module's draws at their medians (the module docstring)."""
+
+
+@contextlib.contextmanager
+def host_medians() -> Iterator[None]:
+    """Python's ``random`` and NumPy's global-generator functions replaced by their medians while
+    entered (the module docstring); restored on exit."""
+    modules = [(random, _PYTHON_MEDIANS)]
+    if "numpy" in sys.modules:
+        np = sys.modules["numpy"]
+        modules.append((np.random, _numpy_medians(np)))
+    saved = [(module, name, getattr(module, name)) for module, table in modules for name in table]
+    try:
+        for module, table in modules:
+            for name, fixed in table.items():
+                setattr(module, name, fixed)
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe.audit import watchdog
-from moe.audit.fixed_draws import FixedDraws
+from moe.audit.fixed_draws import FixedDraws, host_medians
 from moe.audit.target import AuditTarget, AuditUsageError, Outputs, raise_site
 
 Draws = tuple[tuple[str, tuple[int, ...]], ...]
@@ -207,12 +207,14 @@ class Runner:
 
     @contextlib.contextmanager
     def drawing_medians(self) -> Iterator[FixedDraws]:
-        """Calls within run with every random draw of torch fixed at its law's median
-        (:mod:`moe.audit.fixed_draws`); the mode yielded names the ops it could not fix."""
+        """Calls within run with every random draw of torch, and the common draws of Python's and
+        NumPy's generators, fixed at their medians (:mod:`moe.audit.fixed_draws`); the mode yielded
+        names the torch ops it could not fix."""
         _warm_up_draw_recording()
         self.fixed_draws = FixedDraws()
         try:
-            yield self.fixed_draws
+            with host_medians():
+                yield self.fixed_draws
         finally:
             self.fixed_draws = None
 
