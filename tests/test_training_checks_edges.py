@@ -71,12 +71,15 @@ def test_step_tally_averages_over_layers_and_microbatches():
 def test_step_tally_keeps_each_layers_experts_per_token():
     """Layer 0 routes its 4 tokens to 0, 1, 1 and 2 experts, layer 1 each of them to 2: per layer
     1.0 and 2.0 experts per token, (4 + 8) / 8 = 1.5 over both, the histogram summed over layers;
-    MaxVio from each layer's own counts."""
+    MaxVio from each layer's own counts; the router entropy per gate call."""
     tally = StepTally(num_moe_layers=2, num_experts=2, device=torch.device("cpu"))
     zero = torch.tensor(0.0, dtype=torch.float64)
     tally.add_routing(0, zero, zero, torch.tensor([3, 1]), torch.tensor([1, 2, 1]))
     tally.add_routing(1, zero, zero, torch.tensor([4, 4]), torch.tensor([0, 0, 4]))
-    record = tally.finish((zero, zero))
+    # the entropy is the mean over the gate calls its hooks saw: 4 here (a global balance loss's
+    # counting forwards call the gates too), not over the 2 routings counted
+    record = tally.finish((torch.tensor(6.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)))
+    assert record["router_entropy"] == 1.5
     assert record["active_experts_layers"] == [1.0, 2.0]
     assert record["active_experts_mean"] == 1.5 and record["active_experts_hist"] == [1, 2, 5]
     assert record["max_vio_layers"] == [0.5, 0.0]  # 3 / mean 2 - 1; balanced
