@@ -30,7 +30,6 @@ import argparse
 import copy
 import json
 import multiprocessing
-import statistics
 import subprocess
 import sys
 import time
@@ -200,18 +199,22 @@ def compare(a, b) -> tuple:
 
 
 def merge(parts: list[tuple]) -> dict:
-    """Agreements of equal-sized batches as one: pair- and token-weighted means, and the standard
-    error of the share over windows (each window's routing is one draw; pairs within it are not
-    independent)."""
+    """Agreements of batches as one (the last may hold fewer windows): pair- and token-weighted
+    means, and the standard error of the share over windows (each window's routing is one draw;
+    pairs within it are not independent)."""
     whole = [p for p, _ in parts]
     windows = torch.tensor([share for _, shares in parts for share in shares], dtype=torch.float64)
     pairs = sum(p.pairs for p in whole)
+
+    def weighted(values: list[float]) -> float:  # a batch's pairs, and tokens, are in proportion to its windows
+        return sum(v * p.pairs for v, p in zip(values, whole)) / pairs
+
     return {
-        "share": sum(p.share * p.pairs for p in whole) / pairs,
+        "share": weighted([p.share for p in whole]),
         "share_se": (windows.std() / windows.numel() ** 0.5).item(),
         "pairs": pairs,
-        "per_layer": [statistics.fmean(layer) for layer in zip(*(p.per_layer for p in whole))],
-        "tokens_all_layers": statistics.fmean(p.tokens_all_layers for p in whole),
+        "per_layer": [weighted(layer) for layer in zip(*(p.per_layer for p in whole))],
+        "tokens_all_layers": weighted([p.tokens_all_layers for p in whole]),
     }
 
 

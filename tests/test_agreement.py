@@ -16,7 +16,15 @@ from helpers import small_lm
 from torch import nn
 
 import moe
-from moe.agreement import PATHS, agreement_figures, record_forward, routing_agreement
+from moe.agreement import (
+    MARGIN_EDGES,
+    PATHS,
+    agreement_figures,
+    margin_view,
+    record_forward,
+    routing_agreement,
+    score_gaps,
+)
 from moe.audit import audit
 from moe.model import MoETransformer
 
@@ -39,6 +47,14 @@ def test_agreement_of_two_records_by_hand():
     assert got.line().startswith("a vs b: 75.0% of 8 (token, layer) pairs (50.0% of tokens in every layer)")
     with pytest.raises(ValueError, match="different tokens"):
         routing_agreement(a, a.rows(0, 1))
+
+
+def test_the_largest_expert_id_is_not_an_empty_slot():
+    """One token, one layer: {0, 3} against {0} with an empty slot, and {3} against nothing (3 is
+    the largest id in either record): both differ; {3, -1} against {3} agrees."""
+    for (a, b), same in (([0, 3], [0, -1]), 0.0), (([3], [-1]), 0.0), (([3, -1], [3]), 1.0):
+        got = routing_agreement(moe.RoutingRecord.from_engine([[[a]]]), moe.RoutingRecord.from_engine([[[b]]]))
+        assert got.share == same, (a, b)
 
 
 class TiedInBf16(nn.Module):
@@ -117,6 +133,51 @@ def test_decode_batch_and_chunked_prefill_figures():
     assert agreement_figures(pooled, idx[:1], paths=("batch",))["batch"].startswith("one sequence")
     with pytest.raises(ValueError, match="unknown agreement paths"):
         agreement_figures(pooled, idx, paths=("fp8",))
+
+
+def test_a_gap_on_an_edge_opens_its_bin_and_the_default_chunk_rounds_up():
+    """Bins are [low, high): gaps of exactly 0, 1e-4, 1e-3, 1e-2 and 0.1 each open their own bin.
+    Six positions prefill in chunks of ceil(6 / 4) = 2 by default; two positions in chunks of 1."""
+    record = moe.RoutingRecord.from_engine([[[[0]]] * 6])
+    gaps_NL = torch.tensor([[0.0], [1e-4], [1e-3], [1e-2], [0.1], [7.0]], dtype=torch.float64)
+    assert margin_view(routing_agreement(record, record), gaps_NL)["pairs"] == [[1, 1, 1, 1, 2]]
+    assert MARGIN_EDGES[1:5] == (1e-4, 1e-3, 1e-2, 1e-1)
+    model = small_lm("topk", {"top_k": 2}, vocab_size=V)
+    idx = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(0))
+    assert (
+        agreement_figures(model, idx, paths=("chunked_prefill",))["chunked_prefill"].compared
+        == "prefill in chunks of 2"
+    )
+    short = agreement_figures(model, idx[:, :2], paths=("chunked_prefill",))["chunked_prefill"]
+    assert short.compared == "KV-cache decoding, one token at a time" and short.share == 1.0
+
+
+def test_figures_run_in_eval_mode_and_a_top_k_of_every_expert_has_no_margin():
+    """A model in training mode is measured in eval mode and left in training mode. A router whose
+    top_k is its number of experts has no (k+1)-th score: no gaps, no margin view."""
+    model = small_lm("topk", {"top_k": 4}, vocab_size=V)  # small_lm: 4 experts
+    assert model.training
+    modes = []
+
+    def forward(m, idx_BT):
+        modes.append(m.training)
+        return m(idx_BT)
+
+    idx = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(0))
+    figures = agreement_figures(model, idx, paths=("batch",), forward=forward)
+    assert modes and not any(modes) and model.training
+    assert score_gaps(model, idx) is None and figures["batch"].margin is None
+
+
+def test_a_bf16_model_is_compared_with_its_fp32_copy():
+    """Given a bf16 model whose router computes in the input's dtype, the precision figures'
+    reference is the fp32 copy (distinct scores): the bf16 router flips one of each pair as it does
+    for the fp32 model, the fp32 router flips none."""
+    idx = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]])
+    model = TiedInBf16(router_dtype="input").to(torch.bfloat16)
+    figures = agreement_figures(model, idx, paths=("bf16_router", "bf16_model_fp32_router"))
+    assert figures["bf16_router"].share == 0.5 and figures["bf16_model_fp32_router"].share == 1.0
+    assert model.layer.router.gate.weight.dtype == torch.bfloat16
 
 
 def test_the_audit_reports_agreement_for_model_targets_only():

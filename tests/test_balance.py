@@ -24,6 +24,8 @@ def test_max_vio_dead_experts_and_spread_by_hand():
     assert s["dead_experts"] == 2 and s["dead_experts_layers"] == [2, 0]
     assert s["tokens_per_expert_min"] == [0.0, 2.0] and s["tokens_per_expert_max"] == [3.0, 2.0]
     assert s["tokens_per_expert_p50"] == [0.5, 2.0]  # sorted 0, 0, 1, 3: halfway between 0 and 1
+    assert s["tokens_per_expert_p10"] == [0.0, 2.0]  # 0.3 of the way from the first 0 to the second
+    assert s["tokens_per_expert_p90"] == pytest.approx([2.4, 2.0], rel=1e-12)  # 0.7 of the way from 1 to 3
     assert max_violation(torch.zeros(1, 4, dtype=torch.long)).tolist() == [0.0]  # no token: no violation
     a = active_experts_summary(torch.tensor([[1, 2, 1], [0, 0, 4]]), "global_")  # tokens with 0, 1, 2 experts
     assert a["global_active_experts_mean"] == pytest.approx((2 + 2 + 8) / 8)

@@ -115,6 +115,24 @@ def test_top_p_adapts_p_towards_the_target_from_past_batches_only():
 
 
 # -- null experts -------------------------------------------------------------------------------
+def test_dynamic_routers_take_their_bounds_and_refuse_beyond():
+    """top_p: p in (0, 1], target_experts in [1, max_k]; ReMoE: top_k in (0, E], l1_rate > 1
+    (the penalty must grow when too many experts are active)."""
+    build = moe.build_router
+    assert build("top_p", d_model=4, num_experts=4, p=1.0, max_k=2, target_experts=2).target_experts == 2.0
+    for bad in ({"p": 0.0}, {"p": 1.5}, {"max_k": 2, "target_experts": 3}, {"target_experts": 0.5}):
+        with pytest.raises(ValueError, match="must be in"):
+            build("top_p", d_model=4, num_experts=4, **bad)
+    assert build("remoe", d_model=4, num_experts=4, top_k=4).top_k == 4.0
+    for bad, message in (
+        ({"top_k": 0}, "top_k must be in"),
+        ({"top_k": 5}, "top_k must be in"),
+        ({"l1_rate": 1.0}, "l1_rate > 1"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build("remoe", d_model=4, num_experts=4, **bad)
+
+
 def test_null_experts_take_choices_that_compute_nothing():
     torch.manual_seed(2)
     r = moe.build_router("topk", d_model=6, num_experts=3, top_k=3, null_experts=3).double()

@@ -98,3 +98,44 @@ def test_perplexity_change_is_paired_by_seed():
     assert lossy["ppl_change_pct"] == pytest.approx(sum(changes) / 2, rel=1e-9)
     assert lossy["ppl_change_se"] == pytest.approx((changes[1] - changes[0]) / 2, rel=1e-9)
     assert runs["reliable"]["ppl_change_pct"] == 0.0
+
+
+def test_the_curve_is_paired_by_seed_and_point_and_drift_is_the_largest():
+    """Reliable seeds 0 and 1 evaluate 3.0 then 2.5, and 3.1 then 2.6; the lossy ones 3.01 then
+    2.52, and 3.12 then 2.61. Per point: the mean loss over the seeds, the perplexity change
+    against the same seed's same point (changes of 1% and 2%: 100 (e^0.01 - 1), 100 (e^0.02 - 1)),
+    the largest drift over the seeds and the mean of the last. Over the run: the largest drift of
+    any step of any seed, the seeds' perplexities' standard deviation in percent of their mean,
+    and 8 sequences over 4 workers, 2 each."""
+
+    def run(seed, policy, losses, drifts=(0.0, 0.0), lasts=(0.0, 0.0), history_drift=(0.0, 0.0)):
+        r = record(4, seed, [0.1, 0.1], policy, losses[-1])
+        r["history"]["max_drift"] = list(history_drift)
+        r["curve"] = [
+            {"step": step, "val_loss": v, "max_drift": d, "max_drift_last": last}
+            for step, v, d, last in zip((10, 20), losses, drifts, lasts)
+        ]
+        return r
+
+    raw = [
+        run(0, "reliable", (3.0, 2.5)),
+        run(1, "reliable", (3.1, 2.6)),
+        run(0, "unbiased", (3.01, 2.52), (0.4, 0.2), (0.1, 0.05), (0.9, 0.2)),
+        run(1, "unbiased", (3.12, 2.61), (0.6, 0.1), (0.3, 0.07), (0.3, 0.4)),
+    ]
+    lossy = {r["policy"]: r for r in study.summarise(raw)}["unbiased"]
+    one, two = 100 * math.expm1(0.01), 100 * math.expm1(0.02)
+    first, second = lossy["curve"]
+    assert (first["step"], second["step"]) == (10, 20)
+    assert first["val_loss"] == pytest.approx(3.065, rel=1e-12) and second["val_loss"] == pytest.approx(
+        2.565, rel=1e-12
+    )
+    assert first["ppl_change_pct"] == pytest.approx((one + two) / 2, rel=1e-9)
+    assert first["ppl_change_se"] == pytest.approx((two - one) / 2, rel=1e-9)
+    assert second["ppl_change_pct"] == pytest.approx((two + one) / 2, rel=1e-9)
+    assert (first["max_drift"], second["max_drift"]) == (0.6, 0.2)
+    assert first["max_drift_last"] == pytest.approx(0.2) and second["max_drift_last"] == pytest.approx(0.06)
+    assert lossy["max_drift"] == 0.9
+    ppl = [math.exp(2.52), math.exp(2.61)]
+    assert lossy["val_ppl_sd_pct"] == pytest.approx(100 * (ppl[1] - ppl[0]) / math.sqrt(2) / (sum(ppl) / 2), rel=1e-9)
+    assert lossy["sequences_per_worker"] == 2 and lossy["tokens_per_step"] == 256

@@ -2,7 +2,8 @@
 answer worked out by hand: ``check_record_fits`` refuses expert id E itself (ids run 0..E-1);
 an engine request starting at ``start`` needs a prefix of at least ``start`` positions; int16
 engine arrays hold expert ids up to 32767 exactly; a left-padded request longer than the
-batch is refused in one line."""
+batch is refused in one line; a record's rows keep their own padding; a record is written from
+position 0 for one batch, its ids at least -1; a routing that dropped every token keeps one slot."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 import moe
 from moe.engine_records import from_engine_request, left_padded, to_engine_requests
+from moe.record import routing_slots
 from moe.record_fit import check_record_fits
+from moe.routing import Routing
 
 
 def one_layer_record(experts_SK: list[list[int]]) -> moe.RoutingRecord:
@@ -56,3 +59,36 @@ def test_a_request_longer_than_the_batch_is_refused():
     assert left_padded([three], 3).experts.shape == (1, 3, 1, 2)
     with pytest.raises(ValueError, match="a request of 4 rows does not fit 3 positions"):
         left_padded([np.zeros((4, 1, 2), dtype=np.int32)], 3)
+
+
+def test_rows_keep_their_own_padding():
+    """A left-padded record of requests of 1 and 3 rows in 3 positions: the first sequence's
+    rows carry its two padding positions, the second's none (a microbatch's record replays with
+    its own sequences' padding)."""
+    record = left_padded([[[[2]]], [[[0]], [[1]], [[3]]]], length=3)
+    assert record.padding.tolist() == [[True, True, False], [False, False, False]]
+    assert record.rows(0, 1).padding.tolist() == [[True, True, False]]
+    assert record.rows(1, 2).padding.tolist() == [[False, False, False]]
+    assert record.rows(1, 2).experts[0, :, 0, 0].tolist() == [0, 1, 3]
+    assert torch.equal(record.rows(0, 2).padding, record.padding)
+
+
+def test_a_record_is_written_from_position_0_for_one_batch_and_ids_below_minus_1_are_refused():
+    """Position 1 may follow positions 0..0; position 2 may not (a gap). The same layer routing a
+    batch of another size (same length) is another batch. -1 marks an empty slot; -2 is no id."""
+    record = moe.RoutingRecord(1)
+    record.write(0, torch.zeros(2, 1, dtype=torch.long), (2, 1), 0)
+    record.write(0, torch.ones(2, 1, dtype=torch.long), (2, 1), 1)
+    with pytest.raises(ValueError, match="record holds only 0..1"):
+        record.write(0, torch.ones(2, 1, dtype=torch.long), (2, 1), 3)
+    with pytest.raises(ValueError, match="it holds 2, a forward routed 3"):
+        record.write(0, torch.ones(3, 1, dtype=torch.long), (3, 1), 2)
+    assert record.experts[:, :, 0, 0].tolist() == [[0, 1], [0, 1]]
+    with pytest.raises(ValueError, match="expert ids must be >= 0, or -1 for an empty slot; got -2"):
+        moe.RoutingRecord.from_engine([[[[0, -2]]]])
+
+
+def test_routing_slots_keep_one_slot_when_every_token_was_dropped():
+    empty = torch.zeros(0, dtype=torch.long)
+    routing = Routing(empty, empty, torch.zeros(0), num_tokens=3, num_experts=2, aux_loss=torch.zeros(()))
+    assert routing_slots(routing).tolist() == [[-1], [-1], [-1]]

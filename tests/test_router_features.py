@@ -389,3 +389,26 @@ def test_global_balance_loss_is_refused_over_pipelined_microbatches():
     with pytest.raises(ValueError, match="global_aux_loss_coef over several microbatches"):
         TrainConfig.flat(router_options=options, pipeline_parallel=2, microbatches=2)
     TrainConfig.flat(router_options=options, microbatches=2)  # the plain step counts the batch first
+
+
+def test_remoe_and_seq_topk_aux_losses_written_out():
+    """ReMoE's aux loss is its load-weighted L1 penalty plus the z-loss; SeqTopK's the Switch loss
+    E * sum_e f_e P_e over its kept pairs (f: share of the kept pairs, P: mean softmax score) plus
+    the z-loss; logits set by hand, float64, one sequence of 3 tokens over 3 experts."""
+    logits = [[1.0, -0.5, 0.25], [-1.0, 2.0, 0.5], [0.3, 0.1, -2.0]]
+    x = torch.tensor([logits], dtype=torch.float64)
+    z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits) / 3
+
+    remoe = identity_router("remoe", 3, z_loss_coef=0.1, l1_init=0.5)
+    active = [(n, e) for n in range(3) for e in range(3) if logits[n][e] > 0]
+    f = [sum(1 for _, e2 in active if e2 == e) / len(active) for e in range(3)]
+    l1 = 0.5 * sum(sum(max(logits[n][e], 0.0) for n in range(3)) / 3 * 3 * f[e] for e in range(3))
+    assert remoe(x).aux_loss.item() == pytest.approx(l1 + 0.1 * z, rel=1e-12)
+
+    seq = identity_router("seq_topk", 3, top_k=1, aux_loss_coef=0.2, z_loss_coef=0.1)
+    probs = [[math.exp(v) / sum(math.exp(w) for w in row) for v in row] for row in logits]
+    kept = sorted(((probs[n][e], n, e) for n in range(3) for e in range(3)), reverse=True)[:3]  # the best T*K = 3
+    f = [sum(1 for *_, e2 in kept if e2 == e) / 3 for e in range(3)]
+    mean_p = [sum(probs[n][e] for n in range(3)) / 3 for e in range(3)]
+    switch = 0.2 * 3 * sum(fe * pe for fe, pe in zip(f, mean_p))
+    assert seq(x).aux_loss.item() == pytest.approx(switch + 0.1 * z, rel=1e-12)

@@ -90,3 +90,41 @@ def test_the_margin_table_spreads_the_bf16_flips_over_the_gap_bins():
     cells = [f"{100 * f / max(total, 1):.0f}% ({f}/{n})" for f, n in zip(flipped[0], pairs[0])]
     assert layer0 == ["| topk_aux | 0 | " + " | ".join(cells) + f" | {total} |"] * 2
     assert not any("ec_threshold" in line for line in lines)
+
+
+def test_batches_merge_into_the_agreement_of_the_whole_and_margins_count_their_flips():
+    """merge() of a batch of two windows and a short one of one is routing_agreement of all three
+    windows at once (share, per layer, tokens in every layer: pair-weighted, so the short batch
+    counts for its size), and its standard error the sample standard deviation of the windows'
+    shares over sqrt(3); mean_se likewise. merge_margins turns each bin's flip share back into a
+    count: 15 of 22 pairs (15/22 * 22 is 14.999... in float64) are 15 flips."""
+    import math
+
+    import torch
+
+    from moe.agreement import routing_agreement as agreement
+    from moe.record import RoutingRecord
+
+    g = torch.Generator().manual_seed(0)
+    a_BSLK, b_BSLK = (torch.randint(0, 3, (3, 5, 2, 1), generator=g) for _ in range(2))
+    a, b = RoutingRecord(2, a_BSLK), RoutingRecord(2, b_BSLK)
+    parts = [routing_agreement.compare(a.rows(i, j), b.rows(i, j)) for i, j in ((0, 2), (2, 3))]
+    merged, whole = routing_agreement.merge(parts), agreement(a, b)
+    assert 0 < whole.share < 1 and whole.per_layer[0] != whole.per_layer[1]
+    assert merged["pairs"] == whole.pairs == 3 * 5 * 2
+    assert merged["share"] == pytest.approx(whole.share, abs=1e-12)
+    assert merged["per_layer"] == pytest.approx(whole.per_layer, abs=1e-12)
+    assert merged["tokens_all_layers"] == pytest.approx(whole.tokens_all_layers, abs=1e-12)
+    shares = [agreement(a.rows(i, i + 1), b.rows(i, i + 1)).share for i in range(3)]
+    mean = sum(shares) / 3
+    sd = math.sqrt(sum((s - mean) ** 2 for s in shares) / 2)
+    assert merged["share_se"] == pytest.approx(sd / math.sqrt(3), rel=1e-12)
+    values = torch.tensor([1.0, 2.0, 4.0, 9.0], dtype=torch.float64)  # mean 4, sample variance (9 + 4 + 0 + 25) / 3
+    assert routing_agreement.mean_se(values) == pytest.approx([4.0, math.sqrt(38 / 3) / 2], rel=1e-12)
+
+    view = {"edges": [0.0, 1.0, math.inf], "pairs": [[22, 49]], "flip_share": [[15 / 22, 1 / 49]]}
+    assert routing_agreement.merge_margins([view, view]) == {
+        "edges": [0.0, 1.0, math.inf],
+        "pairs": [[44, 98]],
+        "flipped": [[30, 2]],
+    }

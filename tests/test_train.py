@@ -1,5 +1,6 @@
 """The training loop: loss falls, exact resume, causal evaluation, wandb modes, data parallel, CLI."""
 
+import importlib.util
 import json
 import math
 import os
@@ -231,6 +232,23 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, monkeypatch):
     train(TrainConfig.flat(steps=2, wandb_dir=str(tmp_path), **SMALL))
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].rglob("*.wandb")), list(tmp_path.rglob("*"))
+
+
+def test_wandb_is_opt_in_without_a_run_folder_or_without_wandb(monkeypatch):
+    """The mode asked for wins, then $WANDB_MODE; unasked, a run with no folder of its own and a
+    machine without wandb get "disabled", else "online" only with an API key."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert resolve_wandb_mode(None, None) == "disabled"  # nothing written into the working directory
+    assert resolve_wandb_mode("offline", None) == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    assert resolve_wandb_mode(None, "runs/a") == "online" and resolve_wandb_mode(None, None) == "disabled"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert resolve_wandb_mode(None, None) == "offline" and resolve_wandb_mode("disabled", "runs/a") == "disabled"
+    monkeypatch.delenv("WANDB_MODE")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert resolve_wandb_mode(None, "runs/a") == "disabled"
 
 
 def test_data_parallel_two_processes_equals_single_process(tmp_path):

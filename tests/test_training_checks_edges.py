@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections import namedtuple
 
 import pytest
@@ -21,7 +22,7 @@ from moe.training.batches import DataConfig, check_vocabulary
 from moe.training.distributed import DistInfo
 from moe.training.guards import check_room, worse_than_uniform
 from moe.training.metrics import StepTally
-from moe.training.report import RunReport, record_config
+from moe.training.report import RunReport, init_wandb, record_config
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
 
@@ -67,6 +68,23 @@ def test_step_tally_averages_over_layers_and_microbatches():
     assert record["expert_load"] == [[0.5, 0.5], [0.25, 0.75]]
 
 
+def test_step_tally_keeps_each_layers_experts_per_token():
+    """Layer 0 routes its 4 tokens to 0, 1, 1 and 2 experts, layer 1 each of them to 2: per layer
+    1.0 and 2.0 experts per token, (4 + 8) / 8 = 1.5 over both, the histogram summed over layers;
+    MaxVio from each layer's own counts; the router entropy per gate call."""
+    tally = StepTally(num_moe_layers=2, num_experts=2, device=torch.device("cpu"))
+    zero = torch.tensor(0.0, dtype=torch.float64)
+    tally.add_routing(0, zero, zero, torch.tensor([3, 1]), torch.tensor([1, 2, 1]))
+    tally.add_routing(1, zero, zero, torch.tensor([4, 4]), torch.tensor([0, 0, 4]))
+    # the entropy is the mean over the gate calls its hooks saw: 4 here (a global balance loss's
+    # counting forwards call the gates too), not over the 2 routings counted
+    record = tally.finish((torch.tensor(6.0, dtype=torch.float64), torch.tensor(4.0, dtype=torch.float64)))
+    assert record["router_entropy"] == 1.5
+    assert record["active_experts_layers"] == [1.0, 2.0]
+    assert record["active_experts_mean"] == 1.5 and record["active_experts_hist"] == [1, 2, 5]
+    assert record["max_vio_layers"] == [0.5, 0.0]  # 3 / mean 2 - 1; balanced
+
+
 def test_a_fresh_start_begins_a_new_config_record(tmp_path):
     path, cfg, mcfg = tmp_path / "m.config.json", TrainConfig.flat(steps=2), preset("tiny")
     record_config(path, cfg, mcfg, start=0, world_size=1)
@@ -108,6 +126,41 @@ def test_the_last_step_is_logged_off_the_log_every_grid(tmp_path, capsys):
     run.bar.close()
     logged = [line.split("|")[0].split() for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
     assert logged == [["step", "2"], ["step", "3"]]
+
+
+def test_wandb_opens_in_the_checkpoint_folder_unasked_and_not_without_a_folder(tmp_path, monkeypatch):
+    """Unasked, without an API key, a run with a checkpoint folder gets an offline wandb run
+    written there; a run with no folder of its own gets none (wandb.init replaced: no files).
+    Without wandb installed, the error names what asked for it: $WANDB_MODE or --wandb-mode."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    opened = []
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: opened.append(kwargs) or "run")
+    info = DistInfo(0, 1, 0, torch.device("cpu"))
+    assert init_wandb(TrainConfig.flat(progress=False), preset("tiny"), info) is None and opened == []
+    folder = tmp_path / "ck"
+    assert init_wandb(TrainConfig.flat(checkpoint_dir=str(folder), progress=False), preset("tiny"), info) == "run"
+    assert [(o["dir"], o["mode"]) for o in opened] == [(str(folder), "offline")] and folder.is_dir()
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: the error names who asked for it
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with pytest.raises(ModuleNotFoundError, match=r"^\$WANDB_MODE offline needs wandb, which is not installed"):
+        init_wandb(TrainConfig.flat(checkpoint_dir=str(folder), progress=False), preset("tiny"), info)
+    with pytest.raises(ModuleNotFoundError, match="^--wandb-mode online needs wandb"):
+        init_wandb(TrainConfig.flat(wandb_mode="online", progress=False), preset("tiny"), info)
+
+
+def test_log_every_0_prints_no_line_but_warnings_still(tmp_path, capsys):
+    """log_every 0 = never: no banner, no step line, the last step's included; a warning is printed
+    (on stderr) whatever log_every says."""
+    run = report(tmp_path, start=0, steps=2, log_every=0)
+    run.say("a line")
+    for step in (1, 2):
+        run.step(step_record(step))
+    run.warn("disk nearly full")
+    run.bar.close()
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "warning: disk nearly full"
 
 
 def test_config_boundaries():
