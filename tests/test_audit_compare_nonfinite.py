@@ -1,4 +1,4 @@
-"""The comparator compares NaN and inf as values (``moe.audit.compare``'s docstring): where
+"""The comparator compares NaN and inf as values (``moe.audit.comparator``'s docstring): where
 both forwards hold NaN (or the same inf) nothing changed; where the NaN / inf pattern changes,
 that entry is a flip at its position. Worked by hand on a 1 x 4 x 3 output."""
 
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from moe.audit.compare import compare
+from moe.audit.comparator import compare
 from moe.audit.target import Outputs, Part
 
 PARTS = (Part("y", False, 0, 3, torch.float64),)

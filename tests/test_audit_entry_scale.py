@@ -1,8 +1,8 @@
-"""The scale a router weight's change is judged at (moe.audit.compare.entry_scale)."""
+"""The scale a router weight's change is judged at (moe.audit.comparator.entry_scale)."""
 
 import torch
 
-from moe.audit.compare import entry_scale
+from moe.audit.comparator import entry_scale
 
 
 def test_a_token_whose_every_weight_is_small_is_judged_at_a_typical_tokens_scale():

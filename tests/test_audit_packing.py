@@ -16,7 +16,7 @@ from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for
 from torch import Tensor, nn
 
 from moe.audit import audit
-from moe.audit.packing import MAX_ROWS, PACK_SECONDS, Packer
+from moe.audit.comparator import MAX_ROWS, PACK_SECONDS, Packer
 
 B, T, D, E = 4, 16, 32, 4
 

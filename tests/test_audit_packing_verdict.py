@@ -19,8 +19,7 @@ from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for
 from torch import Tensor, nn
 
 from moe.audit import audit
-from moe.audit.comparator import Variant
-from moe.audit.packing import Packer
+from moe.audit.comparator import Packer, Variant
 from moe.audit.probes import Probe, registered_probes
 
 B, T, D, E, V = 4, 16, 16, 4, 1000

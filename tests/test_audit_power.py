@@ -20,7 +20,7 @@ from test_audit import _one_thread  # noqa: F401  (autouse: one torch thread for
 from torch import Tensor, nn
 
 from moe.audit import assert_causal, audit, cli
-from moe.audit.permutation import DRAWS, INCONCLUSIVE_P
+from moe.audit.comparator import DRAWS, INCONCLUSIVE_P
 
 
 class CapacityDropoutBlock(nn.Module):

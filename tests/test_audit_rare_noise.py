@@ -2,7 +2,7 @@
 Megatron-DeepSpeed's ``DropPath`` at rate 0.1 on two samples) may repeat itself under every
 seed the calibration tries: it is then judged by a fixed seed, yet perturbed copies packed into
 one forward draw other masks than the example alone. Every move such a target shows is confirmed
-before it counts (moe.audit.calibration ``NOISE_SEEDS``, moe.audit.comparator ``Comparator._rare_noise``)."""
+before it counts (moe.audit.comparator: ``NOISE_SEEDS``, ``Comparator._rare_noise``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moe.audit import audit
-from moe.audit.calibration import NOISE_SEEDS, calibrate
+from moe.audit.comparator import NOISE_SEEDS, calibrate
 from moe.audit.runner import Runner
 from moe.audit.target import AuditTarget
 

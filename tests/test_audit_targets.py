@@ -17,8 +17,7 @@ from extras import need
 from torch import Tensor, nn
 
 from moe.audit import audit
-from moe.audit.compare import resolution_of
-from moe.audit.permutation import DRAWS, distribution_change
+from moe.audit.comparator import DRAWS, distribution_change, resolution_of
 from moe.audit.report import DECODE_PROBE
 from moe.routers import build_router
 from moe.routing import Claims

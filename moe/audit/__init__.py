@@ -7,7 +7,7 @@
 
 ``moe-audit`` (or ``python -m moe.audit``) runs it over every built-in router, or over
 ``--target``; see :mod:`moe.audit.cli`. The probes are registered in :mod:`moe.audit.probes`
-(``register_probe`` adds one); :mod:`moe.audit.calibration` decides how a mode is judged, :mod:`moe.audit.comparator` judges it.
+(``register_probe`` adds one); :mod:`moe.audit.comparator` decides how a mode is judged.
 """
 
 from moe.audit.engine import CausalityError, assert_causal, audit

@@ -5,12 +5,12 @@ The routing agreement figures of a model target (:mod:`moe.agreement`), as the r
 
 ``audit()``: one target, each mode in turn, every registered probe judged by one comparator.
 
-Within a mode: :func:`~moe.audit.calibration.calibrate` measures the example's noise and picks
+Within a mode: :func:`~moe.audit.comparator.calibrate` measures the example's noise and picks
 the regime (deterministic, seeded or distribution); in the first mode the order of any
 [B * T, ...] output is told (:func:`~moe.audit.probes.check_flat_order`); the probes of kind "batch" run
 (separate forwards); then, if none of them found interference and the target claims (or is
 opaque about) batch invariance and repeats itself exactly in a doubled batch, perturbed copies
-share forwards, in packs sized by :mod:`moe.audit.packing`; then the other probes in
+share forwards, in packs sized by :mod:`moe.audit.comparator`; then the other probes in
 registration order (:mod:`moe.audit.probes`). A target judged by a fixed seed found to draw
 data-dependent noise midway is audited again from the start of the mode by distribution.
 
@@ -18,7 +18,7 @@ Before every forward the runner resets the target's buffers and seeds its genera
 of the example's shape (or a shorter one) that runs past ``forward_timeout`` stops the audit of
 the target (NOT AUDITED, with that reason; a pack of copies that does is re-run copy by copy).
 A mode in which the target fails on the example, or whose identical calls differ because its
-forward changes attributes outside its buffers (:attr:`~moe.audit.calibration.Calibration.stateful`),
+forward changes attributes outside its buffers (:attr:`~moe.audit.comparator.Calibration.stateful`),
 is not audited (``AuditReport.modes_not_audited``, with why) and the other modes still are: a
 leak found there stands; with no mode audited the target is NOT AUDITED.
 
@@ -52,10 +52,17 @@ from torch import Tensor, nn
 
 from moe.agreement import agreement_figures
 from moe.audit import watchdog
-from moe.audit.calibration import Calibration, calibrate
-from moe.audit.comparator import Comparator, Misaligned, Tally, per_comparison_alpha
-from moe.audit.compare import difference, resolution_of
-from moe.audit.permutation import DRAWS
+from moe.audit.comparator import (
+    DRAWS,
+    Calibration,
+    Comparator,
+    Misaligned,
+    Tally,
+    calibrate,
+    difference,
+    per_comparison_alpha,
+    resolution_of,
+)
 from moe.audit.probes import (
     Probe,
     ProbeContext,

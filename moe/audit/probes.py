@@ -86,9 +86,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from moe.audit.comparator import Variant, spread
-from moe.audit.compare import difference
-from moe.audit.packing import MAX_ROWS
+from moe.audit.comparator import MAX_ROWS, Variant, difference, spread
 from moe.audit.report import BATCH_PROBE, DECODE_PROBE, KINDS, ProbeResult
 from moe.audit.runner import Runner, TargetFailure, TargetTimeout
 from moe.audit.target import AuditTarget, AuditUsageError, Outputs, Part

@@ -370,7 +370,7 @@ class AuditReport:
     regimes: dict[str, str] = field(default_factory=dict)
     """Per audited mode: "deterministic", "seeded" (random draws, the same for one seed and input
     shape: comparisons across shapes by distribution) or "distribution"
-    (:mod:`moe.audit.permutation`)."""
+    (:mod:`moe.audit.comparator`)."""
     nonfinite: dict[str, int] = field(default_factory=dict)
     """Per mode: NaN / inf entries in the example's output (compared as values, never ignored)."""
     noise_floors: dict[str, float] = field(default_factory=dict)
@@ -381,7 +381,7 @@ class AuditReport:
     forwards, :func:`moe.audit.comparator.per_comparison_alpha`)."""
     test_level: float | None = None
     """The level of each test a distribution comparison makes (its stages of more draws share
-    ``per_comparison_alpha``, :data:`moe.audit.permutation.DRAWS`): a p-value at or below it counts."""
+    ``per_comparison_alpha``, :data:`moe.audit.comparator.DRAWS`): a p-value at or below it counts."""
     error: str | None = None
     """Why the target could not be audited (in no mode: it failed on the example, two identical
     calls differ because it is stateful; or a forward ran past the time limit, or no

@@ -381,7 +381,7 @@ class Part:
     """The dtype the target computed a float output in (its resolution sets the tolerance)."""
     weights: bool = False
     """A Routing's dense weights: each entry judged at its token's largest weight, not at the
-    median of a row that is mostly zeros (:func:`~moe.audit.compare.entry_scale`)."""
+    median of a row that is mostly zeros (:func:`~moe.audit.comparator.entry_scale`)."""
 
 
 @dataclass
