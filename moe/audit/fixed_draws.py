@@ -58,11 +58,16 @@ def _multinomial(probs: Tensor, samples: int, out: Tensor) -> Tensor:
     return out.copy_(picked)
 
 
+def _middle(low: int, high: int) -> int:
+    """The middle integer of [low, high)."""
+    return low + (high - low - 1) // 2
+
+
 def _random_median(args: tuple, kwargs: dict) -> int:
     """``random_(from, to)``: the middle integer of [from, to); ``random_(to)``: of [0, to); 0 without a range."""
     low, high = (args[1], args[2]) if len(args) > 2 else (0, args[1]) if len(args) > 1 else (0, 1)
     low, high = kwargs.get("from", low), kwargs.get("to", high)
-    return low + (high - low - 1) // 2 if high is not None else low
+    return _middle(low, high) if high is not None else low
 
 
 def _randint_median(name: str, args: tuple, kwargs: dict) -> int:
@@ -70,8 +75,7 @@ def _randint_median(name: str, args: tuple, kwargs: dict) -> int:
     integer of [low, high)."""
     numbers = [a for a in (args[1:] if name == "randint_like" else args) if isinstance(a, int)]
     low, high = (0, numbers[0]) if len(numbers) == 1 else (numbers[0], numbers[1])
-    low, high = kwargs.get("low", low), kwargs.get("high", high)
-    return low + (high - low - 1) // 2
+    return _middle(kwargs.get("low", low), kwargs.get("high", high))
 
 
 def _dropout(args: tuple, out: tuple) -> tuple:
@@ -135,10 +139,6 @@ class FixedDraws(TorchDispatchMode):
             self.unknown.add(name)
             return out
         return fixed
-
-
-def _middle(low: int, high: int) -> int:
-    return low + (high - low - 1) // 2
 
 
 def _numpy_medians(np: Any) -> dict[str, Any]:
