@@ -120,6 +120,9 @@ def test_a_causal_target_with_noise_gains_no_finding_with_its_draws_fixed():
     assert report.regime != "deterministic"
     assert not report.leaks and report.batch_invariant and report.decode_consistent
     assert not [p.name for p in report.probes if "draws fixed" in p.name]
+    # the pass ran and says what it compared: a clean verdict names it too
+    passes = [n for n in report.notes if "audited again with its random draws fixed at their medians" in n]
+    assert passes and all("found nothing the noisy audit had not" in n for n in passes), report.notes
 
 
 class GammaNoise(nn.Module):

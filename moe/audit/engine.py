@@ -432,11 +432,17 @@ def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, m
             why = str(e) or "its draws still follow the data"
     if why is not None:
         report.notes.append(f"{mode} mode: not audited with its random draws fixed at their medians: {why}")
-    for result in results:
-        if result.leaks and result.kind not in found:
-            result.name = f"{result.name}, draws fixed"
-            result.found_by = f"{result.found_by}, with {FIXED_DRAWS}" if result.found_by else FIXED_DRAWS
-            report.probes.append(result)
+        return
+    added = [r for r in results if r.leaks and r.kind not in found]
+    for result in added:
+        result.name = f"{result.name}, draws fixed"
+        result.found_by = f"{result.found_by}, with {FIXED_DRAWS}" if result.found_by else FIXED_DRAWS
+        report.probes.append(result)
+    what = ", ".join(r.name for r in added) or "nothing the noisy audit had not"
+    report.notes.append(
+        f"{mode} mode: audited again with its random draws fixed at their medians: "
+        f"{sum(r.comparisons for r in results)} comparisons in {len(results)} probe runs, found {what}"
+    )
 
 
 def _one_forward_seconds(runner: Runner, at: AuditTarget, example: Tensor) -> float:
