@@ -19,7 +19,7 @@ from helpers import ROOT, SUBPROCESS_ENV, TRAIN_SCRIPT
 import moe.training.checkpoint_files as checkpoint_files
 import moe.training.loop as loop
 from moe.training import TrainConfig, train
-from moe.training.cli import interrupted_line
+from moe.training.cli import INTERRUPTED_EXIT, fail, interrupted_line
 from moe.training.loop import Interrupted
 
 TINY = [
@@ -187,3 +187,19 @@ def test_ctrl_c_under_torchrun_rank_0_says_it_in_one_line(tmp_path):
     assert len(said) == 1, err[-3000:]  # rank 0 alone; torchrun then reports the signal in its own words
     command = said[0].split("; resume from it: ")[1]
     assert shlex.split(command) == ["torchrun", *launcher, TRAIN_SCRIPT, *args, "--resume"], command
+
+
+def test_the_line_reaches_stderr_in_one_write(monkeypatch):
+    """torchrun's ranks share its stderr pipe: a line written in two parts (print's separate
+    newline) lets the launcher's own log line land inside it, so the resume command is torn."""
+    writes = []
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    with pytest.raises(SystemExit):
+        fail("interrupted after step 4 of 8", INTERRUPTED_EXIT, prefix="")
+    assert writes == ["interrupted after step 4 of 8\n"]

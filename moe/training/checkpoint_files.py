@@ -108,7 +108,7 @@ def verify_checkpoint(path: Path) -> str | None:
 
 def _warn(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"warning: {message}\n")  # one write, as cli.fail: no launcher line inside it
 
 
 def newest_verifying(checkpoints: list[Path]) -> Path | None:

@@ -159,6 +159,6 @@ def torchrun_options() -> list[str] | None:
 
 def fail(error: ValueError | str, status: int = USAGE_EXIT, prefix: str = "error: ") -> None:
     """One line on rank 0's stderr, exit status ``status`` (2: a user error) on every rank."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"{prefix}{error}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # one write: print's separate newline lets torchrun's own lines in
+        sys.stderr.write(f"{prefix}{error}\n")
     raise SystemExit(status) from None
