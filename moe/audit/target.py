@@ -45,10 +45,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import re
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -434,10 +436,20 @@ def _takes_input_ids(fn: Callable) -> bool:
     return "input_ids" in params
 
 
+_NOT_THE_TARGETS = tuple(str(folder) + os.sep for folder in (Path(torch.__file__).parent, Path(__file__).parent))
+"""Folders whose frames are not the target's own code: torch's package (an ``nn.Linear`` given the
+wrong width raises in ``torch/nn/modules/linear.py``; an op under a ``with torch.device(...)`` mode or
+``torch.compile`` raises in their wrappers) and the audit's."""
+
+
 def raise_site(error: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``error``'s traceback (where it was raised)."""
+    """``file:line`` of the innermost frame of ``error``'s traceback in the target's own code (the
+    line that called into torch where torch raised), or the innermost frame where no frame is the
+    target's."""
     frames = traceback.extract_tb(error.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    own = [f for f in frames if not f.filename.startswith(_NOT_THE_TARGETS)]
+    frame = (own or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else "?"
 
 
 class AuditTarget:
