@@ -671,8 +671,13 @@ def jacobian(ctx: ProbeContext) -> ProbeResult:
         g_RBTF[r, :, s, parts[k].start : parts[k].stop] = w_CBF[i, :, parts[k].start : parts[k].stop]
     try:
         g_RBT, injected = _gradient_rows(value_BTF, wrt, g_RBTF)
-    except RuntimeError as e:  # e.g. a saved tensor changed in place: not differentiable as run
-        return _jacobian_skipped(ctx, f"its graph cannot be differentiated ({type(e).__name__}: {e})")
+    except RuntimeError as e:  # e.g. a saved tensor changed in place: perhaps by the first backward only
+        try:
+            g_RBT, injected = _gradient_rows(
+                value_BTF, wrt, g_RBTF, regraph=lambda: ctx.runner.forward_with_grad(ctx.x)
+            )
+        except (RuntimeError, TargetFailure):  # not differentiable as run, even once
+            return _jacobian_skipped(ctx, f"its graph cannot be differentiated ({type(e).__name__}: {e})")
     future = [float(g_RBT[r, :, s + 1 :].amax()) if s + 1 < ctx.t else 0.0 for r, (_, _, s) in enumerate(rows)]
     own = [float(g_RBT[r, :, : s + 1].amax()) for r, (_, _, s) in enumerate(rows)]
     moved, outputs, largest, excess, tolerance = set(), [], 0.0, 0.0, 0.0
@@ -754,7 +759,9 @@ def path_changes(ctx: ProbeContext) -> tuple[list[int], list[int]]:
     return [t for t in moved if fine_T[t] > 0.75 * coarse_T[t]], [t for t in moved if fine_T[t] <= 0.75 * coarse_T[t]]
 
 
-def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> tuple[Tensor, bool]:
+def _gradient_rows(
+    value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor, regraph: Callable[[], tuple[Tensor, Tensor] | None] | None = None
+) -> tuple[Tensor, bool]:
     """(|d (sum g_RBTF[r] * value_BTF) / d wrt| per row r, the largest over its trailing axes:
     float64 [R, B, T]; whether the backward gave a gradient for a zero output gradient). The
     vector-Jacobian product is linear in the output's gradient, so a backward that hands out a
@@ -762,25 +769,43 @@ def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> tuple[Tens
     passes the output through and gives the loss a gradient of ones, batch statistics that reach
     every position) shows as the product of a zero row, which is subtracted from every row. One
     batched backward (``is_grads_batched``), or one per row where the target's ops cannot be
-    batched."""
+    batched. With ``regraph`` (a fresh forward with gradients: (value_BTF, wrt)), every row gets a
+    graph of its own: a backward that writes into the tensors its graph saved (scattermoe's
+    ParallelLinear reuses them as buffers) runs once per graph."""
     g_RBTF = torch.cat([g_RBTF, torch.zeros_like(g_RBTF[:1])])
-    try:
-        (g,) = torch.autograd.grad(value_BTF, wrt, g_RBTF, retain_graph=True, allow_unused=True, is_grads_batched=True)
-        grads = [g] if g is not None else None
-    except RuntimeError:  # an op without a batching rule: one backward per row
-        grads = []
-        for row in g_RBTF:
-            (g,) = torch.autograd.grad(value_BTF, wrt, row, retain_graph=True, allow_unused=True)
-            if g is None:
-                grads = None
-                break
-            grads.append(g[None])
+    if regraph is not None:
+        grads = _row_by_row(g_RBTF, regraph, retain=False)
+    else:
+        try:
+            (g,) = torch.autograd.grad(
+                value_BTF, wrt, g_RBTF, retain_graph=True, allow_unused=True, is_grads_batched=True
+            )
+            grads = [g] if g is not None else None
+        except RuntimeError:  # an op without a batching rule: one backward per row
+            grads = _row_by_row(g_RBTF, lambda: (value_BTF, wrt), retain=True)
     if grads is None:
         return torch.zeros(g_RBTF.shape[0] - 1, *wrt.shape[:2], dtype=torch.float64), False
     g = torch.cat(grads).detach().double()
     own = g[-1:].nan_to_num(0.0, 0.0, 0.0)
     g = (g[:-1] - own).abs().nan_to_num(0.0, 0.0, 0.0)
     return g.reshape(*g.shape[:3], -1).amax(-1), bool(own.any())
+
+
+def _row_by_row(g_RBTF: Tensor, graph: Callable[[], tuple[Tensor, Tensor] | None], retain: bool) -> list[Tensor] | None:
+    """The gradient of sum(g_RBTF[r] * value_BTF) with respect to wrt, one backward per row r, each on
+    the (value_BTF, wrt) that ``graph()`` gives; None where no gradient reaches wrt."""
+    grads = []
+    for row in g_RBTF:
+        value_wrt = graph()
+        (g,) = (
+            (None,)
+            if value_wrt is None
+            else torch.autograd.grad(*value_wrt, row, retain_graph=retain, allow_unused=True)
+        )
+        if g is None:
+            return None
+        grads.append(g[None])
+    return grads
 
 
 def _jacobian_skipped(ctx: ProbeContext, why: str) -> ProbeResult:
