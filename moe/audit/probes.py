@@ -89,7 +89,7 @@ from torch import Tensor
 from moe.audit.comparator import MAX_ROWS, Variant, difference, spread
 from moe.audit.report import BATCH_PROBE, DECODE_PROBE, KINDS, ProbeResult
 from moe.audit.runner import Runner, TargetFailure, TargetTimeout
-from moe.audit.target import AuditTarget, AuditUsageError, Outputs, Part
+from moe.audit.target import AuditTarget, AuditUsageError, OutputError, Outputs, Part, read_outputs
 
 MAX_CUTS = 16
 """Most cut positions t probed per sequence (all of 0..T-2 when T <= 17)."""
@@ -592,6 +592,38 @@ def _untold(seen: dict[str, list[int]]) -> str:
         at = f"a change at position {qs[0]}" if len(qs) == 1 else f"changes at positions {', '.join(map(str, qs))}"
         parts.append(f"{at} {_WHAT_MOVED[kind]}")
     return "; ".join(parts) or "the forward that checks it failed"
+
+
+def check_lengths(runner: Runner, example: Tensor, base: Outputs) -> bool:
+    """Whether some outputs of ``base`` (the example's) were found not to follow the sequence's length,
+    and added to ``runner.target.not_per_position``. A field is read per position by its leading axes
+    alone, so one whose axis 1 has T entries of something else (a head-major attention map
+    [B, H, T, T] with H = T, per-expert counts [B, E] with E = T; a buffer [E * C, D] with
+    E * C = B * T read flat) reads as per position at T; a plain forward of the example's first T - 1
+    positions (else T // 2) shows whether it keeps its leading axes where the others follow. Nothing
+    is decided where no shorter forward runs or no output follows the length."""
+    at = runner.target
+    b, t = example.shape[:2]
+    names = {p.name for p in base.parts}
+    for short in dict.fromkeys(n for n in (t - 1, t // 2) if n >= 1):
+        try:
+            fields, _ = read_outputs(runner.plain(example[:, :short]), b, short, at.output)
+        except (TargetFailure, OutputError):
+            continue
+        now = {f.name: f for f in fields}
+        follows = {
+            name: name in now and now[name].flat == flat for name, (flat, _) in at.per_position.items() if name in names
+        }
+        if not any(follows.values()):
+            return False
+        for name in (name for name, keeps in follows.items() if not keeps):
+            at.not_per_position[name] = (
+                f"not per position: {b * t} rows at T={t}, not {b * short} at T={short}"
+                if at.per_position[name][0]
+                else f"not per position: its axis 1 has {t} entries at T={t}, not {short} at T={short}"
+            ) + " (as many heads, experts or slots as positions?)"
+        return bool(at.not_per_position)
+    return False
 
 
 def check_flat_order(runner: Runner, example: Tensor, base: Outputs, sampler: Sampler, seed: int) -> list[str]:

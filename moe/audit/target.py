@@ -482,6 +482,9 @@ class AuditTarget:
         self.per_position: dict[str, tuple[bool, tuple[int, ...]]] = {}
         """Per tensor output, as the first forward of two or more positions gave it: whether it was
         flat ([B * T, ...]) and the shape it holds per position."""
+        self.not_per_position: dict[str, str] = {}
+        """Outputs whose leading axes have the example's [B, T] (or B * T) sizes but do not follow the
+        sequence's length (:func:`moe.audit.probes.check_lengths`), with why: listed as not audited."""
         self.float_parts: tuple[Part, ...] = ()
         """The float outputs of the last forward (their dtypes)."""
         self.ids_by_keyword = _takes_input_ids(target)
@@ -624,6 +627,10 @@ class AuditTarget:
             fields, skipped = read_outputs(out, b, t, self.output)
         except OutputError as e:
             raise AuditUsageError(str(e)) from None
+        skipped += [
+            Skipped(f.name, f.shape, self.not_per_position[f.name]) for f in fields if f.name in self.not_per_position
+        ]
+        fields = [f for f in fields if f.name not in self.not_per_position]
         self._check_per_position(fields, b, t)
         values: list[tuple[str, Tensor]] = []
         exact: list[tuple[str, Tensor]] = []
