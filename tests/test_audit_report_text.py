@@ -374,6 +374,36 @@ def test_a_raise_is_reported_with_its_file_and_line():
     assert report.error.endswith(f"RuntimeError: kaboom (raised at {__file__}:{line}))"), report.error
 
 
+class _WrongWidth(nn.Module):
+    """Its linear layer takes 8 features of the 16 it is given: torch raises inside nn.Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x)
+
+
+class _ViewUnderDeviceMode(nn.Module):
+    """A bad view inside ``with torch.device(...)`` (scattermoe's ParallelLinear runs its ops so):
+    the innermost frame is torch's mode wrapper."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.device(x.device):
+            return x.view(3, -1, 7)
+
+
+@pytest.mark.parametrize("target, line", [(_WrongWidth, "return self.proj(x)"), (_ViewUnderDeviceMode, "x.view(3")])
+def test_a_raise_inside_torch_names_the_targets_own_line(target, line):
+    """torch's own frames are not where the target failed: the site is the target's line that called into
+    torch (before: torch/nn/modules/linear.py or torch/utils/_device.py, the same for every target)."""
+    lines, first = inspect.getsourcelines(target.forward)
+    where = first + next(i for i, text in enumerate(lines) if line in text)
+    report = audit(target(), example(), trials=1)
+    assert report.error.endswith(f"(raised at {__file__}:{where}))"), report.error
+
+
 def _raises_with_a_tensor(x: Tensor) -> Tensor:
     raise ValueError(f"found invalid values:\n{torch.full((32, 8), float('nan'))}")
 

@@ -89,7 +89,7 @@ from torch import Tensor
 from moe.audit.comparator import MAX_ROWS, Variant, difference, spread
 from moe.audit.report import BATCH_PROBE, DECODE_PROBE, KINDS, ProbeResult
 from moe.audit.runner import Runner, TargetFailure, TargetTimeout
-from moe.audit.target import AuditTarget, AuditUsageError, Outputs, Part
+from moe.audit.target import AuditTarget, AuditUsageError, OutputError, Outputs, Part, read_outputs
 
 MAX_CUTS = 16
 """Most cut positions t probed per sequence (all of 0..T-2 when T <= 17)."""
@@ -594,6 +594,38 @@ def _untold(seen: dict[str, list[int]]) -> str:
     return "; ".join(parts) or "the forward that checks it failed"
 
 
+def check_lengths(runner: Runner, example: Tensor, base: Outputs) -> bool:
+    """Whether some outputs of ``base`` (the example's) were found not to follow the sequence's length,
+    and added to ``runner.target.not_per_position``. A field is read per position by its leading axes
+    alone, so one whose axis 1 has T entries of something else (a head-major attention map
+    [B, H, T, T] with H = T, per-expert counts [B, E] with E = T; a buffer [E * C, D] with
+    E * C = B * T read flat) reads as per position at T; a plain forward of the example's first T - 1
+    positions (else T // 2) shows whether it keeps its leading axes where the others follow. Nothing
+    is decided where no shorter forward runs or no output follows the length."""
+    at = runner.target
+    b, t = example.shape[:2]
+    names = {p.name for p in base.parts}
+    for short in dict.fromkeys(n for n in (t - 1, t // 2) if n >= 1):
+        try:
+            fields, _ = read_outputs(runner.plain(example[:, :short]), b, short, at.output)
+        except (TargetFailure, OutputError):
+            continue
+        now = {f.name: f for f in fields}
+        follows = {
+            name: name in now and now[name].flat == flat for name, (flat, _) in at.per_position.items() if name in names
+        }
+        if not any(follows.values()):
+            return False
+        for name in (name for name, keeps in follows.items() if not keeps):
+            at.not_per_position[name] = (
+                f"not per position: {b * t} rows at T={t}, not {b * short} at T={short}"
+                if at.per_position[name][0]
+                else f"not per position: its axis 1 has {t} entries at T={t}, not {short} at T={short}"
+            ) + " (as many heads, experts or slots as positions?)"
+        return bool(at.not_per_position)
+    return False
+
+
 def check_flat_order(runner: Runner, example: Tensor, base: Outputs, sampler: Sampler, seed: int) -> list[str]:
     """Tell the order of every flat output of ``base`` (the example's outputs, flat ones read as
     rows b * T + t) with forwards that change one position alone; add each time-major one to
@@ -671,8 +703,13 @@ def jacobian(ctx: ProbeContext) -> ProbeResult:
         g_RBTF[r, :, s, parts[k].start : parts[k].stop] = w_CBF[i, :, parts[k].start : parts[k].stop]
     try:
         g_RBT, injected = _gradient_rows(value_BTF, wrt, g_RBTF)
-    except RuntimeError as e:  # e.g. a saved tensor changed in place: not differentiable as run
-        return _jacobian_skipped(ctx, f"its graph cannot be differentiated ({type(e).__name__}: {e})")
+    except RuntimeError as e:  # e.g. a saved tensor changed in place: perhaps by the first backward only
+        try:
+            g_RBT, injected = _gradient_rows(
+                value_BTF, wrt, g_RBTF, regraph=lambda: ctx.runner.forward_with_grad(ctx.x)
+            )
+        except (RuntimeError, TargetFailure):  # not differentiable as run, even once
+            return _jacobian_skipped(ctx, f"its graph cannot be differentiated ({type(e).__name__}: {e})")
     future = [float(g_RBT[r, :, s + 1 :].amax()) if s + 1 < ctx.t else 0.0 for r, (_, _, s) in enumerate(rows)]
     own = [float(g_RBT[r, :, : s + 1].amax()) for r, (_, _, s) in enumerate(rows)]
     moved, outputs, largest, excess, tolerance = set(), [], 0.0, 0.0, 0.0
@@ -754,7 +791,9 @@ def path_changes(ctx: ProbeContext) -> tuple[list[int], list[int]]:
     return [t for t in moved if fine_T[t] > 0.75 * coarse_T[t]], [t for t in moved if fine_T[t] <= 0.75 * coarse_T[t]]
 
 
-def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> tuple[Tensor, bool]:
+def _gradient_rows(
+    value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor, regraph: Callable[[], tuple[Tensor, Tensor] | None] | None = None
+) -> tuple[Tensor, bool]:
     """(|d (sum g_RBTF[r] * value_BTF) / d wrt| per row r, the largest over its trailing axes:
     float64 [R, B, T]; whether the backward gave a gradient for a zero output gradient). The
     vector-Jacobian product is linear in the output's gradient, so a backward that hands out a
@@ -762,25 +801,43 @@ def _gradient_rows(value_BTF: Tensor, wrt: Tensor, g_RBTF: Tensor) -> tuple[Tens
     passes the output through and gives the loss a gradient of ones, batch statistics that reach
     every position) shows as the product of a zero row, which is subtracted from every row. One
     batched backward (``is_grads_batched``), or one per row where the target's ops cannot be
-    batched."""
+    batched. With ``regraph`` (a fresh forward with gradients: (value_BTF, wrt)), every row gets a
+    graph of its own: a backward that writes into the tensors its graph saved (scattermoe's
+    ParallelLinear reuses them as buffers) runs once per graph."""
     g_RBTF = torch.cat([g_RBTF, torch.zeros_like(g_RBTF[:1])])
-    try:
-        (g,) = torch.autograd.grad(value_BTF, wrt, g_RBTF, retain_graph=True, allow_unused=True, is_grads_batched=True)
-        grads = [g] if g is not None else None
-    except RuntimeError:  # an op without a batching rule: one backward per row
-        grads = []
-        for row in g_RBTF:
-            (g,) = torch.autograd.grad(value_BTF, wrt, row, retain_graph=True, allow_unused=True)
-            if g is None:
-                grads = None
-                break
-            grads.append(g[None])
+    if regraph is not None:
+        grads = _row_by_row(g_RBTF, regraph, retain=False)
+    else:
+        try:
+            (g,) = torch.autograd.grad(
+                value_BTF, wrt, g_RBTF, retain_graph=True, allow_unused=True, is_grads_batched=True
+            )
+            grads = [g] if g is not None else None
+        except RuntimeError:  # an op without a batching rule: one backward per row
+            grads = _row_by_row(g_RBTF, lambda: (value_BTF, wrt), retain=True)
     if grads is None:
         return torch.zeros(g_RBTF.shape[0] - 1, *wrt.shape[:2], dtype=torch.float64), False
     g = torch.cat(grads).detach().double()
     own = g[-1:].nan_to_num(0.0, 0.0, 0.0)
     g = (g[:-1] - own).abs().nan_to_num(0.0, 0.0, 0.0)
     return g.reshape(*g.shape[:3], -1).amax(-1), bool(own.any())
+
+
+def _row_by_row(g_RBTF: Tensor, graph: Callable[[], tuple[Tensor, Tensor] | None], retain: bool) -> list[Tensor] | None:
+    """The gradient of sum(g_RBTF[r] * value_BTF) with respect to wrt, one backward per row r, each on
+    the (value_BTF, wrt) that ``graph()`` gives; None where no gradient reaches wrt."""
+    grads = []
+    for row in g_RBTF:
+        value_wrt = graph()
+        (g,) = (
+            (None,)
+            if value_wrt is None
+            else torch.autograd.grad(*value_wrt, row, retain_graph=retain, allow_unused=True)
+        )
+        if g is None:
+            return None
+        grads.append(g[None])
+    return grads
 
 
 def _jacobian_skipped(ctx: ProbeContext, why: str) -> ProbeResult:

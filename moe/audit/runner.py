@@ -308,8 +308,13 @@ class Runner:
     def time_forward(self, x: Tensor) -> float:
         """One plain eval forward of the target on x (:meth:`AuditTarget.plain`), its time on
         :func:`cost_clock`."""
-        self._run(x, self.seed, self.target.plain)
+        self.plain(x)
         return self.last_seconds
+
+    def plain(self, x: Tensor) -> Any:
+        """The target's output for x as it returns it, from a plain forward (:meth:`AuditTarget.plain`):
+        nothing read, so its shapes can be checked."""
+        return self._run(x, self.seed, self.target.plain)
 
     def forward_with_grad(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(value_BTF with its graph, the input it is differentiated against) or None; see

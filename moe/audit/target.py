@@ -45,10 +45,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 import re
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -434,10 +436,20 @@ def _takes_input_ids(fn: Callable) -> bool:
     return "input_ids" in params
 
 
+_NOT_THE_TARGETS = tuple(str(folder) + os.sep for folder in (Path(torch.__file__).parent, Path(__file__).parent))
+"""Folders whose frames are not the target's own code: torch's package (an ``nn.Linear`` given the
+wrong width raises in ``torch/nn/modules/linear.py``; an op under a ``with torch.device(...)`` mode or
+``torch.compile`` raises in their wrappers) and the audit's."""
+
+
 def raise_site(error: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``error``'s traceback (where it was raised)."""
+    """``file:line`` of the innermost frame of ``error``'s traceback in the target's own code (the
+    line that called into torch where torch raised), or the innermost frame where no frame is the
+    target's."""
     frames = traceback.extract_tb(error.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+    own = [f for f in frames if not f.filename.startswith(_NOT_THE_TARGETS)]
+    frame = (own or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else "?"
 
 
 class AuditTarget:
@@ -470,6 +482,9 @@ class AuditTarget:
         self.per_position: dict[str, tuple[bool, tuple[int, ...]]] = {}
         """Per tensor output, as the first forward of two or more positions gave it: whether it was
         flat ([B * T, ...]) and the shape it holds per position."""
+        self.not_per_position: dict[str, str] = {}
+        """Outputs whose leading axes have the example's [B, T] (or B * T) sizes but do not follow the
+        sequence's length (:func:`moe.audit.probes.check_lengths`), with why: listed as not audited."""
         self.float_parts: tuple[Part, ...] = ()
         """The float outputs of the last forward (their dtypes)."""
         self.ids_by_keyword = _takes_input_ids(target)
@@ -612,6 +627,10 @@ class AuditTarget:
             fields, skipped = read_outputs(out, b, t, self.output)
         except OutputError as e:
             raise AuditUsageError(str(e)) from None
+        skipped += [
+            Skipped(f.name, f.shape, self.not_per_position[f.name]) for f in fields if f.name in self.not_per_position
+        ]
+        fields = [f for f in fields if f.name not in self.not_per_position]
         self._check_per_position(fields, b, t)
         values: list[tuple[str, Tensor]] = []
         exact: list[tuple[str, Tensor]] = []
