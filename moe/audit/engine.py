@@ -401,48 +401,67 @@ def _after_modes(
         report.agreement = target_agreement(at, example)
 
 
-FIXED_DRAWS = "the target's random draws fixed at their medians"
-"""What :func:`_with_fixed_draws` adds to the variant of each finding it reports."""
+FIXED_AT = {0.5: "their medians", 0.25: "their lower quartiles", 0.75: "their upper quartiles"}
+"""Where :func:`_with_fixed_draws` fixes the draws, pass by pass: each law's median, then its
+quartiles (:class:`~moe.audit.fixed_draws.FixedDraws`)."""
 
 
 def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, mode: str) -> None:
     """A mode judged by its noise, audited again with every random draw of torch fixed at its
-    median (:mod:`moe.audit.fixed_draws`): its rule, deterministic then, is judged by a fixed seed,
-    and what that finds of a kind (a leak, batch interference, a prefix that differs) where the
-    noisy audit found none of it is added to ``report.probes`` (the probe's name and the variant
-    say so). Noise can hide a leak of the rule below any test of a few dozen draws (a random
-    choice among an overfull expert's tokens behind a sampled gate); the draws fixed, it shows
-    in every comparison. Nothing is added where the draws could not all be fixed (an op the mode
-    does not know, Python's or NumPy's generators) or the target fails with them fixed."""
+    median (:mod:`moe.audit.fixed_draws`), then at its lower and at its upper quartile: its rule,
+    deterministic then, is judged by a fixed seed, and what that finds of a kind (a leak, batch
+    interference, a prefix that differs) where the noisy audit and the passes before found none
+    of it is added to ``report.probes`` (the probe's name and the variant say so). Noise can hide
+    a leak of the rule below any test of a few dozen draws (a random choice among an overfull
+    expert's tokens behind a sampled gate); the draws fixed, it shows in every comparison. A
+    branch the rule takes only away from the median (fairseq's ``Top2Gate`` keeps a random second
+    expert where ``2 p > U``, and the capacity it crowds overflows only when most are kept) shows
+    at a quartile. Nothing is added where the draws could not all be fixed (an op the mode does
+    not know, Python's or NumPy's generators) or the target fails with them fixed."""
     found = {p.kind for p in report.probes if p.mode == mode and p.leaks}
     if found >= {p.kind for p in session.suite}:
         return
-    runner, results, why = session.runner, [], None
-    with runner.drawing_medians() as fixed:
+    comparisons, runs, added, done = 0, 0, [], []
+    for quantile, where in FIXED_AT.items():
+        results, why = _fixed_pass(session, report, example, mode, quantile)
+        if why is not None:
+            report.notes.append(f"{mode} mode: not audited with its random draws fixed at {where}: {why}")
+            break
+        comparisons, runs = comparisons + sum(r.comparisons for r in results), runs + len(results)
+        done.append(where)
+        for result in [r for r in results if r.leaks and r.kind not in found]:
+            result.name = f"{result.name}, draws fixed"
+            variant = f"the target's random draws fixed at {where}"
+            result.found_by = f"{result.found_by}, with {variant}" if result.found_by else variant
+            report.probes.append(result)
+            added.append(result.name)
+            found.add(result.kind)
+        if found >= {p.kind for p in session.suite}:
+            break
+    if done:
+        report.notes.append(
+            f"{mode} mode: audited again with its random draws fixed at {', then at '.join(done)}: "
+            f"{comparisons} comparisons in {runs} probe runs, found {', '.join(added) or 'nothing the noisy audit had not'}"
+        )
+
+
+def _fixed_pass(
+    session: _Session, report: AuditReport, example: Tensor, mode: str, quantile: float
+) -> tuple[list[ProbeResult], str | None]:
+    """The probes run on ``mode`` with every draw fixed at its ``quantile``: (their results, None),
+    or ([], why the pass could not judge the target)."""
+    runner = session.runner
+    with runner.drawing_fixed(quantile) as fixed:
         try:
             cal = calibrate(runner, example, calibration_inputs(example, session.sampler, session.seed))
             if cal.regime == "deterministic" and not cal.stateful and cal.comparable:
                 alone = dataclasses.replace(session, tallies={})  # the noisy audit's tallies stay as they are
                 ctx = _context(alone, example, mode, cal, report.quick)
-                results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone)
-            else:
-                left = sorted(fixed.unknown) + (["Python's or NumPy's generator"] if runner.last_host_draws else [])
-                why = "its output still varies" + (f" (left drawing: {', '.join(left)})" if left else "")
+                return _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone), None
+            left = sorted(fixed.unknown) + (["Python's or NumPy's generator"] if runner.last_host_draws else [])
+            return [], "its output still varies" + (f" (left drawing: {', '.join(left)})" if left else "")
         except (TargetFailure, TargetTimeout, TargetExit, Misaligned) as e:  # Misaligned: draws that follow the data
-            why = str(e) or "its draws still follow the data"
-    if why is not None:
-        report.notes.append(f"{mode} mode: not audited with its random draws fixed at their medians: {why}")
-        return
-    added = [r for r in results if r.leaks and r.kind not in found]
-    for result in added:
-        result.name = f"{result.name}, draws fixed"
-        result.found_by = f"{result.found_by}, with {FIXED_DRAWS}" if result.found_by else FIXED_DRAWS
-        report.probes.append(result)
-    what = ", ".join(r.name for r in added) or "nothing the noisy audit had not"
-    report.notes.append(
-        f"{mode} mode: audited again with its random draws fixed at their medians: "
-        f"{sum(r.comparisons for r in results)} comparisons in {len(results)} probe runs, found {what}"
-    )
+            return [], str(e) or "its draws still follow the data"
 
 
 def _one_forward_seconds(runner: Runner, at: AuditTarget, example: Tensor) -> float:
