@@ -294,3 +294,27 @@ def test_a_random_second_expert_under_a_shared_capacity_differs_at_decode_with_i
     assert report.decode_consistent is False, report.summary()
     (found,) = [p for p in report.probes if p.leaks and p.kind == "decode"]
     assert found.name == "decode_consistency, draws fixed" and "quartiles" in found.found_by, found.found_by
+
+
+class RandomPairs(nn.Module):
+    """zoology's BigBIRDAttention's random part, written here: 3 pairs of positions (i, j), each
+    drawn over [0, T - 1) per call, kept where i > j (causal), position i adding position j's
+    input. A prefix draws its pairs over fewer positions, so the law of an output at t < T
+    differs between the prefix and the full sequence. At any one quantile the two draws are tied
+    and no pair is kept; a call's draws at the upper then the lower quartile keep one."""
+
+    def forward(self, x_BTD):
+        t = x_BTD.shape[1]
+        i, j = torch.randint(t - 1, (3,)), torch.randint(t - 1, (3,))
+        keep = i > j
+        adds_TT = torch.zeros(t, t).index_put((i[keep], j[keep]), torch.tensor(1.0), accumulate=True)
+        return x_BTD + torch.einsum("ts,bsd->btd", adds_TT, x_BTD)
+
+
+def test_random_pairs_over_the_length_differ_at_decode_with_a_calls_draws_at_its_quartiles_in_turn():
+    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
+    report = audit(RandomPairs(), x, modes=("eval",), agreement=False)
+    assert not report.leaks and report.batch_invariant, report.summary()
+    assert report.decode_consistent is False, report.summary()
+    (found,) = [p for p in report.probes if p.leaks]
+    assert found.name == "decode_consistency, draws fixed" and "in turn" in found.found_by, found.found_by

@@ -401,29 +401,42 @@ def _after_modes(
         report.agreement = target_agreement(at, example)
 
 
-FIXED_AT = {0.5: "their medians", 0.25: "their lower quartiles", 0.75: "their upper quartiles"}
-"""Where :func:`_with_fixed_draws` fixes the draws, pass by pass: each law's median, then its
-quartiles (:class:`~moe.audit.fixed_draws.FixedDraws`)."""
+FIXED_AT: tuple[tuple[float | tuple[float, float], str], ...] = (
+    (0.5, "their medians"),
+    (0.25, "their lower quartiles"),
+    (0.75, "their upper quartiles"),
+    ((0.75, 0.25), "their upper and lower quartiles in turn"),
+    ((0.25, 0.75), "their lower and upper quartiles in turn"),
+)
+"""Where :func:`_with_fixed_draws` fixes the draws, pass by pass: each law's median, its
+quartiles, then a call's draws at its two quartiles in turn (both orders; only for a target that
+draws more than once a call) (:class:`~moe.audit.fixed_draws.FixedDraws`)."""
 
 
 def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, mode: str) -> None:
     """A mode judged by its noise, audited again with every random draw of torch fixed at its
-    median (:mod:`moe.audit.fixed_draws`), then at its lower and at its upper quartile: its rule,
-    deterministic then, is judged by a fixed seed, and what that finds of a kind (a leak, batch
-    interference, a prefix that differs) where the noisy audit and the passes before found none
-    of it is added to ``report.probes`` (the probe's name and the variant say so). Noise can hide
-    a leak of the rule below any test of a few dozen draws (a random choice among an overfull
-    expert's tokens behind a sampled gate); the draws fixed, it shows in every comparison. A
-    branch the rule takes only away from the median (fairseq's ``Top2Gate`` keeps a random second
-    expert where ``2 p > U``, and the capacity it crowds overflows only when most are kept) shows
-    at a quartile. Nothing is added where the draws could not all be fixed (an op the mode does
-    not know, Python's or NumPy's generators) or the target fails with them fixed."""
+    median (:mod:`moe.audit.fixed_draws`), then at its lower and at its upper quartile, then (for
+    a target that draws more than once a call) with a call's draws at the two quartiles in turn:
+    its rule, deterministic then, is judged by a fixed seed, and what that finds of a kind (a
+    leak, batch interference, a prefix that differs) where the noisy audit and the passes before
+    found none of it is added to ``report.probes`` (the probe's name and the variant say so).
+    Noise can hide a leak of the rule below any test of a few dozen draws (a random choice among
+    an overfull expert's tokens behind a sampled gate); the draws fixed, it shows in every
+    comparison. A branch the rule takes only away from the median (fairseq's ``Top2Gate`` keeps a
+    random second expert where ``2 p > U``, and the capacity it crowds overflows only when most
+    are kept) shows at a quartile; one it takes only where two draws differ (zoology's
+    ``BigBIRDAttention`` keeps a random pair of positions (i, j) where i > j), with the draws in
+    turn. Nothing is added where the draws could not all be fixed (an op the mode does not know,
+    Python's or NumPy's generators), the target fails with them fixed, or, with the draws in
+    turn, its calls draw other ops (or in another order) for other inputs."""
     found = {p.kind for p in report.probes if p.mode == mode and p.leaks}
     if found >= {p.kind for p in session.suite}:
         return
-    comparisons, runs, added, done = 0, 0, [], []
-    for quantile, where in FIXED_AT.items():
-        results, why = _fixed_pass(session, report, example, mode, quantile)
+    comparisons, runs, added, done, draws = 0, 0, [], [], 0
+    for quantile, where in FIXED_AT:
+        if not isinstance(quantile, float) and draws < 2:
+            break  # one draw a call: in turn is as at a quartile
+        results, why, draws = _fixed_pass(session, report, example, mode, quantile)
         if why is not None:
             report.notes.append(f"{mode} mode: not audited with its random draws fixed at {where}: {why}")
             break
@@ -446,10 +459,11 @@ def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, m
 
 
 def _fixed_pass(
-    session: _Session, report: AuditReport, example: Tensor, mode: str, quantile: float
-) -> tuple[list[ProbeResult], str | None]:
-    """The probes run on ``mode`` with every draw fixed at its ``quantile``: (their results, None),
-    or ([], why the pass could not judge the target)."""
+    session: _Session, report: AuditReport, example: Tensor, mode: str, quantile: float | tuple[float, float]
+) -> tuple[list[ProbeResult], str | None, int]:
+    """The probes run on ``mode`` with every draw fixed at its ``quantile`` (or a call's draws at
+    them in turn): (their results, None, the draws of a call), or ([], why the pass could not
+    judge the target, the draws of a call)."""
     runner = session.runner
     with runner.drawing_fixed(quantile) as fixed:
         try:
@@ -457,11 +471,14 @@ def _fixed_pass(
             if cal.regime == "deterministic" and not cal.stateful and cal.comparable:
                 alone = dataclasses.replace(session, tallies={})  # the noisy audit's tallies stay as they are
                 ctx = _context(alone, example, mode, cal, report.quick)
-                return _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone), None
+                results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone)
+                if fixed.misaligned and not isinstance(quantile, float):  # draw k is not one op in every call
+                    return [], "its calls draw other random ops, or in another order, for other inputs", 0
+                return results, None, len(fixed.order or ())
             left = sorted(fixed.unknown) + (["Python's or NumPy's generator"] if runner.last_host_draws else [])
-            return [], "its output still varies" + (f" (left drawing: {', '.join(left)})" if left else "")
+            return [], "its output still varies" + (f" (left drawing: {', '.join(left)})" if left else ""), 0
         except (TargetFailure, TargetTimeout, TargetExit, Misaligned) as e:  # Misaligned: draws that follow the data
-            return [], str(e) or "its draws still follow the data"
+            return [], str(e) or "its draws still follow the data", 0
 
 
 def _one_forward_seconds(runner: Runner, at: AuditTarget, example: Tensor) -> float:

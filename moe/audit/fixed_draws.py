@@ -19,7 +19,11 @@ q-quantile of their range, a Bernoulli 1 where p >= 1 - q, dropout's mask all ke
 a permutation, a multinomial, a Poisson and a binomial sample stay as at the median. One
 constant per law, whatever the shape of the draw, as the median is: a rule whose draws decide
 a branch only away from their median (a second expert kept where ``2 p > U``, crowding a
-capacity only when most are kept) shows that branch at a quartile.
+capacity only when most are kept) shows that branch at a quartile. A sequence of quantiles puts
+a call's draws at them in turn: two draws of one law fixed at one constant are tied, and a rule
+that compares them (zoology's ``BigBIRDAttention`` keeps a random pair (i, j) of positions,
+each drawn over [0, T - 1), only where i > j) then keeps nothing; one at its upper quartile and
+the next at its lower one keeps the pair.
 
 Python's ``random`` and NumPy's global generator pass no dispatch mode: :func:`host_medians`
 replaces their common draws (the module functions, looked up when called) for as long as it is
@@ -140,12 +144,31 @@ def _quantile(name: str, args: tuple, kwargs: dict, out: Any, q: float) -> Any:
 class FixedDraws(TorchDispatchMode):
     """Every seeded random op of torch run, then what it drew overwritten with its law's median, or
     its ``quantile`` (the module docstring); ops it does not know keep their draws and are named in
-    :attr:`unknown`."""
+    :attr:`unknown`. ``quantile`` a sequence: the k-th draw of each call (each entry of the mode) at
+    ``quantile[k % len(quantile)]``, so two draws of one law that a rule compares are not tied;
+    draw k is then the same op in every call only if every call draws the same ops in the same
+    order, which :attr:`misaligned` says where not."""
 
-    def __init__(self, quantile: float = 0.5) -> None:
+    def __init__(self, quantile: float | tuple[float, ...] = 0.5) -> None:
         super().__init__()
-        self.quantile = quantile
+        self.quantiles = (quantile,) if isinstance(quantile, float) else tuple(quantile)
         self.unknown: set[str] = set()
+        self.drawn: list[str] = []
+        """The random ops of the current call, in order."""
+        self.order: list[str] | None = None
+        """Those of the first call that returned."""
+        self.misaligned = False
+        """Whether a call that returned drew other ops, or in another order, than the first."""
+
+    def __enter__(self) -> FixedDraws:
+        self.drawn = []
+        return super().__enter__()
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        super().__exit__(exc_type, exc_val, exc_tb)
+        if exc_type is None:
+            self.order = self.drawn if self.order is None else self.order
+            self.misaligned = self.misaligned or self.drawn != self.order
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -153,7 +176,9 @@ class FixedDraws(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return out
         name = func._overloadpacket.__name__
-        fixed = _quantile(name, args, kwargs, out, self.quantile)
+        q = self.quantiles[len(self.drawn) % len(self.quantiles)]
+        self.drawn.append(name)
+        fixed = _quantile(name, args, kwargs, out, q)
         if fixed is None:
             self.unknown.add(name)
             return out
