@@ -318,3 +318,42 @@ def test_random_pairs_over_the_length_differ_at_decode_with_a_calls_draws_at_its
     assert report.decode_consistent is False, report.summary()
     (found,) = [p for p in report.probes if p.leaks]
     assert found.name == "decode_consistency, draws fixed" and "in turn" in found.found_by, found.found_by
+
+
+def test_a_calls_draws_are_fixed_in_turn_and_a_call_that_draws_other_ops_is_told():
+    fixed = FixedDraws((0.75, 0.25))
+    with fixed:
+        first, second = torch.randint(9, (2,)), torch.randint(9, (2,))
+    assert first.tolist() == [6, 6] and second.tolist() == [2, 2]  # the quartiles of [0, 9): 6 and 2
+    assert not fixed.misaligned
+    with fixed:
+        torch.rand(2)
+    assert fixed.misaligned
+
+
+class NoisePerExpertBatch(nn.Module):
+    """Causal: a top-1 gate per token and Gaussian noise drawn for each expert that holds tokens,
+    so how many draws a call makes, and which expert makes the k-th, follow the data. With a
+    call's draws at its quartiles in turn a prefix that leaves an expert empty shifts every later
+    expert's noise: those passes must not count."""
+
+    def __init__(self, d: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.gate = nn.Parameter(torch.randn(d, experts, generator=g))
+
+    def forward(self, x_BTD):
+        choice = (x_BTD @ self.gate).argmax(-1)
+        y = x_BTD.clone()
+        for e in range(self.gate.shape[1]):
+            rows = choice == e
+            if rows.any():
+                y[rows] = x_BTD[rows] * (e + 1) + torch.randn(int(rows.sum()), x_BTD.shape[-1])
+        return y
+
+
+def test_draws_in_turn_do_not_count_where_the_calls_draw_other_ops():
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(0))
+    report = audit(NoisePerExpertBatch(), x, modes=("eval",), agreement=False)
+    assert not report.leaks and report.batch_invariant and report.decode_consistent, report.summary()
+    assert any("in turn" in n and "draw other random ops" in n for n in report.notes), report.notes
