@@ -304,7 +304,7 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
         results = _run_probes(comparator, ctx, session)
     if comparator.unpacked:
         report.notes.append(f"{mode} mode: perturbed copies stopped sharing forwards: {comparator.unpacked}")
-    _read_the_path(ctx, results)
+    _read_the_path(ctx, results, session.tallies)
     report.probes += results
     report.regimes[mode] = cal.regime
     if ctx.sampler.tokens:
@@ -331,14 +331,34 @@ def _context(session: _Session, example: Tensor, mode: str, cal: Calibration, qu
     )
 
 
-def _read_the_path(ctx: ProbeContext, results: list[ProbeResult]) -> None:
+def _read_the_path(ctx: ProbeContext, results: list[ProbeResult], tallies: dict) -> None:
     """Where a forward probe moved earlier outputs and the Jacobian read no gradient to later
     inputs, how the outputs move on a straight path to another future
     (:func:`~moe.audit.probes.path_changes`): jumps are a discrete change (a choice of tokens),
-    smooth moves a statistic computed without gradient; into the Jacobian's result."""
-    jacobian = next((r for r in results if r.name == "jacobian" and r.ran and not r.leaks), None)
-    if jacobian is not None and any(r.leaks for r in results if r.kind == "future" and r.compares_forwards):
+    smooth moves a statistic computed without gradient; into the Jacobian's result. Where the
+    Jacobian read a gradient elsewhere, each position a forward probe moved without one is read
+    on the path to the first variant that moved it: a smooth move there is a dependence too weak
+    at the example for its gradient to count (zoology's Nystrom attention reads the future at
+    position 0 through its iterative pseudo-inverse, a gradient of 6e-9), no choice."""
+    jacobian = next((r for r in results if r.name == "jacobian" and r.ran), None)
+    moved = [r for r in results if r.kind == "future" and r.compares_forwards and r.leaks]
+    if jacobian is None or not moved:
+        return
+    if not jacobian.leaks:
         jacobian.jump_positions, jacobian.smooth_positions = path_changes(ctx)
+        return
+    unread = set(jacobian.probed_positions) - set(jacobian.leaking_positions)
+    variants = {}  # the first variant that moved each unread position, by its identity
+    for result in moved:
+        tally = tallies[(ctx.mode, result.name)][1]
+        for position in sorted(unread & set(result.leaking_positions)):
+            variant = tally.moved_by.get(position)
+            if variant is not None and variant.x.shape == ctx.x.shape:
+                variants.setdefault(id(variant), (variant, set()))[1].add(position)
+    for variant, positions in variants.values():
+        jumps, smooth = path_changes(ctx, variant)
+        jacobian.jump_positions = sorted(set(jacobian.jump_positions) | (positions & set(jumps)))
+        jacobian.smooth_positions = sorted(set(jacobian.smooth_positions) | (positions & set(smooth)))
 
 
 def _run_probes(comparator: Comparator, ctx: ProbeContext, session: _Session) -> list[ProbeResult]:
