@@ -62,3 +62,39 @@ def test_a_choice_of_positions_with_no_gradient_keeps_the_discrete_advice():
     assert "a discrete change: which outputs change depends on later tokens (no gradient path" in summary
     assert "no router is advised" in summary, summary
     assert "computed without gradient" not in summary
+
+
+class MeanAndFlood(nn.Module):
+    """Positions >= 1 add the mean of the whole sequence (a gradient to later inputs); position 0
+    adds a function of S, the mean squared feature over the later positions (about 1 for random
+    futures, about 9 for x3 copies): 0.01 relu(S - 2)^2, smooth with no gradient at the example
+    (as zoology's Nystrom attention reads the future at position 0, by a gradient of 6e-9), or
+    ``step``: 0.1 (S > 2), a choice."""
+
+    def __init__(self, step: bool) -> None:
+        super().__init__()
+        self.step = step
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = (x[:, 1:] ** 2).mean((1, 2))
+        flood = 0.1 * (s > 2).to(x.dtype) if self.step else 0.01 * torch.relu(s - 2) ** 2
+        first = x[:, :1] + flood[:, None, None]
+        return torch.cat([first, x[:, 1:] + x.mean(1, keepdim=True)], 1)
+
+
+def test_a_position_moved_smoothly_without_gradient_beside_a_gradient_leak_is_no_choice():
+    report = audit(MeanAndFlood(step=False), example(), modes=("eval",))
+    jacobian = report.probe("jacobian", "eval")
+    assert 0 not in jacobian.leaking_positions and 0 in report.probe("adversarial_future", "eval").leaking_positions
+    assert jacobian.smooth_positions == [0] and jacobian.jump_positions == [], report.table()
+    summary = report.summary()
+    assert "reads later inputs through a differentiable path" in summary, summary
+    assert "discrete" not in summary and "a choice over the sequence" not in summary, summary
+
+
+def test_a_choice_at_a_position_without_gradient_beside_a_gradient_leak_keeps_the_discrete_advice():
+    report = audit(MeanAndFlood(step=True), example(), modes=("eval",))
+    jacobian = report.probe("jacobian", "eval")
+    assert 0 in jacobian.jump_positions and 0 not in jacobian.smooth_positions, report.table()
+    summary = report.summary()
+    assert "outputs at positions 0 also moved where that gradient is zero or jumped" in summary, summary

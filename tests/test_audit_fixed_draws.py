@@ -220,3 +220,140 @@ def test_a_numpy_shuffled_greedy_assignment_differs_at_decode_with_its_order_fix
     )
     assert report.leaks and report.decode_consistent is False, report.table()
     assert "decode_consistency, draws fixed" in [p.name for p in report.probes if p.leaks], report.table()
+
+
+@pytest.mark.parametrize("q", [0.25, 0.75])
+@pytest.mark.parametrize(
+    ("draw", "law"),
+    [
+        (lambda: torch.rand(3), torch.distributions.Uniform(0.0, 1.0)),
+        (lambda: torch.empty(3).uniform_(-1, 3), torch.distributions.Uniform(-1.0, 3.0)),
+        (lambda: torch.randn(3), torch.distributions.Normal(0.0, 1.0)),
+        (lambda: torch.empty(3).normal_(2.0, 5.0), torch.distributions.Normal(2.0, 5.0)),
+        (lambda: torch.empty(3).exponential_(2.0), torch.distributions.Exponential(2.0)),
+        (lambda: torch.empty(3).cauchy_(1.0, 0.5), torch.distributions.Cauchy(1.0, 0.5)),
+    ],
+)
+def test_each_continuous_draw_is_fixed_at_the_quantile_its_law_gives(draw, law, q):
+    with FixedDraws(quantile=q) as fixed:
+        got = draw()
+    assert not fixed.unknown
+    torch.testing.assert_close(got, law.icdf(torch.tensor(q)).expand(3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("q", [0.25, 0.5, 0.75])
+def test_integers_and_bernoullis_are_fixed_at_the_quantile_counted_by_hand(q):
+    """The q-quantile of a uniform integer in [low, high): the smallest k with (k - low + 1) /
+    (high - low) >= q, counted over the range; of a Bernoulli(p): 1 where P(0) = 1 - p < q."""
+    with FixedDraws(quantile=q) as fixed:
+        ints = torch.randint(3, 9, (2,))
+        probs = torch.tensor([0.2, 0.3, 0.6, 0.8])
+        bits = torch.bernoulli(probs)
+    assert not fixed.unknown
+    k = next(k for k in range(3, 9) if (k - 3 + 1) / 6 >= q)
+    assert ints.tolist() == [k, k]
+    assert bits.tolist() == [float(p >= 1 - q) for p in probs.tolist()]
+
+
+class RandomSecondExpert(DropsOverTheBatch):
+    """fairseq's NLLB ``Top2Gate`` with ``second_expert_policy="random"`` and batch-prioritised
+    routing, written here: top-2 of a softmax gate per token, the second expert kept where
+    2 p2 > U (U uniform), each expert holding 2 ceil(N / E) slots over the flattened batch, first
+    choices served before second ones, each in order of the token's top probability. A prefix has
+    fewer slots; at the median of U about half the second experts are kept and no expert
+    overflows, so the prefix routes as the full sequence; at the lower quartile most are kept and
+    an expert overflows at one length and not at another. The noisy decode test does not see the
+    few tokens whose law changes (by hand, 2,000 draws each: total variation 0.37 for token (1, 6)
+    and 0.20 for (0, 1) between the prefix 0..9 and the full sequence, against 0.02-0.03 between
+    draws of one law). Its gate and experts are DropsOverTheBatch's, with 4 experts."""
+
+    def __init__(self) -> None:
+        super().__init__(experts=4)
+
+    def forward(self, x_BTD):
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        n, e = x_ND.shape[0], self.gate.shape[1]
+        probs_NE = (x_ND @ self.gate).softmax(-1)
+        top_N2, choice_N2 = probs_NE.topk(2, dim=-1)
+        kept_N2 = torch.stack([torch.ones(n, dtype=torch.bool), 2 * top_N2[:, 1] > torch.rand(n)], -1)
+        order = top_N2[:, 0].argsort(descending=True, stable=True)  # priority by the top probability
+        capacity, used, weight_NE = 2 * math.ceil(n / e), [0] * e, torch.zeros(n, e)
+        for k in range(2):  # every first choice before any second one
+            for i in order.tolist():
+                c = int(choice_N2[i, k])
+                if kept_N2[i, k] and used[c] < capacity:
+                    used[c] += 1
+                    weight_NE[i, c] = top_N2[i, k]
+        y_ND = torch.einsum("ne,nd,edf->nf", weight_NE, x_ND, self.expert)
+        return y_ND.view(x_BTD.shape)
+
+
+def test_a_random_second_expert_under_a_shared_capacity_differs_at_decode_with_its_draws_at_a_quartile():
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
+    report = audit(RandomSecondExpert(), x, modes=("eval",), agreement=False)
+    assert report.decode_consistent is False, report.summary()
+    (found,) = [p for p in report.probes if p.leaks and p.kind == "decode"]
+    assert found.name == "decode_consistency, draws fixed" and "quartiles" in found.found_by, found.found_by
+
+
+class RandomPairs(nn.Module):
+    """zoology's BigBIRDAttention's random part, written here: 3 pairs of positions (i, j), each
+    drawn over [0, T - 1) per call, kept where i > j (causal), position i adding position j's
+    input. A prefix draws its pairs over fewer positions, so the law of an output at t < T
+    differs between the prefix and the full sequence. At any one quantile the two draws are tied
+    and no pair is kept; a call's draws at the upper then the lower quartile keep one."""
+
+    def forward(self, x_BTD):
+        t = x_BTD.shape[1]
+        i, j = torch.randint(t - 1, (3,)), torch.randint(t - 1, (3,))
+        keep = i > j
+        adds_TT = torch.zeros(t, t).index_put((i[keep], j[keep]), torch.tensor(1.0), accumulate=True)
+        return x_BTD + torch.einsum("ts,bsd->btd", adds_TT, x_BTD)
+
+
+def test_random_pairs_over_the_length_differ_at_decode_with_a_calls_draws_at_its_quartiles_in_turn():
+    x = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(0))
+    report = audit(RandomPairs(), x, modes=("eval",), agreement=False)
+    assert not report.leaks and report.batch_invariant, report.summary()
+    assert report.decode_consistent is False, report.summary()
+    (found,) = [p for p in report.probes if p.leaks]
+    assert found.name == "decode_consistency, draws fixed" and "in turn" in found.found_by, found.found_by
+
+
+def test_a_calls_draws_are_fixed_in_turn_and_a_call_that_draws_other_ops_is_told():
+    fixed = FixedDraws((0.75, 0.25))
+    with fixed:
+        first, second = torch.randint(9, (2,)), torch.randint(9, (2,))
+    assert first.tolist() == [6, 6] and second.tolist() == [2, 2]  # the quartiles of [0, 9): 6 and 2
+    assert not fixed.misaligned
+    with fixed:
+        torch.rand(2)
+    assert fixed.misaligned
+
+
+class NoisePerExpertBatch(nn.Module):
+    """Causal: a top-1 gate per token and Gaussian noise drawn for each expert that holds tokens,
+    so how many draws a call makes, and which expert makes the k-th, follow the data. With a
+    call's draws at its quartiles in turn a prefix that leaves an expert empty shifts every later
+    expert's noise: those passes must not count."""
+
+    def __init__(self, d: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.gate = nn.Parameter(torch.randn(d, experts, generator=g))
+
+    def forward(self, x_BTD):
+        choice = (x_BTD @ self.gate).argmax(-1)
+        y = x_BTD.clone()
+        for e in range(self.gate.shape[1]):
+            rows = choice == e
+            if rows.any():
+                y[rows] = x_BTD[rows] * (e + 1) + torch.randn(int(rows.sum()), x_BTD.shape[-1])
+        return y
+
+
+def test_draws_in_turn_do_not_count_where_the_calls_draw_other_ops():
+    x = torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(0))
+    report = audit(NoisePerExpertBatch(), x, modes=("eval",), agreement=False)
+    assert not report.leaks and report.batch_invariant and report.decode_consistent, report.summary()
+    assert any("in turn" in n and "draw other random ops" in n for n in report.notes), report.notes

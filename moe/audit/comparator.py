@@ -750,6 +750,9 @@ class Tally:
     """How many of them changed."""
     found: Variant | None = field(default=None, repr=False)
     """The first variant that moved an output (:meth:`Comparator.confirm` retests it in another mode)."""
+    moved_by: dict[int, Variant] = field(default_factory=dict, repr=False)
+    """Per output position, the first variant that moved it (a straight path of inputs to it tells
+    how the position moves: :func:`moe.audit.probes.path_changes`)."""
 
     def __post_init__(self) -> None:
         self.delta_T = torch.zeros(self.t, dtype=torch.float64)
@@ -784,6 +787,9 @@ class Tally:
             self.outputs.update(dict.fromkeys(outputs))
             if self.found_by is None:
                 self.found_by, self.found = label or None, variant
+            if variant is not None:
+                for position in moved_S.nonzero().flatten().tolist():
+                    self.moved_by.setdefault(position, variant)
 
     def add_diff(self, d: Diff, p: int, v: Variant) -> None:
         """Copy p of a compared pack, the comparison of variant ``v``."""

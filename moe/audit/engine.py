@@ -307,7 +307,7 @@ def _audit_one_mode(session: _Session, report: AuditReport, example: Tensor, mod
         results = _run_probes(comparator, ctx, session)
     if comparator.unpacked:
         report.notes.append(f"{mode} mode: perturbed copies stopped sharing forwards: {comparator.unpacked}")
-    _read_the_path(ctx, results)
+    _read_the_path(ctx, results, session.tallies)
     report.probes += results
     report.regimes[mode] = cal.regime
     if ctx.sampler.tokens:
@@ -334,14 +334,34 @@ def _context(session: _Session, example: Tensor, mode: str, cal: Calibration, qu
     )
 
 
-def _read_the_path(ctx: ProbeContext, results: list[ProbeResult]) -> None:
+def _read_the_path(ctx: ProbeContext, results: list[ProbeResult], tallies: dict) -> None:
     """Where a forward probe moved earlier outputs and the Jacobian read no gradient to later
     inputs, how the outputs move on a straight path to another future
     (:func:`~moe.audit.probes.path_changes`): jumps are a discrete change (a choice of tokens),
-    smooth moves a statistic computed without gradient; into the Jacobian's result."""
-    jacobian = next((r for r in results if r.name == "jacobian" and r.ran and not r.leaks), None)
-    if jacobian is not None and any(r.leaks for r in results if r.kind == "future" and r.compares_forwards):
+    smooth moves a statistic computed without gradient; into the Jacobian's result. Where the
+    Jacobian read a gradient elsewhere, each position a forward probe moved without one is read
+    on the path to the first variant that moved it: a smooth move there is a dependence too weak
+    at the example for its gradient to count (zoology's Nystrom attention reads the future at
+    position 0 through its iterative pseudo-inverse, a gradient of 6e-9), no choice."""
+    jacobian = next((r for r in results if r.name == "jacobian" and r.ran), None)
+    moved = [r for r in results if r.kind == "future" and r.compares_forwards and r.leaks]
+    if jacobian is None or not moved:
+        return
+    if not jacobian.leaks:
         jacobian.jump_positions, jacobian.smooth_positions = path_changes(ctx)
+        return
+    unread = set(jacobian.probed_positions) - set(jacobian.leaking_positions)
+    variants = {}  # the first variant that moved each unread position, by its identity
+    for result in moved:
+        tally = tallies[(ctx.mode, result.name)][1]
+        for position in sorted(unread & set(result.leaking_positions)):
+            variant = tally.moved_by.get(position)
+            if variant is not None and variant.x.shape == ctx.x.shape:
+                variants.setdefault(id(variant), (variant, set()))[1].add(position)
+    for variant, positions in variants.values():
+        jumps, smooth = path_changes(ctx, variant)
+        jacobian.jump_positions = sorted(set(jacobian.jump_positions) | (positions & set(jumps)))
+        jacobian.smooth_positions = sorted(set(jacobian.smooth_positions) | (positions & set(smooth)))
 
 
 def _run_probes(comparator: Comparator, ctx: ProbeContext, session: _Session) -> list[ProbeResult]:
@@ -404,48 +424,84 @@ def _after_modes(
         report.agreement = target_agreement(at, example)
 
 
-FIXED_DRAWS = "the target's random draws fixed at their medians"
-"""What :func:`_with_fixed_draws` adds to the variant of each finding it reports."""
+FIXED_AT: tuple[tuple[float | tuple[float, float], str], ...] = (
+    (0.5, "their medians"),
+    (0.25, "their lower quartiles"),
+    (0.75, "their upper quartiles"),
+    ((0.75, 0.25), "their upper and lower quartiles in turn"),
+    ((0.25, 0.75), "their lower and upper quartiles in turn"),
+)
+"""Where :func:`_with_fixed_draws` fixes the draws, pass by pass: each law's median, its
+quartiles, then a call's draws at its two quartiles in turn (both orders; only for a target that
+draws more than once a call) (:class:`~moe.audit.fixed_draws.FixedDraws`)."""
 
 
 def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, mode: str) -> None:
     """A mode judged by its noise, audited again with every random draw of torch fixed at its
-    median (:mod:`moe.audit.fixed_draws`): its rule, deterministic then, is judged by a fixed seed,
-    and what that finds of a kind (a leak, batch interference, a prefix that differs) where the
-    noisy audit found none of it is added to ``report.probes`` (the probe's name and the variant
-    say so). Noise can hide a leak of the rule below any test of a few dozen draws (a random
-    choice among an overfull expert's tokens behind a sampled gate); the draws fixed, it shows
-    in every comparison. Nothing is added where the draws could not all be fixed (an op the mode
-    does not know, Python's or NumPy's generators) or the target fails with them fixed."""
+    median (:mod:`moe.audit.fixed_draws`), then at its lower and at its upper quartile, then (for
+    a target that draws more than once a call) with a call's draws at the two quartiles in turn:
+    its rule, deterministic then, is judged by a fixed seed, and what that finds of a kind (a
+    leak, batch interference, a prefix that differs) where the noisy audit and the passes before
+    found none of it is added to ``report.probes`` (the probe's name and the variant say so).
+    Noise can hide a leak of the rule below any test of a few dozen draws (a random choice among
+    an overfull expert's tokens behind a sampled gate); the draws fixed, it shows in every
+    comparison. A branch the rule takes only away from the median (fairseq's ``Top2Gate`` keeps a
+    random second expert where ``2 p > U``, and the capacity it crowds overflows only when most
+    are kept) shows at a quartile; one it takes only where two draws differ (zoology's
+    ``BigBIRDAttention`` keeps a random pair of positions (i, j) where i > j), with the draws in
+    turn. Nothing is added where the draws could not all be fixed (an op the mode does not know,
+    Python's or NumPy's generators), the target fails with them fixed, or, with the draws in
+    turn, its calls draw other ops (or in another order) for other inputs."""
     found = {p.kind for p in report.probes if p.mode == mode and p.leaks}
     if found >= {p.kind for p in session.suite}:
         return
-    runner, results, why = session.runner, [], None
-    with runner.drawing_medians() as fixed:
+    comparisons, runs, added, done, draws = 0, 0, [], [], 0
+    for quantile, where in FIXED_AT:
+        if not isinstance(quantile, float) and draws < 2:
+            break  # one draw a call: in turn is as at a quartile
+        results, why, draws = _fixed_pass(session, report, example, mode, quantile)
+        if why is not None:
+            report.notes.append(f"{mode} mode: not audited with its random draws fixed at {where}: {why}")
+            break
+        comparisons, runs = comparisons + sum(r.comparisons for r in results), runs + len(results)
+        done.append(where)
+        for result in [r for r in results if r.leaks and r.kind not in found]:
+            result.name = f"{result.name}, draws fixed"
+            variant = f"the target's random draws fixed at {where}"
+            result.found_by = f"{result.found_by}, with {variant}" if result.found_by else variant
+            report.probes.append(result)
+            added.append(result.name)
+            found.add(result.kind)
+        if found >= {p.kind for p in session.suite}:
+            break
+    if done:
+        report.notes.append(
+            f"{mode} mode: audited again with its random draws fixed at {', then at '.join(done)}: "
+            f"{comparisons} comparisons in {runs} probe runs, found {', '.join(added) or 'nothing the noisy audit had not'}"
+        )
+
+
+def _fixed_pass(
+    session: _Session, report: AuditReport, example: Tensor, mode: str, quantile: float | tuple[float, float]
+) -> tuple[list[ProbeResult], str | None, int]:
+    """The probes run on ``mode`` with every draw fixed at its ``quantile`` (or a call's draws at
+    them in turn): (their results, None, the draws of a call), or ([], why the pass could not
+    judge the target, the draws of a call)."""
+    runner = session.runner
+    with runner.drawing_fixed(quantile) as fixed:
         try:
             cal = calibrate(runner, example, calibration_inputs(example, session.sampler, session.seed))
             if cal.regime == "deterministic" and not cal.stateful and cal.comparable:
                 alone = dataclasses.replace(session, tallies={})  # the noisy audit's tallies stay as they are
                 ctx = _context(alone, example, mode, cal, report.quick)
                 results = _run_probes(Comparator(runner, example, mode, cal, session.alpha), ctx, alone)
-            else:
-                left = sorted(fixed.unknown) + (["Python's or NumPy's generator"] if runner.last_host_draws else [])
-                why = "its output still varies" + (f" (left drawing: {', '.join(left)})" if left else "")
+                if fixed.misaligned and not isinstance(quantile, float):  # draw k is not one op in every call
+                    return [], "its calls draw other random ops, or in another order, for other inputs", 0
+                return results, None, len(fixed.order or ())
+            left = sorted(fixed.unknown) + (["Python's or NumPy's generator"] if runner.last_host_draws else [])
+            return [], "its output still varies" + (f" (left drawing: {', '.join(left)})" if left else ""), 0
         except (TargetFailure, TargetTimeout, TargetExit, Misaligned) as e:  # Misaligned: draws that follow the data
-            why = str(e) or "its draws still follow the data"
-    if why is not None:
-        report.notes.append(f"{mode} mode: not audited with its random draws fixed at their medians: {why}")
-        return
-    added = [r for r in results if r.leaks and r.kind not in found]
-    for result in added:
-        result.name = f"{result.name}, draws fixed"
-        result.found_by = f"{result.found_by}, with {FIXED_DRAWS}" if result.found_by else FIXED_DRAWS
-        report.probes.append(result)
-    what = ", ".join(r.name for r in added) or "nothing the noisy audit had not"
-    report.notes.append(
-        f"{mode} mode: audited again with its random draws fixed at their medians: "
-        f"{sum(r.comparisons for r in results)} comparisons in {len(results)} probe runs, found {what}"
-    )
+            return [], str(e) or "its draws still follow the data", 0
 
 
 def _one_forward_seconds(runner: Runner, at: AuditTarget, example: Tensor) -> float:

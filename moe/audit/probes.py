@@ -760,26 +760,29 @@ JUMP_STEPS = 16
 """Steps of the straight path on which :func:`path_changes` looks for a jump (and twice as many)."""
 
 
-def path_changes(ctx: ProbeContext) -> tuple[list[int], list[int]]:
+def path_changes(ctx: ProbeContext, variant: Variant | None = None) -> tuple[list[int], list[int]]:
     """(output positions that jump, positions that move smoothly) along a straight path of float
-    inputs from the example to a random future (positions past the middle cut resampled): a jump's
-    largest change between neighbouring points of the path stays above 3/4 of itself when the
-    steps halve, where a continuous output's would halve. A discrete decision (a top-k over
-    positions) behind a nonzero Jacobian shows so; a softmax over the tokens alone does not; and
-    a statistic of later positions computed without gradient (under ``torch.no_grad()``) moves
-    smoothly where the Jacobian reads nothing. Only for float inputs and a target that repeats
-    itself under one seed; ([], []) otherwise or if a forward fails."""
+    inputs from the example to a random future (positions past the middle cut resampled), or to
+    ``variant`` (a future of the example's shape; its positions < ``upto`` read): a jump's largest
+    change between neighbouring points of the path stays above 3/4 of itself when the steps halve,
+    where a continuous output's would halve. A discrete decision (a top-k over positions) behind a
+    nonzero Jacobian shows so; a softmax over the tokens alone does not; and a statistic of later
+    positions computed without gradient (under ``torch.no_grad()``), or a dependence too weak at
+    the example for its gradient to count, moves smoothly where the Jacobian reads nothing. Only
+    for float inputs and a target that repeats itself under one seed; ([], []) otherwise or if a
+    forward fails."""
     if not ctx.x.is_floating_point() or ctx.repeat_tolerance is None:
         return [], []
-    cut = ctx.t // 2 - 1
-    future = ctx.with_future(cut, ctx.sampler.draw((ctx.b, ctx.t - cut - 1, *ctx.x.shape[2:]), ctx.gen(6))).x
+    if variant is None:
+        cut = ctx.t // 2 - 1
+        variant = ctx.with_future(cut, ctx.sampler.draw((ctx.b, ctx.t - cut - 1, *ctx.x.shape[2:]), ctx.gen(6)))
     path = []
     try:
         for k in range(2 * JUMP_STEPS + 1):
-            out = ctx.runner.forward(torch.lerp(ctx.x, future, k / (2 * JUMP_STEPS))).out.value_BTF
+            out = ctx.runner.forward(torch.lerp(ctx.x, variant.x, k / (2 * JUMP_STEPS))).out.value_BTF
             if out is None:
                 return [], []
-            path.append(out[:, : cut + 1].nan_to_num(0.0, 0.0, 0.0))
+            path.append(out[:, : variant.upto].nan_to_num(0.0, 0.0, 0.0))
     except TargetFailure:
         return [], []
     path_KBTF = torch.stack(path)
@@ -787,7 +790,7 @@ def path_changes(ctx: ProbeContext) -> tuple[list[int], list[int]]:
     coarse_T = path_KBTF[0::2].diff(dim=0).abs().amax((0, 1, 3))
     scale = max(float(path_KBTF.abs().amax()), torch.finfo(torch.float64).tiny)
     floor = scale * max(ctx.repeat_tolerance.values(), default=0.0)
-    moved = [t for t in range(cut + 1) if coarse_T[t] > floor]
+    moved = [t for t in range(variant.upto) if coarse_T[t] > floor]
     return [t for t in moved if fine_T[t] > 0.75 * coarse_T[t]], [t for t in moved if fine_T[t] <= 0.75 * coarse_T[t]]
 
 

@@ -197,18 +197,19 @@ def advice(report: Findings) -> list[str]:
 
 def moved_without_gradient(probes: list) -> list[int]:
     """Output positions that a forward-comparing future probe moved although the Jacobian probe
-    of the same mode read no gradient from them to any later input, and those that jumped on the
-    Jacobian probe's straight path to a random future: a discrete change (a routing decision)
-    where a differentiable path alone cannot account for it."""
+    of the same mode read no gradient from them to any later input, unless they moved smoothly on
+    a straight path of inputs to what moved them, and those that jumped on the Jacobian probe's
+    straight paths: a discrete change (a routing decision) where a differentiable path alone
+    cannot account for it."""
     out: set[int] = set()
     for jac in probes:
         if jac.name != "jacobian" or not jac.ran:
             continue
         out |= set(jac.jump_positions)
-        smooth = set(jac.probed_positions) - set(jac.leaking_positions)
+        unread = set(jac.probed_positions) - set(jac.leaking_positions) - set(jac.smooth_positions)
         for p in probes:
             if p.mode == jac.mode and p.kind == "future" and p.compares_forwards and p.leaks:
-                out |= smooth & set(p.leaking_positions)
+                out |= unread & set(p.leaking_positions)
     return sorted(out)
 
 
@@ -308,7 +309,10 @@ class ProbeResult:
     (:func:`moe.audit.probes.path_changes`): a discrete change."""
     smooth_positions: list[int] = field(default_factory=list)
     """For ``jacobian``, where a forward probe found a leak it did not: the output positions that
-    move smoothly on that path, a statistic of later positions computed without gradient."""
+    move smoothly on that path, a statistic of later positions computed without gradient; where it
+    found a gradient elsewhere, the positions a forward probe moved without one that move smoothly
+    on the path to the variant that moved them: a dependence too weak at the example for its
+    gradient to count, no choice."""
     forwards: int = 0
     """Calls of the target this probe made."""
     seconds: float = 0.0

@@ -203,17 +203,19 @@ class Runner:
         """Where the last call left Python's and NumPy's generators, if it drew from them (None:
         it did not); the same seed and the same number of draws leave them at the same place."""
         self.fixed_draws: FixedDraws | None = None
-        """While set (:meth:`drawing_medians`): the mode every call runs in, its random draws fixed."""
+        """While set (:meth:`drawing_fixed`): the mode every call runs in, its random draws fixed."""
 
     @contextlib.contextmanager
-    def drawing_medians(self) -> Iterator[FixedDraws]:
+    def drawing_fixed(self, quantile: float | tuple[float, ...] = 0.5) -> Iterator[FixedDraws]:
         """Calls within run with every random draw of torch, and the common draws of Python's and
-        NumPy's generators, fixed at their medians (:mod:`moe.audit.fixed_draws`); the mode yielded
-        names the torch ops it could not fix."""
+        NumPy's generators, fixed at their medians, or at the ``quantile`` of their laws (a
+        sequence: torch's draws of a call at its quantiles in turn, Python's and NumPy's at their
+        medians; :mod:`moe.audit.fixed_draws`); the mode yielded names the torch ops it could not
+        fix and whether every call drew the same ones."""
         _warm_up_draw_recording()
-        self.fixed_draws = FixedDraws()
+        self.fixed_draws = FixedDraws(quantile)
         try:
-            with host_medians():
+            with host_medians(quantile if isinstance(quantile, float) else 0.5):
                 yield self.fixed_draws
         finally:
             self.fixed_draws = None
