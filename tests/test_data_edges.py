@@ -14,7 +14,7 @@ import torch
 
 from moe.data.byte_corpora import canary_tokens
 from moe.data.files import MAX_UNDECODABLE, TEXT_SAMPLE_BYTES, is_text, select_files
-from moe.data.shards import check_vocabulary_fits, load_prepared, read_manifest
+from moe.data.shards import check_vocabulary_fits, load_prepared, read_manifest, token_dtype
 
 
 def test_uint16_shards_hold_a_vocabulary_of_65536_and_no_more():
@@ -22,6 +22,14 @@ def test_uint16_shards_hold_a_vocabulary_of_65536_and_no_more():
     check_vocabulary_fits(65_536, "uint16", "here")
     with pytest.raises(ValueError, match="vocab_size 65,537 does not fit uint16 shards"):
         check_vocabulary_fits(65_537, "uint16", "here")
+
+
+@pytest.mark.parametrize("vocab", [2, 65_535, 65_536, 65_537, 70_002])
+def test_prepare_writes_uint16_for_every_vocabulary_whose_ids_fit_16_bits(vocab):
+    """The largest id is vocab - 1: 65,536 tokens still fit uint16 (twice the bytes in uint32)."""
+    fits = vocab - 1 <= np.iinfo(np.uint16).max
+    assert token_dtype(vocab) == ("uint16" if fits else "uint32")
+    check_vocabulary_fits(vocab, token_dtype(vocab), "here")
 
 
 def write_prepared(directory, tokens: list[int], manifest_tokens: int):
