@@ -270,3 +270,14 @@ def test_a_tokenizer_of_exactly_257_tokens_may_be_trained():
     prepare_module.PrepareConfig(input="in", out="out", train_tokenizer=257)
     with pytest.raises(ValueError, match="needs at least 257 tokens"):
         prepare_module.PrepareConfig(input="in", out="out", train_tokenizer=256)
+
+
+def test_a_parquet_row_without_text_is_no_document(tmp_path):
+    """A null in the text column is skipped, not read as the text "None" (bytes as tokens)."""
+    pa = need("pyarrow", "data")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"text": ["a b", None, "c"]}), tmp_path / "in" / "t.parquet")
+    assert prepare(tmp_path / "in", "--out", tmp_path / "out", "--bytes") == 0
+    assert decoded(tmp_path / "out") == ["a b", "c"]
