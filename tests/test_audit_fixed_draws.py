@@ -40,6 +40,26 @@ X = torch.tensor([[0.3, -1.2], [2.0, 0.1]])
             torch.full((2,), -math.log(math.log(2))),
         ),
         (lambda: F.gumbel_softmax(torch.tensor([[1.0, 2.0, 0.5]]), hard=True), torch.tensor([[0.0, 1.0, 0.0]])),
+        (lambda: torch.empty(2).cauchy_(1.5, 4.0), torch.full((2,), 1.5)),  # the location, not the scale
+        (lambda: torch.empty(2).log_normal_(0.5, 2.0), torch.full((2,), math.exp(0.5))),  # e^mean
+        (lambda: torch.empty(3, dtype=torch.long).random_(6), torch.tensor([2, 2, 2])),  # [0, 6): 2
+        (lambda: torch.randint_like(X, 3, 9), torch.full((2, 2), 5.0)),  # [3, 9): 5
+        (lambda: F.dropout(X, 0.5, True), X / 0.5),  # a keep probability of 1/2 is kept
+        # native_dropout (F.dropout's op on an accelerator and under autograd tracing; a CPU
+        # F.dropout above draws a bernoulli_ mask): every element kept at p <= 1/2, none above
+        (lambda: torch.native_dropout(X, 0.1, True)[0], X / 0.9),
+        (lambda: torch.native_dropout(X, 0.5, True)[0], X / 0.5),
+        (lambda: torch.native_dropout(X, 0.5, True)[1], torch.ones(2, 2)),  # the mask: all kept
+        (lambda: torch.native_dropout(X, 0.6, True)[0], torch.zeros(2, 2)),
+        (lambda: torch.native_dropout(X, 0.6, False)[0], X),  # not training: no dropout at all
+        (  # with replacement: the docstring's likeliest first, each category once ...
+            lambda: torch.multinomial(torch.tensor([[0.1, 0.6, 0.3]]), 3, replacement=True),
+            torch.tensor([[1, 2, 0]]),
+        ),
+        (  # ... and the likeliest repeated when more are drawn than there are categories
+            lambda: torch.multinomial(torch.tensor([[0.1, 0.6, 0.3]]), 4, replacement=True),
+            torch.tensor([[1, 1, 1, 1]]),
+        ),
     ],
 )
 def test_each_draw_is_fixed_at_the_median_of_its_law(draw, median):
@@ -47,6 +67,43 @@ def test_each_draw_is_fixed_at_the_median_of_its_law(draw, median):
         got = draw()
     assert not fixed.unknown
     torch.testing.assert_close(got, median.to(got.dtype), rtol=1e-6, atol=1e-7)
+
+
+def discrete_median(pmf, support):
+    """The smallest k of ``support`` whose CDF reaches 1/2, summed in float64 from the law's pmf."""
+    total = 0.0
+    for k in support:
+        total += pmf(k)
+        if total >= 0.5:
+            return float(k)
+    raise AssertionError("the support given holds less than half the mass")
+
+
+@pytest.mark.parametrize(
+    ("draw", "pmf", "support"),
+    [
+        (  # geometric on {1, 2, ...}, p = 0.3: P(1) = 0.3, P(<= 2) = 0.51
+            lambda: torch.empty(2).geometric_(0.3),
+            lambda k: 0.7 ** (k - 1) * 0.3,
+            range(1, 100),
+        ),
+        (  # Poisson(2.8): P(<= 2) = 0.47, P(<= 3) = 0.69
+            lambda: torch.poisson(torch.full((2,), 2.8)),
+            lambda k: math.exp(-2.8) * 2.8**k / math.factorial(k),
+            range(100),
+        ),
+        (  # Binomial(7, 0.3): P(<= 1) = 0.33, P(<= 2) = 0.65
+            lambda: torch.binomial(torch.full((2,), 7.0), torch.full((2,), 0.3)),
+            lambda k: math.comb(7, k) * 0.3**k * 0.7 ** (7 - k),
+            range(8),
+        ),
+    ],
+)
+def test_each_discrete_draw_is_fixed_at_the_median_of_its_pmf(draw, pmf, support):
+    with FixedDraws() as fixed:
+        got = draw()
+    assert not fixed.unknown
+    assert got.tolist() == [discrete_median(pmf, support)] * 2
 
 
 def test_an_op_it_does_not_know_keeps_drawing_and_is_named():
@@ -186,6 +243,28 @@ def test_python_and_numpy_draws_are_fixed_while_host_medians_is_entered():
     assert got == ([3, 1, 2], [0.5, 0.5], 0.0, [4, 4, 4], [0, 1, 2, 3], 8, [0, 1], 0.5, 3, "a")
     numpy.random.seed(0)  # restored: real draws again
     assert numpy.random.rand() == pytest.approx(0.5488135039273248)
+
+
+def test_the_other_host_draws_are_fixed_at_their_medians_by_hand():
+    """The rest of host_medians' table, each against the median of its law worked out by hand."""
+    numpy = pytest.importorskip("numpy")
+    import random
+
+    with host_medians():
+        got = (
+            numpy.random.uniform(2.0, 4.0),  # the middle of [2, 4)
+            numpy.random.normal(5.0, 2.0),  # the mean, not the spread
+            numpy.random.randint(3, 9),  # [3, 9): 5
+            numpy.random.random_sample(2).tolist(),
+            numpy.random.choice(3, 5).tolist(),  # with replacement: the first, then round again
+            random.randint(1, 5),  # [1, 5] inclusive: 3
+            random.randrange(10),  # 0..9: the lower middle, 4
+            random.randrange(0, 10, 3),  # 0, 3, 6, 9: 3
+            random.uniform(2.0, 4.0),
+            random.gauss(5.0, 2.0),
+            random.sample(range(5), 2),
+        )
+    assert got == (3.0, 5.0, 5, [0.5, 0.5], [0, 1, 2, 0, 1], 3, 4, 3, 3.0, 5.0, [0, 1])
 
 
 class ShuffledGreedy(nn.Module):

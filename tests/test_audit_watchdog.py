@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import SUBPROCESS_ENV
 
+from moe.audit import watchdog
+
 STUCK = """
 import signal
 import time
@@ -134,3 +136,108 @@ def test_a_sigterm_to_the_command_ends_the_audit_too(tmp_path):
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
+
+
+# The watchdog's own parts, in this process (the parent) and a forked child that stands in for
+# the audit: what it writes to the pipe, and how long it takes to be stopped.
+
+
+def _watched(run) -> tuple[int, float]:
+    """(the exit code supervised() gives, its seconds) for ``run`` in the forked child."""
+    start = time.monotonic()
+    code = watchdog.supervised(run)
+    return code, time.monotonic() - start
+
+
+def _stuck_after(*writes) -> callable:
+    """A child that calls each of ``writes`` (the watchdog's own messages), then never returns."""
+
+    def run():
+        for write in writes:
+            write()
+        time.sleep(30)
+
+    return run
+
+
+@pytest.fixture
+def parent_signals():
+    """supervised() sets the parent's SIGINT, SIGTERM and SIGHUP handlers: put pytest's back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def test_a_stuck_forward_is_stopped_at_twice_its_limit_and_not_before(parent_signals, capsys):
+    code, seconds = _watched(_stuck_after(lambda: watchdog.started(0.3, "t: a forward")))
+    assert code == 2 and seconds >= 2 * 0.3, seconds  # the deadline is (1 + GRACE) x 0.3 s
+    assert capsys.readouterr().err.startswith("moe-audit: error: t: a forward did not return within 0.3 s")
+
+
+def test_a_forward_that_ended_sets_no_deadline(parent_signals):
+    def run():
+        watchdog.started(0.2, "t: a forward")
+        watchdog.ended()
+        time.sleep(0.8)  # past the forward's deadline, outside any forward
+        return 0
+
+    assert _watched(run)[0] == 0
+
+
+def test_a_target_name_with_spaces_and_a_subject_with_a_newline_reach_the_stop_line(parent_signals, capsys):
+    code, _ = _watched(
+        _stuck_after(
+            lambda: watchdog.found("my  target", "future", "train", "random_future"),
+            lambda: watchdog.started(0.2, "my target: a forward\non (2, 1, 8)"),
+        )
+    )
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1, err
+    assert err[0].startswith("moe-audit: error: my target: a forward on (2, 1, 8) did not return within 0.2 s")
+    assert err[1:] == [
+        "moe-audit: my target: found before the stop: LEAKS in train mode (random_future); the rest not audited"
+    ]
+
+
+def test_a_line_split_over_two_reads_of_the_pipe_is_read_whole(parent_signals, capsys):
+    def first_half():
+        os.write(watchdog._channel, b"0.2 t: a for")
+        time.sleep(0.3)  # the parent reads the half line alone
+
+    code, _ = _watched(_stuck_after(first_half, lambda: os.write(watchdog._channel, b"ward\n")))
+    assert code == 2 and "error: t: a forward did not return within 0.2 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "said"),
+    [
+        (None, 0, ""),  # run() returned None: as the interpreter, 0
+        (SystemExit("moe-audit: error: bad"), 1, "moe-audit: error: bad\n"),  # a message: printed, 1
+        (SystemExit(3), 3, ""),
+        (KeyboardInterrupt(), 128 + signal.SIGINT, ""),  # 130, as a shell reports Ctrl-C
+    ],
+)
+def test_the_child_exits_with_the_code_the_interpreter_would_give(monkeypatch, capsys, raised, code, said):
+    monkeypatch.setattr(watchdog, "_channel", None)  # _child sets it: put it back
+
+    def run():
+        if raised is not None:
+            raise raised
+
+    assert watchdog._child(run, -1) == code
+    assert capsys.readouterr().err == said
+
+
+def test_the_stop_line_names_the_stuck_target_not_one_its_name_starts_with_and_leaks_first(capsys):
+    findings = {
+        "moe": {("future", "eval"): ["jacobian"]},  # another target, whose name begins the stuck one's
+        "moe_big": {("decode", "eval"): ["decode_consistency"], ("future", "train"): ["random_future"]},
+    }
+    assert watchdog._stopped("moe_big: NOT AUDITED: a forward", 1.0, findings) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("moe-audit: error: moe_big: a forward did not return")
+    assert err[1] == (
+        "moe-audit: moe_big: found before the stop: LEAKS in train mode (random_future); "
+        "not decode-consistent in eval mode (decode_consistency); the rest not audited"
+    )

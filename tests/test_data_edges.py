@@ -6,6 +6,7 @@ vocabulary (2) and the smallest byte-level BPE (257 tokens)."""
 
 from __future__ import annotations
 
+import codecs
 import json
 
 import numpy as np
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from moe.data.byte_corpora import canary_tokens
-from moe.data.files import MAX_UNDECODABLE, TEXT_SAMPLE_BYTES, is_text, select_files
-from moe.data.shards import check_vocabulary_fits, load_prepared, read_manifest
+from moe.data.files import MAX_UNDECODABLE, TEXT_SAMPLE_BYTES, is_text, not_text_because, select_files
+from moe.data.shards import check_vocabulary_fits, load_prepared, read_manifest, token_dtype
 
 
 def test_uint16_shards_hold_a_vocabulary_of_65536_and_no_more():
@@ -22,6 +23,14 @@ def test_uint16_shards_hold_a_vocabulary_of_65536_and_no_more():
     check_vocabulary_fits(65_536, "uint16", "here")
     with pytest.raises(ValueError, match="vocab_size 65,537 does not fit uint16 shards"):
         check_vocabulary_fits(65_537, "uint16", "here")
+
+
+@pytest.mark.parametrize("vocab", [2, 65_535, 65_536, 65_537, 70_002])
+def test_prepare_writes_uint16_for_every_vocabulary_whose_ids_fit_16_bits(vocab):
+    """The largest id is vocab - 1: 65,536 tokens still fit uint16 (twice the bytes in uint32)."""
+    fits = vocab - 1 <= np.iinfo(np.uint16).max
+    assert token_dtype(vocab) == ("uint16" if fits else "uint32")
+    check_vocabulary_fits(vocab, token_dtype(vocab), "here")
 
 
 def write_prepared(directory, tokens: list[int], manifest_tokens: int):
@@ -55,6 +64,25 @@ def test_a_view_refuses_the_position_just_past_its_end(tmp_path):
         corpus.train[torch.tensor([0, n])]
 
 
+def test_a_manifest_that_counts_more_tokens_than_its_shards_or_an_empty_shard_is_refused(tmp_path):
+    """Shards of 10 tokens under a manifest total of 12; a shard of 0 tokens (0 bytes: prepare
+    never writes one)."""
+    d = write_prepared(tmp_path / "more", list(range(10)), 10)
+    manifest = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps({**manifest, "num_tokens": 12}))
+    with pytest.raises(ValueError, match="num_tokens=12 is not the sum over its shards"):
+        read_manifest(d)
+    with pytest.raises(ValueError, match="holds 0 bytes, the manifest says 0 tokens"):
+        read_manifest(write_prepared(tmp_path / "empty", [], 0))
+
+
+def test_a_view_refuses_a_negative_position(tmp_path):
+    """Numpy would read -1 as the last element of a shard: a view names it out of range instead."""
+    corpus = load_prepared(write_prepared(tmp_path / "d", [i % 16 for i in range(100)], 100), 0.1)
+    with pytest.raises(IndexError, match="token positions \\[-1, 3\\] out of range"):
+        corpus.val[torch.tensor([3, -1])]
+
+
 @pytest.mark.parametrize(
     ("data", "text"),
     [
@@ -67,6 +95,26 @@ def test_a_view_refuses_the_position_just_past_its_end(tmp_path):
 def test_text_allows_at_most_a_quarter_of_the_bytes_not_utf8(tmp_path, data, text):
     (tmp_path / "f").write_bytes(data)
     assert is_text(tmp_path / "f") is text
+
+
+@pytest.mark.parametrize("bom", [codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE])
+def test_a_utf16_file_is_named_by_its_byte_order_mark_either_way(tmp_path, bom):
+    encoding = "utf-16-le" if bom == codecs.BOM_UTF16_LE else "utf-16-be"
+    (tmp_path / "f.txt").write_bytes(bom + "plain text".encode(encoding))
+    assert "a UTF-16 or UTF-32 byte order mark" in not_text_because(tmp_path / "f.txt")
+
+
+def test_include_globs_match_the_path_in_the_folder_and_another_tools_manifest_is_text(tmp_path):
+    """``sub/*`` selects what is under sub (the glob sees the relative path, not the file name);
+    a manifest.json of another format is a file like any other, its folder read."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "top.txt").write_text("top")
+    (tmp_path / "sub" / "a.txt").write_text("a")
+    (tmp_path / "sub" / "manifest.json").write_text(json.dumps({"format": "another.tool"}))
+    assert [f.name for f in select_files(tmp_path, include=["sub/*"]).files] == ["a.txt", "manifest.json"]
+    sel = select_files(tmp_path)
+    assert [f.relative_to(tmp_path).as_posix() for f in sel.files] == ["sub/a.txt", "sub/manifest.json", "top.txt"]
+    assert sel.prepared_dirs == []
 
 
 def test_a_file_of_one_byte_is_read(tmp_path):

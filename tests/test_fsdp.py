@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import TINY_RUN
+from torch import nn
 
 from moe.parallel import rank_state_bytes
 from moe.parallel.launch import ok_values, run_local
-from moe.parallel.mesh import Layout
+from moe.parallel.mesh import Layout, fsdp_units
 from moe.training import TrainConfig, train
 
 COMMON = TINY_RUN
@@ -70,6 +71,24 @@ def test_layout_validation():
     with pytest.raises(ValueError, match="must divide num_experts=6"):
         Layout.from_world(4, expert_parallel=4).check_experts(6)
     Layout.from_world(4, expert_parallel=2).check_experts(6)
+
+
+def test_a_pipelined_layout_shards_over_the_ranks_of_one_stage():
+    """8 processes in 2 stages: 4 ranks per stage, S = 8 / (Q*R*P) by hand."""
+    assert Layout.from_world(8, pipeline=2) == Layout(1, 4, 1, 2)
+    assert Layout.from_world(8, dp_replicate=2, expert_parallel=2, pipeline=2) == Layout(2, 1, 2, 2)
+    layout = Layout.from_world(12, expert_parallel=2, pipeline=3)
+    assert (layout.dp_shard, layout.data_parallel, layout.world_size) == (2, 4, 12)
+    assert str(layout) == "pp=3 x dp_replicate=1 x dp_shard=2 x ep=2"
+
+
+def test_fsdp_units_take_each_child_of_at_least_its_share_then_the_block():
+    """A block of 56 parameters: a child of 7 (exactly 1/8) is a unit, one of 49 too, a child
+    without parameters is not; the block comes after its children."""
+    block = nn.Module()
+    block.small, block.big, block.empty = nn.Linear(7, 1, bias=False), nn.Linear(7, 7, bias=False), nn.Identity()
+    assert fsdp_units([block]) == [block.small, block.big, block]
+    assert fsdp_units([block], min_fraction=0.5) == [block.big, block]
 
 
 def test_rank_state_bytes_counts_adam_state():

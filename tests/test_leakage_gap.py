@@ -1,6 +1,7 @@
 """The leakage gap: what it measures (on models with a known leak), experiments/leakage_gap.py
 end to end on a tiny canary, and (slow) the --quick acceptance numbers."""
 
+import argparse
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import torch
 from helpers import SOURCE_PATH
 from torch import nn
 
+import experiments.leakage_gap as leakage_gap
 from moe.eval import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +104,40 @@ def test_short_canary_run_shows_the_expert_choice_leak_and_none_for_topk(tmp_pat
     table = out.with_suffix(".md").read_text()
     assert "| canary | expert_choice |" in table and "| canary | topk |" in table
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_the_text_corpus_warms_up_over_a_tenth_of_its_steps_at_most_100():
+    args = argparse.Namespace(seed=0, data="stdlib", canary_lr=3e-3)
+    quick = leakage_gap.corpus_config("text", leakage_gap.QUICK["text"], args)  # 100 steps
+    full = leakage_gap.corpus_config("text", leakage_gap.FULL["text"], args)  # 1,500 steps
+    assert (quick["steps"], quick["warmup_steps"]) == (100, 10)
+    assert (full["steps"], full["warmup_steps"]) == (1500, 100)
+
+
+def test_the_rendered_train_mode_gap_is_causal_minus_train_mode(tmp_path, monkeypatch):
+    """Written out by hand for one row: causal 2.25, train-mode 2.0 (its teacher-forced loss with
+    training routing): the train-mode gap is +0.25 in the JSON and the table."""
+    monkeypatch.setattr(leakage_gap, "plot", lambda *args: None)  # the figure is not checked here
+    row = {
+        "router": "expert_choice",
+        "router_name": "expert_choice",
+        "router_options": {"capacity_factor": 1.0},
+        "corpus": "canary",
+        "teacher_forced_loss": 2.0,
+        "causal_loss": 2.25,
+        "leakage_gap": 0.25,
+        "leakage_gap_se": 0.01,
+        "train_mode_loss": 2.0,
+        "eval_positions": 64,
+        "steps": 10,
+        "train_time_s": 1.0,
+        "loss_curve": [2.5, 2.25],
+    }
+    result = {"quick": True, "wall_time_s": 60.0, "budgets": {"canary": {}}, "routers": [row]}
+    table = leakage_gap.render(result, tmp_path / "gap.json")
+    (stored,) = json.loads((tmp_path / "gap.json").read_text())["routers"]
+    assert stored["train_mode_gap"] == 0.25
+    assert "| 2.0000 | +0.2500 | 64 | 10 | 1 |" in table, table
 
 
 @pytest.mark.slow

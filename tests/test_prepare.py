@@ -231,15 +231,53 @@ def test_preparing_streams_memory_stays_flat_with_the_input_size(trained, tmp_pa
     assert read_manifest(tmp_path / "b")["num_tokens"] > 7 * read_manifest(tmp_path / "s")["num_tokens"]
 
 
-def test_a_vocabulary_above_65535_writes_uint32(tmp_path):
+def word_tokenizer(path: Path, vocab: dict[str, int]) -> Path:
+    """A word-level tokenizer.json of ``vocab`` (whitespace-split words, unknown words [UNK])."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(70_000)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "words.json"))
+    tok.save(str(path))
+    return path
+
+
+def test_a_vocabulary_above_65535_writes_uint32(tmp_path):
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i + 2 for i in range(70_000)}}
+    words = word_tokenizer(tmp_path / "words.json", vocab)
     (tmp_path / "doc.txt").write_text("w69999 w3 w65534 w65535 nope")
-    assert prepare(tmp_path / "doc.txt", "--out", tmp_path / "out", "--tokenizer", tmp_path / "words.json") == 0
+    assert prepare(tmp_path / "doc.txt", "--out", tmp_path / "out", "--tokenizer", words) == 0
     m = read_manifest(tmp_path / "out")
     assert m["dtype"] == "uint32" and m["vocab_size"] == 70_002 and m["eot_id"] == 0
     assert stream(tmp_path / "out").tolist() == [70_001, 5, 65_536, 65_537, 1, 0]
+
+
+def test_the_eot_asked_for_ends_the_documents_and_the_vocabulary_covers_the_largest_id(tmp_path):
+    """--eot names a brought tokenizer's end-of-document token (not its <|endoftext|>); ids with a
+    gap (0, 1, 2, 3, then 9): the vocabulary is 10, the largest id + 1, not the 5 tokens it lists."""
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "<doc>": 2, "a": 3, "z": 9}
+    words = word_tokenizer(tmp_path / "words.json", vocab)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "1.txt").write_text("a z")
+    (tmp_path / "in" / "2.txt").write_text("z")
+    assert prepare(tmp_path / "in", "--out", tmp_path / "out", "--tokenizer", words, "--eot", "<doc>") == 0
+    m = read_manifest(tmp_path / "out")
+    assert (m["eot_token"], m["eot_id"], m["vocab_size"]) == ("<doc>", 2, 10)
+    assert stream(tmp_path / "out").tolist() == [3, 9, 2, 9, 2]
+
+
+def test_a_tokenizer_of_exactly_257_tokens_may_be_trained():
+    """257 = 256 bytes + the end-of-document token: the smallest byte-level BPE, allowed."""
+    prepare_module.PrepareConfig(input="in", out="out", train_tokenizer=257)
+    with pytest.raises(ValueError, match="needs at least 257 tokens"):
+        prepare_module.PrepareConfig(input="in", out="out", train_tokenizer=256)
+
+
+def test_a_parquet_row_without_text_is_no_document(tmp_path):
+    """A null in the text column is skipped, not read as the text "None" (bytes as tokens)."""
+    pa = need("pyarrow", "data")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"text": ["a b", None, "c"]}), tmp_path / "in" / "t.parquet")
+    assert prepare(tmp_path / "in", "--out", tmp_path / "out", "--bytes") == 0
+    assert decoded(tmp_path / "out") == ["a b", "c"]

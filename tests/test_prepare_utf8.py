@@ -12,6 +12,7 @@ from extras import need
 need("tokenizers", "data")
 
 from moe.data.__main__ import main  # noqa: E402
+from moe.data.documents import PIECE_BYTES, NotUTF8, read_pieces  # noqa: E402
 from moe.data.tokenizer import load_tokenizer_file  # noqa: E402
 
 TEXT = {"a.txt": b"caf\xc3\xa9 \xff\xfe ok\n\xe9t\xe9\n", "b.txt": b"clean text\n", "c.jsonl": b'{"text": "x\xffy"}\n'}
@@ -59,3 +60,25 @@ def test_utf8_text_records_nothing_replaced(corpus, tmp_path, capsys):
     assert "warning" not in capsys.readouterr().err
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["not_utf8"] == {"replaced_bytes": 0, "files": {}}
+
+
+def test_the_warning_names_five_files_without_an_and_0_more():
+    said = NotUTF8()
+    said.files = {f"f{i}.txt": i + 1 for i in range(5)}
+    assert said.said() == (
+        "warning: 15 bytes that are not UTF-8 in 5 files were replaced by U+FFFD (f0.txt: 1, f1.txt: 2, f2.txt: 3, "
+        "f3.txt: 4, f4.txt: 5); recorded in the manifest (not_utf8); --encoding-errors strict refuses them"
+    )
+    said.files["f5.txt"] = 6
+    assert "f4.txt: 5 and 1 more); recorded" in said.said()
+
+
+def test_bytes_not_utf8_are_counted_over_every_piece_of_a_file(tmp_path):
+    """100,000 bytes, one in five 0xFF: the file is read in two pieces, its count is the 20,000
+    of both."""
+    f = tmp_path / "big.txt"
+    f.write_bytes(b"\xffabc\n" * 20_000)
+    assert f.stat().st_size > PIECE_BYTES
+    not_utf8 = NotUTF8()
+    pieces = list(read_pieces([f], not_utf8=not_utf8))
+    assert len(pieces) == 2 and not_utf8.files == {str(f): 20_000}

@@ -75,3 +75,17 @@ def test_dead_experts_are_the_worst_seeds():
     failure of one seed is not averaged away)."""
     rows = [row("remoe", i, 3.6, dead=d) for i, d in enumerate((0, 2, 1))]
     assert by_router(rows)["remoe"]["dead_experts"] == 2
+
+
+def test_the_better_baseline_is_the_reference_not_a_challenger_of_itself():
+    """topk_aux (lower causal loss) is the reference: it gets no comparison, no verdict, and is
+    not in the Holm family that topk_lossfree and top_p share."""
+    rows = [row("topk_aux", i, 3.5 + 0.1 * i) for i in range(3)]
+    rows += [row("topk_lossfree", i, x) for i, x in enumerate((3.8, 3.95, 4.05))]
+    rows += [row("top_p", i, x) for i, x in enumerate((3.55, 3.62, 3.77))]
+    got = by_router(rows)
+    assert not {"baseline", "paired_p", "verdict"} & set(got["topk_aux"])
+    assert got["topk_lossfree"]["baseline"] == got["top_p"]["baseline"] == "topk_aux"
+    # a family of two: the smaller p doubled (Holm), the larger kept as it is or raised to it
+    p_lf, p_tp = got["topk_lossfree"]["paired_p"], got["top_p"]["paired_p"]
+    assert got["top_p"]["paired_p_holm"] == pytest.approx(max(min(1.0, 2 * min(p_lf, p_tp)), p_tp), rel=1e-12)

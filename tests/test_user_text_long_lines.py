@@ -58,3 +58,11 @@ def test_the_tokens_of_a_long_line_cut_at_spaces_are_those_of_the_line_whole(tmp
     whole = load_tokenizer_file(str(tmp_path / "tokenizer.json"))
     want = [i for name in ("cr.txt", "one_line.txt") for i in [*whole.encode(TEXTS[name]).ids, 0]]
     assert stream(tmp_path / "out").tolist() == want
+
+
+def test_a_piece_is_cut_before_the_last_space_between_two_words_else_between_characters():
+    """By hand: in b"0123456789ab cd  ef" (19 bytes, the search from byte 9) the spaces at 16 and
+    15 touch another space; the one at 12 lies between b and c. Without a space in its second half,
+    before the last character's first byte (é is 2 bytes: 10 and 11)."""
+    assert documents_module._cut(b"0123456789ab cd  ef") == 12
+    assert documents_module._cut(b"0123456789" + "é".encode()) == 10

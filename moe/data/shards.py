@@ -31,8 +31,9 @@ REQUIRED = ("format", "vocab_size", "dtype", "shards", "num_tokens", "tokenizer"
 
 
 def token_dtype(vocab_size: int) -> str:
-    """``"uint16"`` when every id of a vocabulary of ``vocab_size`` fits in 16 bits, else ``"uint32"``."""
-    return "uint16" if vocab_size <= 65_535 else "uint32"
+    """``"uint16"`` when every id of a vocabulary of ``vocab_size`` fits in 16 bits (ids 0..65535:
+    65,536 tokens), else ``"uint32"``."""
+    return "uint16" if vocab_size <= 65_536 else "uint32"
 
 
 def check_vocabulary_fits(vocab_size: int, dtype: str, where: str) -> None:
