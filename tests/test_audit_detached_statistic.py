@@ -98,3 +98,32 @@ def test_a_choice_at_a_position_without_gradient_beside_a_gradient_leak_keeps_th
     assert 0 in jacobian.jump_positions and 0 not in jacobian.smooth_positions, report.table()
     summary = report.summary()
     assert "outputs at positions 0 also moved where that gradient is zero or jumped" in summary, summary
+
+
+class SaturatingScale(DetachedMean):
+    """W x times 1 + min(m, m_past / 2 + 0.01), m the mean |x| over the whole sequence and m_past
+    over positions 0-7, both without gradient: at an example whose positions 8-15 are zero, m is
+    m_past / 2, and on a straight path to a random future it rises in proportion and saturates
+    within the path's first step. Continuous, with a kink (the slope falls to zero), as
+    performer-pytorch's causal softmax kernel, whose keys are stabilised by a detached maximum over
+    the whole sequence: the path's own halving of its steps reads it as a jump, further halvings
+    do not."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            m = x.abs().mean((1, 2))
+            cap = x[:, :8].abs().mean((1, 2)) / 2 + 0.01
+            scale = 1 + torch.minimum(m, cap)
+        return self.lin(x) * scale[:, None, None]
+
+
+def test_a_detached_statistic_that_saturates_within_a_step_is_no_jump():
+    x = example()
+    x[:, 8:] = 0.0
+    report = audit(SaturatingScale(), x, modes=("eval",))
+    jacobian = report.probe("jacobian", "eval")
+    assert report.leaks and not jacobian.leaks
+    assert jacobian.jump_positions == [] and jacobian.smooth_positions == list(range(8)), report.table()
+    summary = report.summary()
+    assert "a statistic of later positions computed without gradient" in summary, summary
+    assert "a discrete change" not in summary, summary

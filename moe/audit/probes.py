@@ -759,6 +759,11 @@ INJECTED = (
 JUMP_STEPS = 16
 """Steps of the straight path on which :func:`path_changes` looks for a jump (and twice as many)."""
 
+JUMP_HALVINGS = 4
+"""Halvings of its largest step that a jump must survive in :func:`path_changes`: a kink (a
+maximum over the sequence switching entries) passes the path's own halving, where the change sits
+in a fraction of the step, and shrinks with the later ones."""
+
 
 def path_changes(ctx: ProbeContext, variant: Variant | None = None) -> tuple[list[int], list[int]]:
     """(output positions that jump, positions that move smoothly) along a straight path of float
@@ -768,9 +773,13 @@ def path_changes(ctx: ProbeContext, variant: Variant | None = None) -> tuple[lis
     where a continuous output's would halve. A discrete decision (a top-k over positions) behind a
     nonzero Jacobian shows so; a softmax over the tokens alone does not; and a statistic of later
     positions computed without gradient (under ``torch.no_grad()``), or a dependence too weak at
-    the example for its gradient to count, moves smoothly where the Jacobian reads nothing. Only
-    for float inputs and a target that repeats itself under one seed; ([], []) otherwise or if a
-    forward fails."""
+    the example for its gradient to count, moves smoothly where the Jacobian reads nothing. A
+    position that passes is a jump only if the change of its largest step, halved
+    :data:`JUMP_HALVINGS` times (the larger half each time), does not shrink with the interval
+    (:func:`_halvings_keep_the_jump`): a
+    continuous output whose slope falls by 4x within a step (Performer's key stabiliser, a detached
+    maximum over the sequence, switching entries) passes once. Only for float inputs and a target
+    that repeats itself under one seed; ([], []) otherwise or if a forward fails."""
     if not ctx.x.is_floating_point() or ctx.repeat_tolerance is None:
         return [], []
     if variant is None:
@@ -791,7 +800,42 @@ def path_changes(ctx: ProbeContext, variant: Variant | None = None) -> tuple[lis
     scale = max(float(path_KBTF.abs().amax()), torch.finfo(torch.float64).tiny)
     floor = scale * max(ctx.repeat_tolerance.values(), default=0.0)
     moved = [t for t in range(variant.upto) if coarse_T[t] > floor]
-    return [t for t in moved if fine_T[t] > 0.75 * coarse_T[t]], [t for t in moved if fine_T[t] <= 0.75 * coarse_T[t]]
+    jumps = [
+        t
+        for t in moved
+        if fine_T[t] > 0.75 * coarse_T[t] and _halvings_keep_the_jump(ctx, variant, path_KBTF, t, floor)
+    ]
+    return jumps, [t for t in moved if t not in jumps]
+
+
+def _halvings_keep_the_jump(ctx: ProbeContext, variant: Variant, path_KBTF: Tensor, t: int, floor: float) -> bool:
+    """Whether the change of output position ``t`` over its largest step of :func:`path_changes`'
+    path (the outputs ``path_KBTF`` at its points) stays above ``floor`` and above 2^(-H/2) of
+    itself as the step is halved H = :data:`JUMP_HALVINGS` times, the larger half kept: a jump's
+    does (a few jumps in one step, as LSH buckets switching, part and each keeps its own), a
+    continuous output's falls towards 2^-H of it once the interval lies where it is smooth. A
+    failed forward keeps the jump."""
+    values_KBF = path_KBTF[:, :, t]
+    step = int((values_KBF.diff(dim=0).abs().amax((1, 2))).argmax())
+    ends = [(step / (2 * JUMP_STEPS), values_KBF[step]), ((step + 1) / (2 * JUMP_STEPS), values_KBF[step + 1])]
+    change = float((ends[1][1] - ends[0][1]).abs().amax())
+    least = change / 2 ** (JUMP_HALVINGS / 2)
+    for _ in range(JUMP_HALVINGS):
+        where = (ends[0][0] + ends[1][0]) / 2
+        try:
+            out = ctx.runner.forward(torch.lerp(ctx.x, variant.x, where)).out.value_BTF
+        except TargetFailure:
+            return True
+        if out is None:
+            return True
+        middle = (where, out[:, t].nan_to_num(0.0, 0.0, 0.0))
+        halves = [[ends[0], middle], [middle, ends[1]]]
+        changes = [float((b[1] - a[1]).abs().amax()) for a, b in halves]
+        larger = max(changes)
+        if larger <= max(floor, least):
+            return False
+        ends = halves[changes.index(larger)]
+    return True
 
 
 def _gradient_rows(
