@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from extras import needs
 from helpers import SMALL_RUN
 
 from experiments import bench_step_phases as bench
@@ -72,6 +73,7 @@ def test_shrunk_rows_compare_with_the_shrunk_dense_row():
     assert row == "| topk_aux | 125.00 | +25.00 | 9.00 | +5.00 | 0.20 |"
 
 
+@needs("shakespeare", "study")  # the rows train on Shakespeare BPE
 def test_shrunk_session_keeps_the_rows_layers_and_routers():
     info = setup_distributed("cpu")
     for label in ("dense", "expert_threshold"):
