@@ -452,8 +452,8 @@ def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, m
     turn. Nothing is added where the draws could not all be fixed (an op the mode does not know,
     Python's or NumPy's generators), the target fails with them fixed, or, with the draws in
     turn, its calls draw other ops (or in another order) for other inputs."""
-    found = {p.kind for p in report.probes if p.mode == mode and p.leaks}
-    if found >= {p.kind for p in session.suite}:
+    found, kinds = {p.kind for p in report.probes if p.mode == mode and p.leaks}, {p.kind for p in session.suite}
+    if found >= kinds:
         return
     comparisons, runs, added, done, draws = 0, 0, [], [], 0
     for quantile, where in FIXED_AT:
@@ -472,7 +472,7 @@ def _with_fixed_draws(session: _Session, report: AuditReport, example: Tensor, m
             report.probes.append(result)
             added.append(result.name)
             found.add(result.kind)
-        if found >= {p.kind for p in session.suite}:
+        if found >= kinds:
             break
     if done:
         report.notes.append(

@@ -786,14 +786,11 @@ def path_changes(ctx: ProbeContext, variant: Variant | None = None) -> tuple[lis
         cut = ctx.t // 2 - 1
         variant = ctx.with_future(cut, ctx.sampler.draw((ctx.b, ctx.t - cut - 1, *ctx.x.shape[2:]), ctx.gen(6)))
     path = []
-    try:
-        for k in range(2 * JUMP_STEPS + 1):
-            out = ctx.runner.forward(torch.lerp(ctx.x, variant.x, k / (2 * JUMP_STEPS))).out.value_BTF
-            if out is None:
-                return [], []
-            path.append(out[:, : variant.upto].nan_to_num(0.0, 0.0, 0.0))
-    except TargetFailure:
-        return [], []
+    for k in range(2 * JUMP_STEPS + 1):
+        out = _on_the_path(ctx, variant, k / (2 * JUMP_STEPS))
+        if out is None:
+            return [], []
+        path.append(out[:, : variant.upto])
     path_KBTF = torch.stack(path)
     fine_T = path_KBTF.diff(dim=0).abs().amax((0, 1, 3))
     coarse_T = path_KBTF[0::2].diff(dim=0).abs().amax((0, 1, 3))
@@ -806,6 +803,16 @@ def path_changes(ctx: ProbeContext, variant: Variant | None = None) -> tuple[lis
         if fine_T[t] > 0.75 * coarse_T[t] and _halvings_keep_the_jump(ctx, variant, path_KBTF, t, floor)
     ]
     return jumps, [t for t in moved if t not in jumps]
+
+
+def _on_the_path(ctx: ProbeContext, variant: Variant, where: float) -> Tensor | None:
+    """The outputs (value_BTF, NaN read as 0) at the point ``where`` (0: the example, 1: the
+    variant) of :func:`path_changes`' straight path; None where the forward fails or gives none."""
+    try:
+        out = ctx.runner.forward(torch.lerp(ctx.x, variant.x, where)).out.value_BTF
+    except TargetFailure:
+        return None
+    return None if out is None else out.nan_to_num(0.0, 0.0, 0.0)
 
 
 def _halvings_keep_the_jump(ctx: ProbeContext, variant: Variant, path_KBTF: Tensor, t: int, floor: float) -> bool:
@@ -822,13 +829,10 @@ def _halvings_keep_the_jump(ctx: ProbeContext, variant: Variant, path_KBTF: Tens
     least = change / 2 ** (JUMP_HALVINGS / 2)
     for _ in range(JUMP_HALVINGS):
         where = (ends[0][0] + ends[1][0]) / 2
-        try:
-            out = ctx.runner.forward(torch.lerp(ctx.x, variant.x, where)).out.value_BTF
-        except TargetFailure:
-            return True
+        out = _on_the_path(ctx, variant, where)
         if out is None:
             return True
-        middle = (where, out[:, t].nan_to_num(0.0, 0.0, 0.0))
+        middle = (where, out[:, t])
         halves = [[ends[0], middle], [middle, ends[1]]]
         changes = [float((b[1] - a[1]).abs().amax()) for a, b in halves]
         larger = max(changes)
@@ -876,11 +880,9 @@ def _row_by_row(g_RBTF: Tensor, graph: Callable[[], tuple[Tensor, Tensor] | None
     grads = []
     for row in g_RBTF:
         value_wrt = graph()
-        (g,) = (
-            (None,)
-            if value_wrt is None
-            else torch.autograd.grad(*value_wrt, row, retain_graph=retain, allow_unused=True)
-        )
+        if value_wrt is None:
+            return None
+        (g,) = torch.autograd.grad(*value_wrt, row, retain_graph=retain, allow_unused=True)
         if g is None:
             return None
         grads.append(g[None])
